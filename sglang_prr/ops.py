@@ -1,0 +1,232 @@
+"""Public PRR ops: one torch custom op per kernel, with a fake (meta) implementation.
+
+Every op's default implementation is the pure-torch reference (``reference.py``), which runs on
+any device; ``sglang_prr.kernels`` registers CUDA implementations of the same ops on SM90 when
+they build, through ``torch.library.register_kernel``. Callers never choose: the dispatcher picks
+the kernel for CUDA tensors when one is registered and the reference otherwise. Fake
+implementations give output shapes without running anything, so the ops trace under
+``torch.compile`` and record into CUDA graphs like any aten op.
+
+Argument checks that would need a host sync live in ``check_*`` helpers called at plan time,
+never inside the ops.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from . import reference as ref
+
+_NS = "sglang_prr"
+
+
+def _op(name: str, mutates_args=()):
+    return torch.library.custom_op(f"{_NS}::{name}", mutates_args=mutates_args)
+
+
+# ----------------------------------------------------------------------------- summaries
+@_op("quest_update", mutates_args=("kmin", "kmax"))
+def quest_update(kmin: Tensor, kmax: Tensor, k: Tensor, out_loc: Tensor, positions: Tensor,
+                 page_size: int) -> None:
+    """Fold new keys ``k: [N, Hk, D]`` at slots ``out_loc: [N]`` / positions ``[N]`` into the
+    per-page ``kmin``/``kmax: [num_pages, Hk, D]`` float32 (in place)."""
+    ref.quest_update(kmin, kmax, k, out_loc, positions, page_size)
+
+
+@_op("infllm_update", mutates_args=("ck",))
+def infllm_update(ck: Tensor, k_buf: Tensor, req_to_token: Tensor, req_idx: Tensor,
+                  out_loc: Tensor, positions: Tensor, page_size: int) -> None:
+    """Write compressed keys completed by the new tokens into ``ck: [num_pages, page_size//16,
+    Hk, D]`` (in place). See ``reference.infllm_update``."""
+    ref.infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions, page_size)
+
+
+# ----------------------------------------------------------------------------- selection
+@_op("quest_scores")
+def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor) -> Tensor:
+    """``[B, Hk, NB]`` float32 Quest scores, GQA group summed. See ``reference.quest_scores``."""
+    return ref.quest_scores(q, kmin, kmax, table, nblk)
+
+
+@quest_scores.register_fake
+def _(q, kmin, kmax, table, nblk):
+    return q.new_empty((q.shape[0], kmin.shape[1], table.shape[1]), dtype=torch.float32)
+
+
+@_op("infllm_scores")
+def infllm_scores(q: Tensor, ck: Tensor, table: Tensor, seq_lens: Tensor, page_size: int,
+                  sm_scale: float) -> Tensor:
+    """``[B, Hk, NB]`` float32 InfLLM-v2 block scores. See ``reference.infllm_scores``."""
+    return ref.infllm_scores(q, ck, table, seq_lens, page_size, sm_scale)
+
+
+@infllm_scores.register_fake
+def _(q, ck, table, seq_lens, page_size, sm_scale):
+    return q.new_empty((q.shape[0], ck.shape[2], table.shape[1]), dtype=torch.float32)
+
+
+@_op("select_topk")
+def select_topk(scores: Tensor, nblk: Tensor, k: int, sink_blocks: int, local_blocks: int,
+                n_out: int) -> Tuple[Tensor, Tensor]:
+    """Kept blocks + top-k middle blocks: ``(idx [B, Hk, n_out] int32, cnt [B, Hk] int32)``."""
+    return ref.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out)
+
+
+@select_topk.register_fake
+def _(scores, nblk, k, sink_blocks, local_blocks, n_out):
+    B, Hk, _ = scores.shape
+    return (scores.new_empty((B, Hk, n_out), dtype=torch.int32),
+            scores.new_empty((B, Hk), dtype=torch.int32))
+
+
+@_op("set_difference")
+def set_difference(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor, nb: int
+                   ) -> Tuple[Tensor, Tensor]:
+    """``M = A \\ P`` as ``(idx [B, Hk, |A| width] int32, cnt [B, Hk] int32)``."""
+    return ref.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+
+
+@set_difference.register_fake
+def _(a_idx, a_cnt, p_idx, p_cnt, nb):
+    return torch.empty_like(a_idx), torch.empty_like(a_cnt)
+
+
+# ----------------------------------------------------------------------------- predictor
+@_op("holt_update", mutates_args=("level", "trend", "n_init"))
+def holt_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor, nblk: Tensor,
+                alpha: Tensor, beta: Tensor) -> None:
+    """Eq 3 in place on ``level``/``trend: [B, Hk, NB]`` and ``n_init: [B]``."""
+    ref.holt_update(level, trend, n_init, scores, nblk, alpha, beta)
+
+
+@_op("predict_set")
+def predict_set(level: Tensor, trend: Tensor, gamma: Tensor, n_init: Tensor, nblk_next: Tensor,
+                n_pred: int, sink_blocks: int, local_blocks: int) -> Tuple[Tensor, Tensor]:
+    """P(t+1) from eq 2: ``(idx [B, Hk, n_pred + sink + local] int32, cnt [B, Hk] int32)``."""
+    return ref.predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks,
+                           local_blocks)
+
+
+@predict_set.register_fake
+def _(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks, local_blocks):
+    B, Hk, _ = level.shape
+    n = n_pred + sink_blocks + local_blocks
+    return (level.new_empty((B, Hk, n), dtype=torch.int32),
+            level.new_empty((B, Hk), dtype=torch.int32))
+
+
+@_op("calibrate")
+def calibrate(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: int,
+              local_blocks: int, alphas: Tensor, betas: Tensor, gammas: Tensor) -> Tensor:
+    """Eq 4 for every candidate: ``H: [R, C]`` float32. See ``reference.calibrate``."""
+    return ref.calibrate(scores, nblk, k, n_pred, sink_blocks, local_blocks, alphas, betas, gammas)
+
+
+@calibrate.register_fake
+def _(scores, nblk, k, n_pred, sink_blocks, local_blocks, alphas, betas, gammas):
+    return scores.new_empty((scores.shape[0], alphas.shape[0]), dtype=torch.float32)
+
+
+# ----------------------------------------------------------------------------- attention
+@_op("sparse_attn_partials")
+def sparse_attn_partials(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor,
+                         seq_lens: Tensor, idx: Tensor, cnt: Tensor, page_size: int,
+                         sm_scale: float) -> Tuple[Tensor, Tensor]:
+    """Per-block partials ``(o [B, Hq, N, D] f32, lse [B, Hq, N] f32)`` over the listed blocks."""
+    return ref.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
+                                    sm_scale)
+
+
+@sparse_attn_partials.register_fake
+def _(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale):
+    B, Hq, D = q.shape
+    N = idx.shape[2]
+    return (q.new_empty((B, Hq, N, D), dtype=torch.float32),
+            q.new_empty((B, Hq, N), dtype=torch.float32))
+
+
+@_op("prr_merge")
+def prr_merge(o_spec: Tensor, lse_spec: Tensor, p_idx: Tensor, p_cnt: Tensor, a_idx: Tensor,
+              a_cnt: Tensor, o_rep: Tensor, lse_rep: Tensor, nb: int, exact: bool
+              ) -> Tuple[Tensor, Tensor]:
+    """Merge speculative partials (only ``P n A`` when exact) with repair partials:
+    ``(o [B, Hq, D] f32, lse [B, Hq] f32)``."""
+    return ref.prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb, exact)
+
+
+@prr_merge.register_fake
+def _(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb, exact):
+    B, Hq, _, D = o_spec.shape
+    return (o_spec.new_empty((B, Hq, D), dtype=torch.float32),
+            o_spec.new_empty((B, Hq), dtype=torch.float32))
+
+
+@_op("merge_partials")
+def merge_partials(o: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
+    """Merge all partial states along dim -2: ``(o [..., D] f32, lse [...] f32)``."""
+    return ref.merge_partials(o, lse)
+
+
+@merge_partials.register_fake
+def _(o, lse):
+    return (o.new_empty(o.shape[:-2] + o.shape[-1:], dtype=torch.float32),
+            lse.new_empty(lse.shape[:-1], dtype=torch.float32))
+
+
+# ----------------------------------------------------------------------------- composites
+def attend_set(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, seq_lens: Tensor,
+               idx: Tensor, cnt: Tensor, page_size: int, sm_scale: float) -> Tuple[Tensor, Tensor]:
+    """Attention over one block set as a single state ``(o [B, Hq, D], lse [B, Hq])``."""
+    o, lse = sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale)
+    return merge_partials(o, lse)
+
+
+num_blocks = ref.num_blocks
+block_table = ref.block_table
+
+
+def select_blocks(method: str, q: Tensor, summary: List[Tensor], table: Tensor, seq_lens: Tensor,
+                  page_size: int, sm_scale: float) -> Tensor:
+    """Scores ``[B, Hk, NB]`` of the chosen method (``summary`` as in ``reference.select_blocks``)."""
+    if method == "quest":
+        return quest_scores(q, summary[0], summary[1], table, ref.num_blocks(seq_lens, page_size))
+    if method == "infllm_v2":
+        return infllm_scores(q, summary[0], table, seq_lens, page_size, sm_scale)
+    raise ValueError(f"unknown DSA method {method!r}: expected quest | infllm_v2")
+
+
+def check_paged_inputs(q: Tensor, k_buf: Tensor, v_buf: Tensor, page_size: int,
+                       table: Optional[Tensor] = None) -> None:
+    """Plan-time shape/dtype checks with messages that name the received and expected values."""
+    if q.dim() != 3:
+        raise ValueError(f"q must be [batch, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
+    if k_buf.dim() != 3 or k_buf.shape != v_buf.shape:
+        raise ValueError(f"k_buf/v_buf must both be [num_slots, num_kv_heads, head_dim], got "
+                         f"{tuple(k_buf.shape)} and {tuple(v_buf.shape)}")
+    if q.shape[-1] != k_buf.shape[-1]:
+        raise ValueError(f"head_dim mismatch: q has {q.shape[-1]}, KV has {k_buf.shape[-1]}")
+    if q.shape[1] % k_buf.shape[1] != 0:
+        raise ValueError(f"num_qo_heads={q.shape[1]} is not a multiple of "
+                         f"num_kv_heads={k_buf.shape[1]}")
+    if page_size not in (16, 32, 64, 128):
+        raise ValueError(f"page_size={page_size}: expected one of 16, 32, 64, 128")
+    if k_buf.shape[0] % page_size != 0:
+        raise ValueError(f"KV buffer has {k_buf.shape[0]} slots, not a multiple of "
+                         f"page_size={page_size}")
+
+
+def dsa_decode(*args, **kwargs):
+    """Serial DSA decode step through the dispatching ops; see ``reference.dsa_decode``."""
+    return ref.dsa_decode(*args, impl=_this, **kwargs)
+
+
+def prr_decode(*args, **kwargs):
+    """PRR decode step through the dispatching ops; see ``reference.prr_decode``."""
+    return ref.prr_decode(*args, impl=_this, **kwargs)
+
+
+_this = sys.modules[__name__]

@@ -1,0 +1,497 @@
+"""Pure-torch reference of every PRR operation: the CPU path and the oracle for the kernels.
+
+Conventions (shared with the kernels and the SGLang backend):
+
+* Paged KV, addressed SGLang's way. ``k_buf``/``v_buf`` are one layer's ``[num_slots, Hk, D]``
+  buffers; one PRR block is one KV page of ``page_size`` slots, so block ``j`` of request ``b``
+  lives in page ``block_table[b, j] = req_to_token[req_pool_indices[b], j * page_size] //
+  page_size`` and token ``j * page_size + t`` in slot ``page * page_size + t``.
+* Page 0 is SGLang's padding page (slot 0 absorbs the KV writes of padded rows). Summary writes
+  that must go nowhere are sent there, so a request never owns page 0.
+* Block sets are static-shape lists ``idx: [B, Hk, N] int32`` of request-local block ids, sorted
+  ascending, padded with -1, with device-side counts ``cnt: [B, Hk] int32``. Nothing here reads a
+  tensor value on the host: every function is graph-safe.
+* Scores are ``[B, Hk, NB] float32`` with ``-inf`` for blocks a request does not have.
+* GQA: query head ``h`` belongs to KV head ``h // G`` (``G = Hq // Hk``); the scores of a group
+  are summed, so one block set serves every query head of the group and each K/V load is shared.
+* Partial attention states are ``(o, lse)`` with ``lse`` the natural-log sum of exp of the scaled
+  logits; an empty state is ``(0, -inf)``, the identity of the merge (eq 6 in log-sum-exp form).
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from .config import INFLLM_STRIDE, INFLLM_WINDOW
+
+NEG_INF = float("-inf")
+
+
+# ----------------------------------------------------------------------------- paging helpers
+def num_blocks(seq_lens: Tensor, page_size: int) -> Tensor:
+    """Blocks per request: ``ceil(seq_lens / page_size)``; ``seq_lens: [B]`` -> ``[B]`` int64."""
+    return (seq_lens.long() + page_size - 1) // page_size
+
+
+def block_table(req_to_token: Tensor, req_pool_indices: Tensor, page_size: int) -> Tensor:
+    """Page id of every block of every request.
+
+    req_to_token: ``[max_reqs, max_ctx]`` int32 slot of each (request slot, position).
+    req_pool_indices: ``[B]`` request slots of the batch.
+    Returns ``[B, NB]`` int64 with ``NB = ceil(max_ctx / page_size)``; entries past a request's
+    length are whatever ``req_to_token`` holds there and must be masked by the caller.
+    """
+    rows = req_to_token[req_pool_indices.long()]  # [B, max_ctx]
+    return rows[:, ::page_size].long() // page_size
+
+
+def mask_to_list(mask: Tensor, n: int) -> Tuple[Tensor, Tensor]:
+    """Block mask ``[..., NB] bool`` -> ascending id list ``[..., n]`` int32 (-1 padded), count.
+
+    Static shapes: at most ``n`` ids are kept (the lowest ones); ``n`` may exceed NB.
+    """
+    nb = mask.shape[-1]
+    ar = torch.arange(nb, device=mask.device)
+    key = torch.where(mask, ar, ar + nb)  # selected ids first, in order
+    order = torch.sort(key, dim=-1).values
+    if n > nb:
+        pad = torch.full(mask.shape[:-1] + (n - nb,), 2 * nb, device=mask.device, dtype=order.dtype)
+        order = torch.cat([order, pad], dim=-1)
+    order = order[..., :n]
+    idx = torch.where(order < nb, order, torch.full_like(order, -1)).to(torch.int32)
+    cnt = mask.sum(-1).clamp(max=n).to(torch.int32)
+    return idx, cnt
+
+
+def list_to_mask(idx: Tensor, cnt: Tensor, nb: int) -> Tensor:
+    """Id list ``[..., n]`` with counts ``[...]`` -> mask ``[..., nb]`` bool (padding ignored)."""
+    n = idx.shape[-1]
+    valid = (torch.arange(n, device=idx.device) < cnt.unsqueeze(-1).long()) & (idx >= 0) & (idx < nb)
+    target = torch.where(valid, idx.long(), torch.full_like(idx, nb, dtype=torch.long))
+    mask = torch.zeros(idx.shape[:-1] + (nb + 1,), dtype=torch.bool, device=idx.device)
+    mask.scatter_(-1, target, True)
+    return mask[..., :nb]
+
+
+def list_isin(idx: Tensor, cnt: Tensor, ref_idx: Tensor, ref_cnt: Tensor, nb: int) -> Tensor:
+    """For each valid entry of ``idx``, is it in the set ``ref``? ``[..., n]`` bool (False on padding)."""
+    ref_mask = list_to_mask(ref_idx, ref_cnt, nb + 1)  # [..., nb+1]
+    safe = idx.long().clamp(min=0, max=nb)
+    hit = torch.gather(ref_mask, -1, safe)
+    valid = (torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1).long()) & (idx >= 0)
+    return hit & valid
+
+
+def set_difference(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor, nb: int,
+                   n: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """``M = A \\ P`` as a padded list of at most ``n`` (default ``A``'s width) ids and counts."""
+    a_mask = list_to_mask(a_idx, a_cnt, nb)
+    p_mask = list_to_mask(p_idx, p_cnt, nb)
+    return mask_to_list(a_mask & ~p_mask, a_idx.shape[-1] if n is None else n)
+
+
+def kept_mask(nblk: Tensor, nb: int, sink_blocks: int, local_blocks: int) -> Tuple[Tensor, Tensor]:
+    """Always-kept and middle (selectable) block masks, ``[B, NB]`` each, for ``nblk: [B]`` blocks."""
+    ar = torch.arange(nb, device=nblk.device)
+    n = nblk.long().unsqueeze(-1)
+    exists = ar < n
+    keep = exists & ((ar < sink_blocks) | (ar >= n - local_blocks))
+    return keep, exists & ~keep
+
+
+# ----------------------------------------------------------------------------- Quest summaries
+def quest_update(kmin: Tensor, kmax: Tensor, k: Tensor, out_loc: Tensor, positions: Tensor,
+                 page_size: int) -> None:
+    """Fold newly written keys into the per-page key min/max, in place.
+
+    kmin, kmax: ``[num_pages, Hk, D]`` float32 summaries, indexed by page.
+    k: ``[N, Hk, D]`` the new keys; out_loc: ``[N]`` their slots; positions: ``[N]`` their
+    positions in their requests. A page is reset when the token at its first position is
+    written (so a reused page forgets its previous owner); tokens of one call may share pages.
+    """
+    page = out_loc.long() // page_size
+    first = (positions.long() % page_size) == 0
+    reset = torch.where(first, page, torch.zeros_like(page))  # page 0 = padding sink
+    kmin.index_fill_(0, reset, float("inf"))
+    kmax.index_fill_(0, reset, NEG_INF)
+    kf = k.to(kmin.dtype)
+    kmin.index_reduce_(0, page, kf, "amin")
+    kmax.index_reduce_(0, page, kf, "amax")
+
+
+def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor) -> Tensor:
+    """Quest block scores ``IS = sum_d max(q_d*kmax_d, q_d*kmin_d)``, summed over each GQA group.
+
+    q: ``[B, Hq, D]``; kmin/kmax: ``[num_pages, Hk, D]``; table: ``[B, NB]`` page ids;
+    nblk: ``[B]`` blocks per request. Returns ``[B, Hk, NB]`` float32, ``-inf`` past nblk.
+    Summing the per-head upper bounds keeps an upper bound of the group's summed logits.
+    """
+    B, Hq, D = q.shape
+    Hk = kmin.shape[1]
+    G = Hq // Hk
+    nb = table.shape[1]
+    lo = kmin[table]  # [B, NB, Hk, D]
+    hi = kmax[table]
+    qg = q.float().view(B, Hk, G, D)
+    s = torch.maximum(torch.einsum("bhgd,bnhd->bhgnd", qg, hi),
+                      torch.einsum("bhgd,bnhd->bhgnd", qg, lo)).sum(-1).sum(2)  # [B, Hk, NB]
+    exists = torch.arange(nb, device=q.device) < nblk.long().unsqueeze(-1)
+    return torch.where(exists.unsqueeze(1), s, torch.full_like(s, NEG_INF))
+
+
+# ----------------------------------------------------------------------------- InfLLM-v2
+def infllm_update(ck: Tensor, k_buf: Tensor, req_to_token: Tensor, req_idx: Tensor,
+                  out_loc: Tensor, positions: Tensor, page_size: int) -> None:
+    """Write the compressed keys completed by the new tokens, in place.
+
+    Compressed key ``i`` is the mean of the keys at positions ``[16 i, 16 i + 32)``. It is stored
+    with the page holding its *last* token, at ``ck[page, j]`` with ``j = i + 1 -
+    (pos // page_size) * (page_size // 16)``; it depends only on that page and the previous one,
+    so pages shared through the radix cache share their compressed keys.
+
+    ck: ``[num_pages, page_size // 16, Hk, D]`` float32; k_buf: ``[num_slots, Hk, D]`` with the
+    new keys already written; req_to_token: ``[max_reqs, max_ctx]``; req_idx: ``[N]`` request
+    slot of each new token; out_loc, positions: ``[N]``.
+    """
+    W, S = INFLLM_WINDOW, INFLLM_STRIDE
+    per_page = page_size // S
+    pos = positions.long()
+    done = ((pos + 1) % S == 0) & (pos >= W - 1)
+    win = (pos.unsqueeze(-1) - (W - 1) + torch.arange(W, device=pos.device)).clamp(min=0)  # [N, W]
+    slots = req_to_token[req_idx.long().unsqueeze(-1), win].long()  # [N, W]
+    mean = k_buf[slots].float().mean(1)  # [N, Hk, D]
+    i = (pos - (W - 1)) // S
+    j = i + 1 - (pos // page_size) * per_page
+    flat = (out_loc.long() // page_size) * per_page + j
+    flat = torch.where(done, flat, torch.zeros_like(flat))  # not completed -> padding page
+    ck.view(-1, *ck.shape[2:]).index_copy_(0, flat, mean.to(ck.dtype))
+
+
+def infllm_scores(q: Tensor, ck: Tensor, table: Tensor, seq_lens: Tensor, page_size: int,
+                  sm_scale: float) -> Tensor:
+    """InfLLM-v2 block scores: softmax of ``q . ck`` over the request's complete compressed keys,
+    summed over the GQA group, max-pooled to each block a compressed key overlaps.
+
+    q: ``[B, Hq, D]``; ck: ``[num_pages, page_size//16, Hk, D]``; table: ``[B, NB]``;
+    seq_lens: ``[B]``. Returns ``[B, Hk, NB]`` float32 (``-inf`` where no complete compressed
+    key touches the block, e.g. past the request).
+    """
+    W, S = INFLLM_WINDOW, INFLLM_STRIDE
+    B, Hq, D = q.shape
+    per_page = page_size // S
+    Hk = ck.shape[2]
+    G = Hq // Hk
+    nb = table.shape[1]
+    E = nb * per_page
+    c = ck[table].reshape(B, E, Hk, D)  # entry e holds compressed key i = e - 1
+    n_ck = ((seq_lens.long() - W) // S + 1).clamp(min=0)  # complete compressed keys
+    e = torch.arange(E, device=q.device)
+    valid = (e >= 1) & (e <= n_ck.unsqueeze(-1))  # [B, E]
+    logits = torch.einsum("bhgd,behd->bhge", q.float().view(B, Hk, G, D), c) * sm_scale
+    logits = logits.masked_fill(~valid[:, None, None, :], NEG_INF)
+    p = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)  # [B, Hk, E]
+    p = p.masked_fill(~valid[:, None, :], NEG_INF)
+    ends_here = p.view(B, Hk, nb, per_page).amax(-1)  # keys whose last token is in the block
+    # The first key stored with block b+1 starts in block b (it straddles the boundary).
+    starts_here = torch.cat([p.view(B, Hk, nb, per_page)[:, :, 1:, 0],
+                             torch.full((B, Hk, 1), NEG_INF, device=q.device)], dim=-1)
+    return torch.maximum(ends_here, starts_here)
+
+
+# ----------------------------------------------------------------------------- selection
+def select_topk(scores: Tensor, nblk: Tensor, k: int, sink_blocks: int, local_blocks: int,
+                n_out: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+    """The selected set: kept sink/local blocks plus the top-``k`` middle blocks by score.
+
+    scores: ``[B, Hk, NB]``; nblk: ``[B]``. Ties go to the lower block id (stable sort), and a
+    middle block is selectable whatever its score (``-inf`` and NaN rank last).
+    Returns ``(idx [B, Hk, n_out] int32 ascending, -1 padded; cnt [B, Hk] int32)`` with
+    ``n_out = k + sink_blocks + local_blocks`` by default.
+    """
+    B, Hk, nb = scores.shape
+    keep, middle = kept_mask(nblk, nb, sink_blocks, local_blocks)  # [B, NB]
+    low = torch.finfo(torch.float32).min
+    s = scores.float().nan_to_num(nan=low, posinf=torch.finfo(torch.float32).max, neginf=low)
+    key = torch.where(middle.unsqueeze(1), s, torch.full_like(s, NEG_INF))
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # [B, Hk, NB]
+    n_mid = middle.sum(-1, keepdim=True)  # [B, 1]
+    take = torch.arange(nb, device=scores.device) < torch.clamp(n_mid, max=k)  # [B, NB] by rank
+    chosen = torch.zeros_like(key, dtype=torch.bool)
+    chosen.scatter_(-1, order, take.unsqueeze(1).expand(B, Hk, nb))
+    mask = chosen | keep.unsqueeze(1)
+    return mask_to_list(mask, k + sink_blocks + local_blocks if n_out is None else n_out)
+
+
+# ----------------------------------------------------------------------------- predictor
+def holt_predict(level: Tensor, trend: Tensor, gamma: Tensor, n_init: Tensor) -> Tensor:
+    """Eq 2: ``IS_hat = l + gamma * v`` for initialised blocks, ``-inf`` for the others.
+
+    level, trend: ``[B, Hk, NB]`` float32; gamma: ``[B]``; n_init: ``[B]`` blocks with state.
+    """
+    nb = level.shape[-1]
+    pred = level + gamma.float().view(-1, 1, 1) * trend
+    init = torch.arange(nb, device=level.device) < n_init.long().unsqueeze(-1)
+    return torch.where(init.unsqueeze(1), pred, torch.full_like(pred, NEG_INF))
+
+
+def holt_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor, nblk: Tensor,
+                alpha: Tensor, beta: Tensor) -> None:
+    """Eq 3, in place, once the scores ``IS[t]`` are known.
+
+    ``v = beta (IS - l) + (1 - beta) v``; ``l = alpha IS + (1 - alpha) l`` for blocks that had
+    state; a block seen for the first time (id >= n_init) starts at ``l = IS, v = 0``. Blocks past
+    ``nblk`` are untouched; ``n_init`` becomes ``max(n_init, nblk)``.
+    level, trend, scores: ``[B, Hk, NB]``; n_init, nblk, alpha, beta: ``[B]``.
+    """
+    nb = level.shape[-1]
+    ar = torch.arange(nb, device=level.device)
+    exists = (ar < nblk.long().unsqueeze(-1)).unsqueeze(1)
+    old = (ar < n_init.long().unsqueeze(-1)).unsqueeze(1) & exists
+    a = alpha.float().view(-1, 1, 1)
+    b = beta.float().view(-1, 1, 1)
+    s = scores.float()
+    v_new = torch.where(old, b * (s - level) + (1 - b) * trend, torch.zeros_like(trend))
+    l_new = torch.where(old, a * s + (1 - a) * level, s)
+    trend.copy_(torch.where(exists, v_new, trend))
+    level.copy_(torch.where(exists, l_new, level))
+    n_init.copy_(torch.maximum(n_init, nblk.to(n_init.dtype)))
+
+
+def predict_set(level: Tensor, trend: Tensor, gamma: Tensor, n_init: Tensor, nblk_next: Tensor,
+                n_pred: int, sink_blocks: int, local_blocks: int) -> Tuple[Tensor, Tensor]:
+    """P for the next step: kept blocks plus the top-``n_pred`` middle blocks by ``IS_hat``.
+
+    nblk_next: ``[B]`` blocks the request will have at that step. Returns ``(idx, cnt)`` of width
+    ``n_pred + sink_blocks + local_blocks``.
+    """
+    return select_topk(holt_predict(level, trend, gamma, n_init), nblk_next, n_pred,
+                       sink_blocks, local_blocks)
+
+
+# ----------------------------------------------------------------------------- calibration
+def weighted_hit(scores: Tensor, a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor,
+                 middle: Tensor) -> Tensor:
+    """Eq 4's per-row term over the *middle* part of A (kept blocks are hits by construction):
+    ``sum_{b in P n A} w_b / sum_{b in A} w_b`` with ``w = IS - min(IS over middle blocks)`` so
+    that Quest's signed scores give non-negative weights. Falls back to ``|P n A| / |A|`` when
+    the weights of A sum to 0, and to 1 when A has no middle block.
+
+    scores: ``[..., NB]``; a/p lists ``[..., n]``; middle: ``[..., NB]`` bool. Returns ``[...]``.
+    """
+    nb = scores.shape[-1]
+    a = list_to_mask(a_idx, a_cnt, nb) & middle
+    p = list_to_mask(p_idx, p_cnt, nb)
+    s = scores.float().nan_to_num(neginf=0.0)
+    lo = torch.where(middle, s, torch.full_like(s, float("inf"))).amin(-1, keepdim=True)
+    w = torch.where(middle, s - lo, torch.zeros_like(s))
+    num = (w * (a & p)).sum(-1)
+    den = (w * a).sum(-1)
+    n_a = a.sum(-1).float()
+    plain = torch.where(n_a > 0, (a & p).sum(-1).float() / n_a.clamp(min=1), torch.ones_like(n_a))
+    return torch.where(den > 0, num / den.clamp(min=1e-30), plain)
+
+
+def calibrate(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: int,
+              local_blocks: int, alphas: Tensor, betas: Tensor, gammas: Tensor) -> Tensor:
+    """Eqs 4-5: replay the predictor for every candidate theta over sampled prefill rows, together.
+
+    scores: ``[R, Phi, Hk, NB]`` block scores of ``Phi`` sampled queries (in position order) of
+    ``R`` requests; nblk: ``[R, Phi]`` blocks visible to each query (causal).
+    alphas/betas/gammas: ``[C]`` the candidates. Returns ``H: [R, C]`` the score-weighted hit rate
+    of each candidate, averaged over heads and over rows 1..Phi-1 (row 0 only seeds the state);
+    ``theta* = argmax_C H`` per request (ties to the lower candidate index).
+    """
+    R, Phi, Hk, nb = scores.shape
+    C = alphas.numel()
+    dev = scores.device
+    # Candidates become a batch dimension: [R*C, Hk, NB].
+    s = scores.float().unsqueeze(1).expand(R, C, Phi, Hk, nb).reshape(R * C, Phi, Hk, nb)
+    nbk = nblk.long().unsqueeze(1).expand(R, C, Phi).reshape(R * C, Phi)
+    a_ = alphas.float().to(dev).repeat(R)
+    b_ = betas.float().to(dev).repeat(R)
+    g_ = gammas.float().to(dev).repeat(R)
+    level = torch.zeros(R * C, Hk, nb, device=dev)
+    trend = torch.zeros_like(level)
+    n_init = torch.zeros(R * C, dtype=torch.long, device=dev)
+    total = torch.zeros(R * C, device=dev)
+    for phi in range(Phi):
+        row, n = s[:, phi], nbk[:, phi]
+        if phi > 0:
+            p_idx, p_cnt = predict_set(level, trend, g_, n_init, n, n_pred, sink_blocks, local_blocks)
+            a_idx, a_cnt = select_topk(row, n, k, sink_blocks, local_blocks)
+            _, middle = kept_mask(n, nb, sink_blocks, local_blocks)
+            total += weighted_hit(row, a_idx, a_cnt, p_idx, p_cnt, middle.unsqueeze(1)).mean(-1)
+        holt_update(level, trend, n_init, row, n, a_, b_)
+    return (total / max(Phi - 1, 1)).view(R, C)
+
+
+# ----------------------------------------------------------------------------- attention
+def _gather_blocks(buf: Tensor, table: Tensor, idx: Tensor, page_size: int) -> Tensor:
+    """K or V of the listed blocks: ``[B, Hk, N, page_size, D]`` float32 (padding reads page 0)."""
+    B, Hk, N = idx.shape
+    blk = idx.long().clamp(min=0)
+    pages = torch.gather(table.unsqueeze(1).expand(B, Hk, table.shape[1]), -1, blk)  # [B,Hk,N]
+    pages = torch.where(idx >= 0, pages, torch.zeros_like(pages))
+    slots = pages.unsqueeze(-1) * page_size + torch.arange(page_size, device=idx.device)
+    heads = torch.arange(Hk, device=idx.device).view(1, Hk, 1, 1)
+    return buf[slots, heads].float()
+
+
+def sparse_attn_partials(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, seq_lens: Tensor,
+                         idx: Tensor, cnt: Tensor, page_size: int, sm_scale: float
+                         ) -> Tuple[Tensor, Tensor]:
+    """Attention of one decode query per request over each listed block separately.
+
+    q: ``[B, Hq, D]``; k_buf, v_buf: ``[num_slots, Hk, D]``; table: ``[B, NB]`` page ids;
+    seq_lens: ``[B]`` (tokens at or past it are masked); idx/cnt: block list ``[B, Hk, N]`` and
+    counts ``[B, Hk]``. Returns per-block partials ``o: [B, Hq, N, D]`` float32 (normalised within
+    the block) and ``lse: [B, Hq, N]`` float32; padding entries are ``(0, -inf)``.
+    """
+    B, Hq, D = q.shape
+    Hk, N = idx.shape[1], idx.shape[2]
+    G = Hq // Hk
+    k = _gather_blocks(k_buf, table, idx, page_size)  # [B, Hk, N, P, D]
+    v = _gather_blocks(v_buf, table, idx, page_size)
+    pos = idx.long().unsqueeze(-1) * page_size + torch.arange(page_size, device=q.device)
+    entry_ok = (torch.arange(N, device=q.device) < cnt.long().unsqueeze(-1)) & (idx >= 0)
+    ok = entry_ok.unsqueeze(-1) & (pos < seq_lens.long().view(B, 1, 1, 1))  # [B, Hk, N, P]
+    logits = torch.einsum("bhgd,bhnpd->bhgnp", q.float().view(B, Hk, G, D), k) * sm_scale
+    logits = logits.masked_fill(~ok.unsqueeze(2), NEG_INF)
+    lse = torch.logsumexp(logits, dim=-1)  # [B, Hk, G, N]
+    p = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)
+    o = torch.einsum("bhgnp,bhnpd->bhgnd", p, v)
+    return o.reshape(B, Hq, N, D), lse.reshape(B, Hq, N)
+
+
+def merge_partials(o: Tensor, lse: Tensor, keep: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Merge the kept partial states along dim -2 of ``o`` (eq 6 over many states at once).
+
+    o: ``[..., N, D]``; lse: ``[..., N]``; keep: ``[..., N]`` bool (default all). Returns
+    ``(o [..., D], lse [...])``; nothing kept gives ``(0, -inf)``.
+    """
+    lse = lse.float()
+    if keep is not None:
+        lse = lse.masked_fill(~keep, NEG_INF)
+    m = lse.amax(-1, keepdim=True)
+    m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    w = torch.exp(lse - m_safe)  # 0 for -inf entries
+    l = w.sum(-1, keepdim=True)
+    out = (w.unsqueeze(-1) * o.float().nan_to_num(0.0)).sum(-2) / l.clamp(min=1e-30)
+    return out, (m_safe + torch.log(l)).squeeze(-1)
+
+
+def merge_state(o1: Tensor, lse1: Tensor, o2: Tensor, lse2: Tensor) -> Tuple[Tensor, Tensor]:
+    """Eq 6 for two states: ``o: [..., D]``, ``lse: [...]``."""
+    return merge_partials(torch.stack([o1, o2], -2), torch.stack([lse1, lse2], -1))
+
+
+def dense_attention(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, seq_lens: Tensor,
+                    page_size: int, sm_scale: float) -> Tensor:
+    """Decode attention over every block (the baseline DSA must equal when K covers all)."""
+    B = q.shape[0]
+    Hk, nb = k_buf.shape[1], table.shape[1]
+    nblk = num_blocks(seq_lens, page_size)
+    mask = (torch.arange(nb, device=q.device) < nblk.unsqueeze(-1)).unsqueeze(1).expand(B, Hk, nb)
+    idx, cnt = mask_to_list(mask, nb)
+    o, lse = sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale)
+    return merge_partials(o, lse)[0]
+
+
+def attend_set(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, seq_lens: Tensor,
+               idx: Tensor, cnt: Tensor, page_size: int, sm_scale: float) -> Tuple[Tensor, Tensor]:
+    """Attention over a block set, as one state ``(o [B, Hq, D], lse [B, Hq])``."""
+    o, lse = sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale)
+    return merge_partials(o, lse)
+
+
+def expand_heads(x: Tensor, group: int) -> Tensor:
+    """Per-KV-head ``[B, Hk, ...]`` -> per-query-head ``[B, Hk*group, ...]``."""
+    return x.repeat_interleave(group, dim=1)
+
+
+def prr_merge(o_spec: Tensor, lse_spec: Tensor, p_idx: Tensor, p_cnt: Tensor, a_idx: Tensor,
+              a_cnt: Tensor, o_rep: Tensor, lse_rep: Tensor, nb: int, exact: bool = True
+              ) -> Tuple[Tensor, Tensor]:
+    """Combine the speculative per-block partials over P with the repair partials over M = A \\ P.
+
+    exact: keep only the speculative partials of blocks in ``P n A`` -> attention over exactly A.
+    union: keep every speculative partial -> attention over ``P u A``.
+    o_spec: ``[B, Hq, Np, D]``, lse_spec ``[B, Hq, Np]``; o_rep/lse_rep likewise over M.
+    Returns ``(o [B, Hq, D] float32, lse [B, Hq])``.
+    """
+    G = o_spec.shape[1] // p_idx.shape[1]
+    if exact:
+        keep = expand_heads(list_isin(p_idx, p_cnt, a_idx, a_cnt, nb), G)
+    else:
+        keep = torch.ones_like(lse_spec, dtype=torch.bool)
+    o = torch.cat([o_spec, o_rep], dim=-2)
+    lse = torch.cat([lse_spec.masked_fill(~keep, NEG_INF), lse_rep], dim=-1)
+    return merge_partials(o, lse)
+
+
+def select_blocks(method: str, q: Tensor, summary: Sequence[Tensor], table: Tensor,
+                  seq_lens: Tensor, page_size: int, sm_scale: float) -> Tensor:
+    """Block scores of the chosen DSA method. summary: ``(kmin, kmax)`` for Quest, ``(ck,)`` for
+    InfLLM-v2. Returns ``[B, Hk, NB]``."""
+    if method == "quest":
+        return quest_scores(q, summary[0], summary[1], table, num_blocks(seq_lens, page_size))
+    if method == "infllm_v2":
+        return infllm_scores(q, summary[0], table, seq_lens, page_size, sm_scale)
+    raise ValueError(f"unknown DSA method {method!r}: expected quest | infllm_v2")
+
+
+def dsa_decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor], table: Tensor,
+               seq_lens: Tensor, method: str, k: int, sink_blocks: int, local_blocks: int,
+               page_size: int, sm_scale: float, impl=None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Serial DSA decode step: score, select A, attend over A.
+
+    ``impl`` is the module whose ops are composed (this one by default; ``sglang_prr.ops`` for
+    the dispatching path). Returns ``(o [B, Hq, D] float32, scores [B, Hk, NB], a_idx, a_cnt)``.
+    """
+    impl = _this if impl is None else impl
+    scores = impl.select_blocks(method, q, summary, table, seq_lens, page_size, sm_scale)
+    a_idx, a_cnt = impl.select_topk(scores, num_blocks(seq_lens, page_size), k, sink_blocks,
+                                    local_blocks, k + sink_blocks + local_blocks)
+    o, _ = impl.attend_set(q, k_buf, v_buf, table, seq_lens, a_idx, a_cnt, page_size, sm_scale)
+    return o, scores, a_idx, a_cnt
+
+
+def prr_decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor], table: Tensor,
+               seq_lens: Tensor, p_idx: Tensor, p_cnt: Tensor, level: Tensor, trend: Tensor,
+               n_init: Tensor, theta: Tensor, method: str, k: int, n_pred: int, sink_blocks: int,
+               local_blocks: int, page_size: int, sm_scale: float, exact: bool = True, impl=None
+               ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """One PRR decode step (predict -> speculative attention -> selection -> repair -> merge).
+
+    p_idx/p_cnt: this step's prediction P (any set: the output does not depend on it in exact
+    mode); level/trend/n_init: predictor state, updated in place; theta: ``[B, 3]`` (alpha, beta,
+    gamma). ``impl`` as in ``dsa_decode``. Returns ``(o, a_idx, a_cnt, m_idx, m_cnt, p_next_idx,
+    p_next_cnt)`` where P(t+1) is predicted for ``seq_lens + 1`` tokens.
+    """
+    impl = _this if impl is None else impl
+    nb = table.shape[1]
+    n_keep = sink_blocks + local_blocks
+    # Reuse: speculative pass over P (beside selection, on a second stream, in the CUDA path).
+    o_s, lse_s = impl.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, p_idx, p_cnt,
+                                           page_size, sm_scale)
+    # Selection, then the predictor update and P(t+1), off the critical path.
+    nblk = num_blocks(seq_lens, page_size)
+    scores = impl.select_blocks(method, q, summary, table, seq_lens, page_size, sm_scale)
+    a_idx, a_cnt = impl.select_topk(scores, nblk, k, sink_blocks, local_blocks, k + n_keep)
+    m_idx, m_cnt = impl.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+    impl.holt_update(level, trend, n_init, scores, nblk, theta[:, 0], theta[:, 1])
+    pn_idx, pn_cnt = impl.predict_set(level, trend, theta[:, 2].contiguous(), n_init,
+                                      num_blocks(seq_lens + 1, page_size), n_pred, sink_blocks,
+                                      local_blocks)
+    # Repair over M = A \ P, then the merge (exact: only P n A of the speculative partials).
+    o_r, lse_r = impl.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, m_idx, m_cnt,
+                                           page_size, sm_scale)
+    o, _ = impl.prr_merge(o_s, lse_s, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb, exact)
+    return o, a_idx, a_cnt, m_idx, m_cnt, pn_idx, pn_cnt
+
+
+_this = sys.modules[__name__]
