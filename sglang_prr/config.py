@@ -157,9 +157,10 @@ class PRRConfig:
         self.min_context = _int("min_context", self.min_context)
         if self.min_context < 0:
             _fail("min_context", self.min_context, "an integer >= 0")
-        for layer in self.dense_layers + self.trace_layers:
-            if layer < 0:
-                _fail("dense_layers/trace_layers", layer, "layer ids >= 0")
+        for name in ("dense_layers", "trace_layers"):
+            for layer in getattr(self, name):
+                if layer < 0:
+                    _fail(name, layer, "layer ids >= 0")
         _grid("calib_alphas", self.calib_alphas, 0.0, 1.0, lo_open=True)
         _grid("calib_betas", self.calib_betas, 0.0, 1.0, lo_open=True)
         _grid("calib_gammas", self.calib_gammas, 0.0, 1.0, lo_open=False)

@@ -186,6 +186,7 @@ def attend_set(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, seq_lens:
 
 
 num_blocks = ref.num_blocks
+best_theta = ref.best_theta
 block_table = ref.block_table
 
 

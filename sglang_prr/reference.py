@@ -21,6 +21,7 @@ Conventions (shared with the kernels and the SGLang backend):
 from __future__ import annotations
 
 import sys
+import warnings
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -29,6 +30,10 @@ from torch import Tensor
 from .config import INFLLM_STRIDE, INFLLM_WINDOW
 
 NEG_INF = float("-inf")
+
+# index_reduce_ (deterministic amin/amax scatter) is flagged beta by torch; its semantics are what
+# the summaries need, so the warning is silenced here rather than printed on every update.
+warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")
 
 
 # ----------------------------------------------------------------------------- paging helpers
@@ -303,7 +308,7 @@ def calibrate(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: in
     ``R`` requests; nblk: ``[R, Phi]`` blocks visible to each query (causal).
     alphas/betas/gammas: ``[C]`` the candidates. Returns ``H: [R, C]`` the score-weighted hit rate
     of each candidate, averaged over heads and over rows 1..Phi-1 (row 0 only seeds the state);
-    ``theta* = argmax_C H`` per request (ties to the lower candidate index).
+    ``theta* = best_theta(H)`` per request.
     """
     R, Phi, Hk, nb = scores.shape
     C = alphas.numel()
@@ -327,6 +332,14 @@ def calibrate(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: in
             total += weighted_hit(row, a_idx, a_cnt, p_idx, p_cnt, middle.unsqueeze(1)).mean(-1)
         holt_update(level, trend, n_init, row, n, a_, b_)
     return (total / max(Phi - 1, 1)).view(R, C)
+
+
+def best_theta(H: Tensor) -> Tensor:
+    """Eq 5: ``argmax_C H`` per request, ties to the lowest candidate index. ``H: [R, C]`` -> ``[R]``."""
+    C = H.shape[-1]
+    ar = torch.arange(C, device=H.device)
+    top = H == H.amax(-1, keepdim=True)
+    return torch.where(top, ar, torch.full_like(ar, C)).amin(-1)
 
 
 # ----------------------------------------------------------------------------- attention

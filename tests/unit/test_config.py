@@ -1,0 +1,58 @@
+"""PRRConfig: defaults are valid, derived values are right, bad values name value and range."""
+
+import pytest
+
+from sglang_prr.config import PRRConfig, PRRConfigError
+
+
+def test_defaults_validate_and_derive():
+    c = PRRConfig().validate()
+    assert c.enabled and c.top_k_blocks == 2048 // 64
+    assert c.predicted_blocks == int(1.5 * 32)
+    assert len(c.theta_grid) == 80 and c.theta_grid[0] == (0.2, 0.1, 0.0)
+    assert PRRConfig(top_k=100, block_size=16).validate().top_k_blocks == 7  # rounded up
+    assert PRRConfig(top_k=5, top_k_unit="blocks").validate().top_k_blocks == 5
+    auto = PRRConfig(budget="AUTO", max_budget=3).validate()
+    assert auto.budget == "auto" and auto.delta == 3.0
+    parsed = PRRConfig(dense_layers="0, 1,5", calib_gammas="0,0.5").validate()
+    assert parsed.dense_layers == (0, 1, 5) and parsed.calib_gammas == (0.0, 0.5)
+    assert PRRConfig(method="dense").validate().enabled is False
+    assert PRRConfig.from_dict(c.to_dict()) == c
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("method", "quset", "quest | infllm_v2 | dense"),
+    ("block_size", 48, "16 | 32 | 64 | 128"),
+    ("block_size", "abc", "an integer"),
+    ("top_k", 0, ">= 1"),
+    ("top_k", 8, ">= block_size (64)"),
+    ("top_k", 2.5, "an integer"),
+    ("budget", 0.5, ">= 1"),
+    ("budget", "fast", "'auto'"),
+    ("budget", float("inf"), ">= 1"),
+    ("budget", 9, "max_budget"),
+    ("mode", "approx", "exact | union"),
+    ("top_k_unit", "pages", "tokens | blocks"),
+    ("sink_blocks", -1, "[0, 64]"),
+    ("local_blocks", 100, "[0, 64]"),
+    ("dense_layers", "0,-2", "layer ids >= 0"),
+    ("min_context", -5, ">= 0"),
+    ("calib_alphas", "0,0.5", "(0.0, 1.0]"),
+    ("calib_betas", "1.5", "(0.0, 1.0]"),
+    ("calib_gammas", "-0.1", "[0.0, 1.0]"),
+    ("calib_gammas", "", "non-empty"),
+    ("calib_queries", 1, ">= 2"),
+    ("default_theta", "0.5,0.5", "three numbers"),
+    ("max_budget", 0.5, "[1, 64]"),
+])
+def test_bad_values_name_the_value_and_the_range(field, value, needle):
+    with pytest.raises(PRRConfigError) as e:
+        PRRConfig(**{field: value}).validate()
+    msg = str(e.value)
+    assert field.split(" ")[0] in msg or "layer" in msg
+    # Scalars are shown as given; lists show the offending element (or the parsed list).
+    if isinstance(value, str) and ("," in value or value == "" or field.startswith("calib")):
+        assert f"{field}=" in msg
+    else:
+        assert repr(value) in msg, msg
+    assert needle in msg, msg
