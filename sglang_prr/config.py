@@ -58,6 +58,9 @@ class PRRConfig:
     mode: str = field(default="exact", metadata=_meta(
         "exact: attend exactly the selected set A (serial DSA semantics); union: attend P u A "
         "(the paper's kernel behaviour).", choices=MODES))
+    serial: bool = field(default=False, metadata=_meta(
+        "Decode with serial DSA (score -> select -> attend) instead of PRR: the baseline that "
+        "--prr-mode exact reproduces."))
     sink_blocks: int = field(default=1, metadata=_meta(
         "Leading blocks always attended (attention sink), not counted in K."))
     local_blocks: int = field(default=1, metadata=_meta(
@@ -149,6 +152,12 @@ class PRRConfig:
             _fail("max_budget", self.max_budget, "[1, 64]")
         if self.budget != "auto" and self.budget > self.max_budget:
             _fail("budget", self.budget, f"[1, max_budget={self.max_budget}]")
+        if isinstance(self.serial, str):
+            low = self.serial.strip().lower()
+            if low not in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+                _fail("serial", self.serial, "a boolean (true | false)")
+            self.serial = low in ("1", "true", "yes", "on")
+        self.serial = bool(self.serial)
         for name in ("sink_blocks", "local_blocks"):
             v = _int(name, getattr(self, name))
             if not 0 <= v <= 64:
