@@ -1,0 +1,108 @@
+"""The PRR decode step of one layer with its two CUDA streams (PRR.md section 7).
+
+```
+main stream : [spec attention over P] ------------------join-> [repair over M] -> [merge]
+side stream :   \\-> [selection: scores, top-K = A, M = A \\ P, predictor update, P(t+1)] -/
+```
+
+``PRRStep.run`` has the signature and the results of ``ops.prr_decode``; on CUDA the selection
+chain runs on a side stream while the speculative attention runs on the caller's stream, joined
+with events (no host synchronisation, capturable inside SGLang's decode CUDA graphs: a forked
+stream joined back before the end of capture is legal). On CPU it is ``ops.prr_decode``.
+
+P(t) is read by the speculative pass while the side stream computes P(t+1): the new prediction
+is produced into fresh tensors and copied over the caller's ``p_idx``/``p_cnt`` on the main stream
+after the join, so the two never race.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+
+class PRRStep:
+    """Owns the side stream and its events (plan once, run every step)."""
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda:
+            self.side = torch.cuda.Stream(device=self.device)
+            self.fork = torch.cuda.Event()
+            self.join = torch.cuda.Event()
+
+    def run(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor],
+            table: Tensor, seq_lens: Tensor, p_idx: Tensor, p_cnt: Tensor, level: Tensor,
+            trend: Tensor, n_init: Tensor, theta: Tensor, method: str, k: int, n_pred: int,
+            sink_blocks: int, local_blocks: int, page_size: int, sm_scale: float,
+            exact: bool = True, update_p: bool = True
+            ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """One step; see ``reference.prr_decode``. With ``update_p`` the caller's ``p_idx``/
+        ``p_cnt`` are overwritten with P(t+1) (same width) after the step."""
+        if not self.cuda:
+            out = ops.prr_decode(q, k_buf, v_buf, summary, table, seq_lens, p_idx, p_cnt, level,
+                                 trend, n_init, theta, method, k, n_pred, sink_blocks,
+                                 local_blocks, page_size, sm_scale, exact)
+            if update_p:
+                p_idx.copy_(out[5])
+                p_cnt.copy_(out[6])
+            return out
+        nb = table.shape[1]
+        main = torch.cuda.current_stream(self.device)
+        self.fork.record(main)
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(self.fork)
+            nblk = ops.num_blocks(seq_lens, page_size)
+            scores = ops.select_blocks(method, q, list(summary), table, seq_lens, page_size,
+                                       sm_scale)
+            a_idx, a_cnt = ops.select_topk(scores, nblk, k, sink_blocks, local_blocks,
+                                           k + sink_blocks + local_blocks)
+            m_idx, m_cnt = ops.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+            ops.holt_update(level, trend, n_init, scores, nblk, theta[:, 0], theta[:, 1])
+            pn_idx, pn_cnt = ops.predict_set(level, trend, theta[:, 2].contiguous(), n_init,
+                                             ops.num_blocks(seq_lens + 1, page_size), n_pred,
+                                             sink_blocks, local_blocks)
+            self.join.record(self.side)
+        # Reuse: the speculative pass over P runs concurrently with the selection chain.
+        o_s, lse_s = ops.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, p_idx, p_cnt,
+                                              page_size, sm_scale)
+        main.wait_event(self.join)
+        for t in (a_idx, a_cnt, m_idx, m_cnt, pn_idx, pn_cnt, scores, nblk):
+            t.record_stream(main)  # allocated on the side stream, consumed on main
+        o_r, lse_r = ops.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, m_idx, m_cnt,
+                                              page_size, sm_scale)
+        o, _ = ops.prr_merge(o_s, lse_s, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb, exact)
+        if update_p:
+            p_idx.copy_(pn_idx)
+            p_cnt.copy_(pn_cnt)
+        return o, a_idx, a_cnt, m_idx, m_cnt, pn_idx, pn_cnt
+
+
+_steps: dict = {}
+
+
+def prr_step(device: torch.device) -> PRRStep:
+    """The shared ``PRRStep`` of a device (one side stream per device is enough: layers run in
+    order)."""
+    key = str(torch.device(device))
+    if key not in _steps:
+        _steps[key] = PRRStep(torch.device(device))
+    return _steps[key]
+
+
+def serial_dsa_step(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor],
+                    table: Tensor, seq_lens: Tensor, method: str, k: int, sink_blocks: int,
+                    local_blocks: int, page_size: int, sm_scale: float,
+                    out: Optional[Tensor] = None) -> Tensor:
+    """Serial DSA (the baseline PRR must beat): selection, then attention, on one stream."""
+    o = ops.dsa_decode(q, k_buf, v_buf, list(summary), table, seq_lens, method, k, sink_blocks,
+                       local_blocks, page_size, sm_scale)[0]
+    if out is not None:
+        out.copy_(o)
+        return out
+    return o
