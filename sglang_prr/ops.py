@@ -231,3 +231,9 @@ def prr_decode(*args, **kwargs):
 
 
 _this = sys.modules[__name__]
+
+# CUDA implementations of the ops above (SM90 kernels, built and loaded on first CUDA use; any
+# other device, or a failed build, keeps the reference). Registering builds nothing.
+from . import kernels as _kernels  # noqa: E402
+
+_kernels.register()

@@ -1,1 +1,207 @@
-"""SM90 CUDA kernels for the PRR ops (sources beside this file, JIT-built on first use)."""
+"""SM90 CUDA kernels for the PRR ops (sources beside this file, JIT-built on first use).
+
+``register()`` (called by ``sglang_prr.ops`` at import) installs a CUDA implementation of every
+``sglang_prr::*`` op that has a kernel. Nothing is built then: on the first call with CUDA tensors
+the implementation calls ``load()``, which builds (or finds in the cache, or takes from
+``SGLANG_PRR_KERNEL_LIB``) the library and loads it. On a GPU other than SM90, or when the build
+or load fails (one warning is logged), every op keeps running the pure-torch reference. Call
+``load()`` at server start to keep the build out of the first decode step / graph capture.
+
+Fallbacks are decided from shapes, dtypes and device properties only (no tensor values are read),
+so the choice is static within a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Dict, Optional
+
+import torch
+
+from .. import reference as ref
+
+logger = logging.getLogger("sglang_prr")
+
+_lock = threading.Lock()
+_lib_state: Optional[bool] = None  # None: not tried; True: loaded; False: failed
+_lib_error: Optional[str] = None
+_device_ok: Dict[int, bool] = {}
+_registered = False
+
+# Head dims the attention kernel is instantiated for, and its largest GQA group.
+ATTN_HEAD_DIMS = (64, 128, 256)
+ATTN_MAX_GROUP = 8
+# select_topk keeps a row's keys in shared memory (4 bytes per block).
+TOPK_MAX_BLOCKS = 48 * 1024
+_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def load() -> bool:
+    """Build (or fetch from cache) and load the kernel library once; True when it is usable.
+
+    Host-side and idempotent (``# host-ok``: runs once, outside decode)."""
+    global _lib_state, _lib_error
+    if _lib_state is not None:
+        return _lib_state
+    with _lock:
+        if _lib_state is not None:
+            return _lib_state
+        try:
+            if not torch.cuda.is_available():
+                raise RuntimeError("no CUDA device")
+            from . import build
+            path = build.library_path()
+            torch.ops.load_library(str(path))
+            _lib_state = True
+            logger.info("sglang_prr: SM90 kernels loaded from %s", path)
+        except Exception as e:  # noqa: BLE001 - any failure keeps the reference path
+            _lib_state = False
+            _lib_error = f"{type(e).__name__}: {e}"
+            logger.warning("sglang_prr: SM90 kernels unavailable, using the torch reference "
+                           "(%s)", _lib_error.splitlines()[0][:500])
+    return _lib_state
+
+
+def load_error() -> Optional[str]:
+    """Why ``load()`` failed (None when it succeeded or was not tried)."""
+    return _lib_error
+
+
+def is_sm90(device: torch.device) -> bool:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _device_ok.get(idx)
+    if ok is None:
+        ok = torch.cuda.get_device_capability(idx) == (9, 0)  # host-ok: device property
+        _device_ok[idx] = ok
+    return ok
+
+
+def active(device: torch.device) -> bool:
+    """Are the kernels used for tensors on ``device``? (SM90 and the library loaded.)"""
+    return device.type == "cuda" and is_sm90(device) and load()
+
+
+def _aligned(*ts: torch.Tensor) -> bool:
+    return all(t.data_ptr() % 16 == 0 for t in ts)
+
+
+# ----------------------------------------------------------------------------- implementations
+def _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale):
+    B, Hq, D = q.shape
+    Hk = k_buf.shape[1]
+    ok = (active(q.device) and D in ATTN_HEAD_DIMS and Hq % Hk == 0
+          and Hq // Hk <= ATTN_MAX_GROUP and q.dtype in _FLOAT_TYPES
+          and k_buf.dtype in _FLOAT_TYPES and v_buf.dtype == k_buf.dtype
+          and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+          and all(s % 8 == 0 for s in (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
+                                       v_buf.stride(1)))
+          and _aligned(k_buf, v_buf) and idx.dtype == torch.int32 and cnt.dtype == torch.int32
+          and table.dim() == 2 and table.stride(-1) == 1)
+    if not ok:
+        return ref.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
+                                        sm_scale)
+    return torch.ops.sglang_prr_cuda.sparse_attn_partials(
+        q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, float(sm_scale))
+
+
+def _quest_scores(q, kmin, kmax, table, nblk):
+    ok = (active(q.device) and q.shape[-1] % 8 == 0 and q.shape[1] % kmin.shape[1] == 0
+          and q.dtype in _FLOAT_TYPES and kmin.dtype == torch.float32
+          and kmax.dtype == torch.float32 and kmin.is_contiguous() and kmax.is_contiguous()
+          and _aligned(kmin, kmax) and table.dim() == 2 and table.stride(-1) == 1
+          and q.shape[1] * q.shape[2] * 4 <= 200 * 1024)
+    if not ok:
+        return ref.quest_scores(q, kmin, kmax, table, nblk)
+    return torch.ops.sglang_prr_cuda.quest_scores(q, kmin, kmax, table, nblk)
+
+
+def _select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out):
+    if not (active(scores.device) and scores.shape[-1] <= TOPK_MAX_BLOCKS):
+        return ref.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out)
+    return torch.ops.sglang_prr_cuda.select_topk(scores.float().contiguous(), nblk, k,
+                                                 sink_blocks, local_blocks, n_out)
+
+
+def _predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks, local_blocks):
+    ok = (active(level.device) and level.shape[-1] <= TOPK_MAX_BLOCKS
+          and level.dtype == torch.float32 and trend.dtype == torch.float32
+          and level.is_contiguous() and trend.is_contiguous())
+    if not ok:
+        return ref.predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks,
+                               local_blocks)
+    return torch.ops.sglang_prr_cuda.predict_set(level, trend, gamma.float(), n_init, nblk_next,
+                                                 n_pred, sink_blocks, local_blocks)
+
+
+def _set_difference(a_idx, a_cnt, p_idx, p_cnt, nb):
+    ok = (active(a_idx.device) and a_idx.dtype == torch.int32 and p_idx.dtype == torch.int32
+          and a_cnt.dtype == torch.int32 and p_cnt.dtype == torch.int32 and nb <= (1 << 20))
+    if not ok:
+        return ref.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+    return torch.ops.sglang_prr_cuda.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+
+
+def _holt_update(level, trend, n_init, scores, nblk, alpha, beta):
+    ok = (active(level.device) and level.dtype == torch.float32 and trend.dtype == torch.float32
+          and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
+          and n_init.dtype in (torch.int32, torch.int64))
+    if not ok:
+        ref.holt_update(level, trend, n_init, scores, nblk, alpha, beta)
+        return
+    torch.ops.sglang_prr_cuda.holt_update(level, trend, n_init, scores, nblk, alpha.float(),
+                                          beta.float())
+
+
+def _merge_ok(o) -> bool:
+    return active(o.device) and o.shape[-1] % 4 == 0 and o.shape[-1] <= 512 and o.shape[-2] > 0
+
+
+def _prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb, exact):
+    ok = (_merge_ok(o_spec) and o_rep.shape[-1] == o_spec.shape[-1]
+          and p_idx.dtype == torch.int32 and a_idx.dtype == torch.int32
+          and (not exact or nb <= (1 << 20)))
+    if not ok:
+        return ref.prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb,
+                             exact)
+    return torch.ops.sglang_prr_cuda.prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt,
+                                               o_rep, lse_rep, nb, exact)
+
+
+def _merge_partials(o, lse):
+    if not _merge_ok(o):
+        return ref.merge_partials(o, lse)
+    return torch.ops.sglang_prr_cuda.merge_partials(o, lse)
+
+
+def _quest_update(kmin, kmax, k, out_loc, positions, page_size):
+    ok = (active(kmin.device) and kmin.dtype == torch.float32 and kmax.dtype == torch.float32
+          and kmin.is_contiguous() and kmax.is_contiguous() and k.dtype in _FLOAT_TYPES
+          and (kmin.shape[1] * kmin.shape[2]) % 8 == 0)
+    if not ok:
+        ref.quest_update(kmin, kmax, k, out_loc, positions, page_size)
+        return
+    torch.ops.sglang_prr_cuda.quest_update(kmin, kmax, k, out_loc, positions, page_size)
+
+
+IMPLS: Dict[str, Callable] = {
+    "sparse_attn_partials": _sparse_attn_partials,
+    "quest_scores": _quest_scores,
+    "select_topk": _select_topk,
+    "predict_set": _predict_set,
+    "set_difference": _set_difference,
+    "holt_update": _holt_update,
+    "prr_merge": _prr_merge,
+    "merge_partials": _merge_partials,
+    "quest_update": _quest_update,
+}
+
+
+def register() -> None:
+    """Install the CUDA implementations of the ``sglang_prr::*`` ops (idempotent, no build)."""
+    global _registered
+    if _registered:
+        return
+    for name, fn in IMPLS.items():
+        torch.library.register_kernel(f"sglang_prr::{name}", "cuda", fn)
+    _registered = True

@@ -1,0 +1,310 @@
+// Torch op registrations of the PRR SM90 kernels: namespace `sglang_prr_cuda`, CUDA dispatch key.
+// Registered with TORCH_LIBRARY (no Python module init), so the library loads with
+// torch.ops.load_library under any Python version that has the same torch. The Python side
+// (sglang_prr/kernels/__init__.py) registers these as the CUDA implementations of the
+// `sglang_prr::*` ops; argument checks that would need a host sync are never done here.
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "prr_kernels.h"
+
+using at::Tensor;
+
+namespace {
+
+int dtype_code(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return prr::kF32;
+    case at::kHalf: return prr::kF16;
+    case at::kBFloat16: return prr::kBF16;
+    default:
+      TORCH_CHECK(false, "sglang_prr_cuda: dtype ", t.scalar_type(),
+                  " not supported: expected float32, float16 or bfloat16");
+  }
+  return -1;
+}
+
+bool index64(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "sglang_prr_cuda: ",
+              name, " must be int32 or int64, got ", t.scalar_type());
+  return t.scalar_type() == at::kLong;
+}
+
+void check_cuda(const Tensor& t, const char* name) {
+  TORCH_CHECK(t.is_cuda(), "sglang_prr_cuda: ", name, " must be a CUDA tensor");
+}
+
+void check_launch(cudaError_t e, const char* op) {
+  TORCH_CHECK(e == cudaSuccess, "sglang_prr_cuda::", op, " launch failed: ",
+              cudaGetErrorString(e));
+}
+
+cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
+
+std::tuple<Tensor, Tensor> sparse_attn_partials(const Tensor& q_in, const Tensor& k_buf,
+                                                const Tensor& v_buf, const Tensor& table,
+                                                const Tensor& seq_lens, const Tensor& idx_in,
+                                                const Tensor& cnt_in, int64_t page_size,
+                                                double sm_scale) {
+  check_cuda(q_in, "q");
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const Tensor q = q_in.contiguous();
+  const Tensor idx = idx_in.contiguous();
+  const Tensor cnt = cnt_in.contiguous();
+  TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3, "sparse_attn_partials: "
+              "q must be [B, Hq, D] and k_buf/v_buf [num_slots, Hk, D]");
+  TORCH_CHECK(k_buf.stride(2) == 1 && v_buf.stride(2) == 1,
+              "sparse_attn_partials: KV buffers need a contiguous last dim");
+  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), "sparse_attn_partials: k_buf is ",
+              k_buf.scalar_type(), " but v_buf is ", v_buf.scalar_type());
+  TORCH_CHECK(idx.scalar_type() == at::kInt && cnt.scalar_type() == at::kInt,
+              "sparse_attn_partials: idx/cnt must be int32");
+  TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1,
+              "sparse_attn_partials: table must be [B, NB] with a contiguous last dim");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hk = idx.size(1), N = idx.size(2);
+  auto o = at::empty({B, Hq, N, D}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({B, Hq, N}, q.options().dtype(at::kFloat));
+  prr::AttnArgs a{};
+  a.q = q.data_ptr(); a.q_dtype = dtype_code(q);
+  a.k = k_buf.data_ptr(); a.v = v_buf.data_ptr(); a.kv_dtype = dtype_code(k_buf);
+  a.k_stride_slot = k_buf.stride(0); a.k_stride_head = k_buf.stride(1);
+  a.v_stride_slot = v_buf.stride(0); a.v_stride_head = v_buf.stride(1);
+  a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
+  const Tensor sl = seq_lens.contiguous();
+  a.seq_lens = sl.data_ptr(); a.seq64 = index64(sl, "seq_lens");
+  a.idx = idx.data_ptr<int32_t>(); a.cnt = cnt.data_ptr<int32_t>();
+  a.o = o.data_ptr<float>(); a.lse = lse.data_ptr<float>();
+  a.B = (int)B; a.Hq = (int)Hq; a.Hk = (int)Hk; a.N = (int)N; a.D = (int)D;
+  a.page_size = (int)page_size; a.sm_scale = (float)sm_scale;
+  check_launch(prr::launch_sparse_attn_partials(a, stream()), "sparse_attn_partials");
+  return std::make_tuple(o, lse);
+}
+
+Tensor quest_scores(const Tensor& q_in, const Tensor& kmin, const Tensor& kmax,
+                    const Tensor& table, const Tensor& nblk_in) {
+  check_cuda(q_in, "q");
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const Tensor q = q_in.contiguous();
+  TORCH_CHECK(kmin.is_contiguous() && kmax.is_contiguous() &&
+              kmin.scalar_type() == at::kFloat && kmax.scalar_type() == at::kFloat,
+              "quest_scores: kmin/kmax must be contiguous float32");
+  TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1, "quest_scores: table must be [B, NB]");
+  const Tensor nblk = nblk_in.contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = kmin.size(1),
+                NB = table.size(1);
+  auto out = at::empty({B, Hk, NB}, q.options().dtype(at::kFloat));
+  prr::QuestArgs a{};
+  a.q = q.data_ptr(); a.q_dtype = dtype_code(q);
+  a.kmin = kmin.data_ptr<float>(); a.kmax = kmax.data_ptr<float>();
+  a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
+  a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
+  a.out = out.data_ptr<float>();
+  a.B = (int)B; a.Hq = (int)Hq; a.Hk = (int)Hk; a.NB = (int)NB; a.D = (int)D;
+  check_launch(prr::launch_quest_scores(a, stream()), "quest_scores");
+  return out;
+}
+
+std::tuple<Tensor, Tensor> topk_common(const Tensor& scores, const Tensor* trend,
+                                       const Tensor* gamma, const Tensor* n_init,
+                                       const Tensor& nblk_in, int64_t k, int64_t sink,
+                                       int64_t local, int64_t n_out) {
+  check_cuda(scores, "scores");
+  c10::cuda::CUDAGuard guard(scores.device());
+  TORCH_CHECK(scores.is_contiguous() && scores.scalar_type() == at::kFloat,
+              "select_topk: scores must be contiguous float32");
+  const Tensor nblk = nblk_in.contiguous();
+  const int64_t B = scores.size(0), Hk = scores.size(1), NB = scores.size(2);
+  TORCH_CHECK(NB <= prr::max_topk_blocks(), "select_topk: ", NB, " blocks per row, at most ",
+              prr::max_topk_blocks(), " supported");
+  auto idx = at::empty({B, Hk, n_out}, scores.options().dtype(at::kInt));
+  auto cnt = at::empty({B, Hk}, scores.options().dtype(at::kInt));
+  prr::TopkArgs a{};
+  a.scores = scores.data_ptr<float>();
+  Tensor ni;
+  if (trend) {
+    TORCH_CHECK(trend->is_contiguous() && trend->scalar_type() == at::kFloat,
+                "predict_set: trend must be contiguous float32");
+    TORCH_CHECK(gamma->scalar_type() == at::kFloat, "predict_set: gamma must be float32");
+    a.trend = trend->data_ptr<float>();
+    a.gamma = gamma->data_ptr<float>(); a.gamma_stride = gamma->stride(0);
+    ni = n_init->contiguous();
+    a.n_init = ni.data_ptr(); a.ninit64 = index64(ni, "n_init");
+  }
+  a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
+  a.idx = idx.data_ptr<int32_t>(); a.cnt = cnt.data_ptr<int32_t>();
+  a.B = (int)B; a.Hk = (int)Hk; a.NB = (int)NB; a.k = (int)k; a.sink = (int)sink;
+  a.local = (int)local; a.n_out = (int)n_out;
+  check_launch(prr::launch_select_topk(a, stream()), "select_topk");
+  return std::make_tuple(idx, cnt);
+}
+
+std::tuple<Tensor, Tensor> select_topk(const Tensor& scores, const Tensor& nblk, int64_t k,
+                                       int64_t sink, int64_t local, int64_t n_out) {
+  return topk_common(scores, nullptr, nullptr, nullptr, nblk, k, sink, local, n_out);
+}
+
+std::tuple<Tensor, Tensor> predict_set(const Tensor& level, const Tensor& trend,
+                                       const Tensor& gamma, const Tensor& n_init,
+                                       const Tensor& nblk_next, int64_t n_pred, int64_t sink,
+                                       int64_t local) {
+  return topk_common(level, &trend, &gamma, &n_init, nblk_next, n_pred, sink, local,
+                     n_pred + sink + local);
+}
+
+std::tuple<Tensor, Tensor> set_difference(const Tensor& a_idx_in, const Tensor& a_cnt_in,
+                                          const Tensor& p_idx_in, const Tensor& p_cnt_in,
+                                          int64_t nb) {
+  check_cuda(a_idx_in, "a_idx");
+  c10::cuda::CUDAGuard guard(a_idx_in.device());
+  const Tensor a_idx = a_idx_in.contiguous(), a_cnt = a_cnt_in.contiguous();
+  const Tensor p_idx = p_idx_in.contiguous(), p_cnt = p_cnt_in.contiguous();
+  TORCH_CHECK(a_idx.scalar_type() == at::kInt && p_idx.scalar_type() == at::kInt &&
+              a_cnt.scalar_type() == at::kInt && p_cnt.scalar_type() == at::kInt,
+              "set_difference: lists and counts must be int32");
+  auto m_idx = at::empty(a_idx.sizes(), a_idx.options());
+  auto m_cnt = at::empty(a_cnt.sizes(), a_cnt.options());
+  prr::SetDiffArgs a{};
+  a.a_idx = a_idx.data_ptr<int32_t>(); a.a_cnt = a_cnt.data_ptr<int32_t>();
+  a.Na = (int)a_idx.size(-1);
+  a.p_idx = p_idx.data_ptr<int32_t>(); a.p_cnt = p_cnt.data_ptr<int32_t>();
+  a.Np = (int)p_idx.size(-1);
+  a.m_idx = m_idx.data_ptr<int32_t>(); a.m_cnt = m_cnt.data_ptr<int32_t>();
+  a.n_out = a.Na; a.rows = (int)a_cnt.numel(); a.nb = (int)nb;
+  check_launch(prr::launch_set_difference(a, stream()), "set_difference");
+  return std::make_tuple(m_idx, m_cnt);
+}
+
+void holt_update(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& scores_in,
+                 const Tensor& nblk_in, const Tensor& alpha, const Tensor& beta) {
+  check_cuda(level, "level");
+  c10::cuda::CUDAGuard guard(level.device());
+  TORCH_CHECK(level.is_contiguous() && trend.is_contiguous() && n_init.is_contiguous() &&
+              level.scalar_type() == at::kFloat && trend.scalar_type() == at::kFloat,
+              "holt_update: level/trend must be contiguous float32 and n_init contiguous");
+  TORCH_CHECK(alpha.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat,
+              "holt_update: alpha/beta must be float32");
+  const Tensor scores = scores_in.contiguous().to(at::kFloat);
+  const Tensor nblk = nblk_in.contiguous();
+  prr::HoltArgs a{};
+  a.level = level.data_ptr<float>(); a.trend = trend.data_ptr<float>();
+  a.n_init = n_init.data_ptr(); a.ninit64 = index64(n_init, "n_init");
+  a.scores = scores.data_ptr<float>();
+  a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
+  a.alpha = alpha.data_ptr<float>(); a.alpha_stride = alpha.stride(0);
+  a.beta = beta.data_ptr<float>(); a.beta_stride = beta.stride(0);
+  a.B = (int)level.size(0); a.Hk = (int)level.size(1); a.NB = (int)level.size(2);
+  check_launch(prr::launch_holt_update(a, stream()), "holt_update");
+}
+
+std::tuple<Tensor, Tensor> merge_common(const Tensor& o1_in, const Tensor& lse1_in,
+                                        const Tensor* o2_in, const Tensor* lse2_in,
+                                        const Tensor* p_idx_in, const Tensor* p_cnt_in,
+                                        const Tensor* a_idx_in, const Tensor* a_cnt_in,
+                                        int64_t nb) {
+  check_cuda(o1_in, "o");
+  c10::cuda::CUDAGuard guard(o1_in.device());
+  const Tensor o1 = o1_in.contiguous().to(at::kFloat), lse1 = lse1_in.contiguous().to(at::kFloat);
+  const int64_t D = o1.size(-1), N1 = o1.size(-2);
+  const int64_t R = N1 > 0 ? lse1.numel() / N1 : 0;
+  std::vector<int64_t> oshape(o1.sizes().begin(), o1.sizes().end() - 2);
+  std::vector<int64_t> lshape = oshape;
+  oshape.push_back(D);
+  auto o = at::empty(oshape, o1.options().dtype(at::kFloat));
+  auto lse = at::empty(lshape, o1.options().dtype(at::kFloat));
+  prr::MergeArgs a{};
+  a.o1 = o1.data_ptr<float>(); a.lse1 = lse1.data_ptr<float>(); a.N1 = (int)N1;
+  Tensor o2, lse2, p_idx, p_cnt, a_idx, a_cnt;
+  if (o2_in) {
+    o2 = o2_in->contiguous().to(at::kFloat); lse2 = lse2_in->contiguous().to(at::kFloat);
+    a.o2 = o2.data_ptr<float>(); a.lse2 = lse2.data_ptr<float>(); a.N2 = (int)o2.size(-2);
+  }
+  if (p_idx_in) {
+    p_idx = p_idx_in->contiguous(); p_cnt = p_cnt_in->contiguous();
+    a_idx = a_idx_in->contiguous(); a_cnt = a_cnt_in->contiguous();
+    TORCH_CHECK(p_idx.scalar_type() == at::kInt && a_idx.scalar_type() == at::kInt &&
+                p_cnt.scalar_type() == at::kInt && a_cnt.scalar_type() == at::kInt,
+                "prr_merge: lists and counts must be int32");
+    a.p_idx = p_idx.data_ptr<int32_t>(); a.p_cnt = p_cnt.data_ptr<int32_t>();
+    a.a_idx = a_idx.data_ptr<int32_t>(); a.a_cnt = a_cnt.data_ptr<int32_t>();
+    a.Na = (int)a_idx.size(-1); a.Hk = (int)p_idx.size(1); a.Hq = (int)o1.size(1);
+    TORCH_CHECK(p_idx.size(-1) == N1, "prr_merge: p_idx has ", p_idx.size(-1),
+                " entries but o_spec has ", N1);
+  }
+  a.nb = (int)nb;
+  a.o = o.data_ptr<float>(); a.lse = lse.data_ptr<float>();
+  a.R = (int)R; a.D = (int)D;
+  if (R > 0) check_launch(prr::launch_merge(a, stream()), "merge");
+  return std::make_tuple(o, lse);
+}
+
+std::tuple<Tensor, Tensor> prr_merge(const Tensor& o_spec, const Tensor& lse_spec,
+                                     const Tensor& p_idx, const Tensor& p_cnt,
+                                     const Tensor& a_idx, const Tensor& a_cnt,
+                                     const Tensor& o_rep, const Tensor& lse_rep, int64_t nb,
+                                     bool exact) {
+  if (exact)
+    return merge_common(o_spec, lse_spec, &o_rep, &lse_rep, &p_idx, &p_cnt, &a_idx, &a_cnt, nb);
+  return merge_common(o_spec, lse_spec, &o_rep, &lse_rep, nullptr, nullptr, nullptr, nullptr, nb);
+}
+
+std::tuple<Tensor, Tensor> merge_partials(const Tensor& o, const Tensor& lse) {
+  return merge_common(o, lse, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0);
+}
+
+void quest_update(Tensor& kmin, Tensor& kmax, const Tensor& k_in, const Tensor& out_loc_in,
+                  const Tensor& positions_in, int64_t page_size) {
+  check_cuda(kmin, "kmin");
+  c10::cuda::CUDAGuard guard(kmin.device());
+  TORCH_CHECK(kmin.is_contiguous() && kmax.is_contiguous() && kmin.scalar_type() == at::kFloat &&
+              kmax.scalar_type() == at::kFloat, "quest_update: kmin/kmax must be contiguous f32");
+  const Tensor k = k_in.contiguous(), out_loc = out_loc_in.contiguous(),
+               positions = positions_in.contiguous();
+  prr::QuestUpdateArgs a{};
+  a.kmin = kmin.data_ptr<float>(); a.kmax = kmax.data_ptr<float>();
+  a.k = k.data_ptr(); a.k_dtype = dtype_code(k);
+  a.out_loc = out_loc.data_ptr(); a.loc64 = index64(out_loc, "out_loc");
+  a.positions = positions.data_ptr(); a.pos64 = index64(positions, "positions");
+  a.N = (int)k.size(0); a.Hk = (int)kmin.size(1); a.D = (int)kmin.size(2);
+  a.page_size = (int)page_size;
+  check_launch(prr::launch_quest_update(a, stream()), "quest_update");
+}
+
+}  // namespace
+
+TORCH_LIBRARY(sglang_prr_cuda, m) {
+  m.def("sparse_attn_partials(Tensor q, Tensor k_buf, Tensor v_buf, Tensor table, "
+        "Tensor seq_lens, Tensor idx, Tensor cnt, int page_size, float sm_scale) "
+        "-> (Tensor, Tensor)");
+  m.def("quest_scores(Tensor q, Tensor kmin, Tensor kmax, Tensor table, Tensor nblk) -> Tensor");
+  m.def("select_topk(Tensor scores, Tensor nblk, int k, int sink_blocks, int local_blocks, "
+        "int n_out) -> (Tensor, Tensor)");
+  m.def("predict_set(Tensor level, Tensor trend, Tensor gamma, Tensor n_init, Tensor nblk_next, "
+        "int n_pred, int sink_blocks, int local_blocks) -> (Tensor, Tensor)");
+  m.def("set_difference(Tensor a_idx, Tensor a_cnt, Tensor p_idx, Tensor p_cnt, int nb) "
+        "-> (Tensor, Tensor)");
+  m.def("holt_update(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) n_init, Tensor scores, "
+        "Tensor nblk, Tensor alpha, Tensor beta) -> ()");
+  m.def("prr_merge(Tensor o_spec, Tensor lse_spec, Tensor p_idx, Tensor p_cnt, Tensor a_idx, "
+        "Tensor a_cnt, Tensor o_rep, Tensor lse_rep, int nb, bool exact) -> (Tensor, Tensor)");
+  m.def("merge_partials(Tensor o, Tensor lse) -> (Tensor, Tensor)");
+  m.def("quest_update(Tensor(a!) kmin, Tensor(b!) kmax, Tensor k, Tensor out_loc, "
+        "Tensor positions, int page_size) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {
+  m.impl("sparse_attn_partials", &sparse_attn_partials);
+  m.impl("quest_scores", &quest_scores);
+  m.impl("select_topk", &select_topk);
+  m.impl("predict_set", &predict_set);
+  m.impl("set_difference", &set_difference);
+  m.impl("holt_update", &holt_update);
+  m.impl("prr_merge", &prr_merge);
+  m.impl("merge_partials", &merge_partials);
+  m.impl("quest_update", &quest_update);
+}

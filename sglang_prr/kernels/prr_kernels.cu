@@ -1,0 +1,763 @@
+// PRR decode kernels for SM90 (H100/H200): sparse attention partials over listed KV pages,
+// Quest scores, top-K selection / prediction, set difference, Holt update, exact merge and the
+// Quest summary update. Plain CUDA: these kernels are memory- and latency-bound, so they are
+// written around wide loads and many independent requests in flight rather than tensor cores.
+// Every kernel is graph-safe: static launch shapes, device-side counts, no host reads.
+#include "prr_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cub/block/block_scan.cuh>
+#include <cfloat>
+#include <cmath>
+
+namespace prr {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ int64_t ld_index(const void* p, int64_t i, bool is64) {
+  return is64 ? __ldg(reinterpret_cast<const long long*>(p) + i)
+              : (int64_t)__ldg(reinterpret_cast<const int*>(p) + i);
+}
+
+// Load 8 consecutive elements of a tensor of dtype `dt` as floats (16- or 32-byte aligned).
+__device__ __forceinline__ void load8_any(const void* base, int64_t off, int dt, float* f) {
+  if (dt == kF32) {
+    const float4* p = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(base) + off);
+    float4 a = p[0], b = p[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  } else if (dt == kF16) {
+    uint4 u = *reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(base) + off);
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { float2 x = __half22float2(h[i]); f[2 * i] = x.x; f[2 * i + 1] = x.y; }
+  } else {
+    uint4 u = *reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(base) + off);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { float2 x = __bfloat1622float2(h[i]); f[2 * i] = x.x; f[2 * i + 1] = x.y; }
+  }
+}
+
+// Raw 8-element vector of KV type T, loaded with one (16-bit types) or two (fp32) 16-byte loads
+// so that several tokens' loads can be issued before any is used.
+template <typename T> struct Raw8 { uint4 r[sizeof(T) / 2]; };
+
+template <typename T>
+__device__ __forceinline__ Raw8<T> ld_raw8(const T* p) {
+  Raw8<T> x;
+  const uint4* u = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) x.r[i] = __ldg(u + i);
+  return x;
+}
+template <typename T>
+__device__ __forceinline__ Raw8<T> zero_raw8() {
+  Raw8<T> x;
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) x.r[i] = make_uint4(0, 0, 0, 0);
+  return x;
+}
+__device__ __forceinline__ void cvt8(const Raw8<float>& x, float* f) {
+  const float* p = reinterpret_cast<const float*>(x.r);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] = p[i];
+}
+__device__ __forceinline__ void cvt8(const Raw8<__half>& x, float* f) {
+  const __half2* h = reinterpret_cast<const __half2*>(x.r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { float2 v = __half22float2(h[i]); f[2 * i] = v.x; f[2 * i + 1] = v.y; }
+}
+__device__ __forceinline__ void cvt8(const Raw8<__nv_bfloat16>& x, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(x.r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { float2 v = __bfloat1622float2(h[i]); f[2 * i] = v.x; f[2 * i + 1] = v.y; }
+}
+
+// ============================================================================ sparse attention
+// One CTA per (listed block n, KV head hk, request b): the whole GQA group of hk is computed from
+// one load of each K/V row. A token is handled by L = D/8 lanes holding 8 dims each (16-byte
+// loads of bf16/fp16); a CTA pass covers 128/L tokens and UNROLL passes are loaded before use so
+// that many loads are in flight. Each token group keeps an online softmax in the log2 domain;
+// groups are combined through shared memory at the end.
+constexpr int kAttnThreads = 128;
+
+template <typename T, int D, int GMAX, int UNROLL>
+__global__ void __launch_bounds__(kAttnThreads)
+sparse_attn_kernel(AttnArgs a) {
+  constexpr int L = D / 8;                // lanes per token
+  constexpr int NG = kAttnThreads / L;    // token groups per CTA (= tokens per pass)
+  __shared__ float s_acc[NG][GMAX][D];
+  __shared__ float s_m[NG][GMAX];
+  __shared__ float s_l[NG][GMAX];
+
+  const int n = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int G = a.Hq / a.Hk;
+  const int tid = threadIdx.x;
+  const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;  // first query head of the group
+  const int c = a.cnt[b * a.Hk + hk];
+  const int blk = a.idx[((int64_t)b * a.Hk + hk) * a.N + n];
+  int ntok = 0;
+  int64_t page = 0;
+  if (n < c && blk >= 0) {
+    page = ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64);
+    const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
+    const int64_t rem = sl - (int64_t)blk * a.page_size;
+    ntok = (int)(rem < 0 ? 0 : (rem > a.page_size ? a.page_size : rem));
+  }
+  if (ntok == 0) {  // padding entry or block past the request: the empty state (0, -inf)
+    for (int e = tid; e < G * D; e += kAttnThreads) {
+      const int g = e / D, d = e % D;
+      a.o[((row0 + g) * a.N + n) * D + d] = 0.f;
+    }
+    if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
+    return;
+  }
+
+  const int grp = tid / L, lane_t = tid % L, d0 = lane_t * 8;
+  // q of the group, pre-scaled into the log2 domain.
+  float qf[GMAX][8];
+  const float qs = a.sm_scale * kLog2e;
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+      load8_any(a.q, (row0 + g) * D + d0, a.q_dtype, qf[g]);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) qf[g][i] *= qs;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) qf[g][i] = 0.f;
+    }
+  }
+  float m[GMAX], l[GMAX], acc[GMAX][8];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    m[g] = -INFINITY; l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[g][i] = 0.f;
+  }
+  const T* kb = reinterpret_cast<const T*>(a.k) + hk * a.k_stride_head + d0;
+  const T* vb = reinterpret_cast<const T*>(a.v) + hk * a.v_stride_head + d0;
+  const int64_t slot0 = page * a.page_size;
+
+  for (int t0 = 0; t0 < ntok; t0 += NG * UNROLL) {
+    Raw8<T> kr[UNROLL], vr[UNROLL];
+    bool ok[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int t = t0 + u * NG + grp;
+      ok[u] = t < ntok;
+      if (ok[u]) {
+        kr[u] = ld_raw8<T>(kb + (slot0 + t) * a.k_stride_slot);
+        vr[u] = ld_raw8<T>(vb + (slot0 + t) * a.v_stride_slot);
+      } else {
+        kr[u] = zero_raw8<T>(); vr[u] = zero_raw8<T>();
+      }
+    }
+    float s[UNROLL][GMAX];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      float kf[8];
+      cvt8(kr[u], kf);
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        float x = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x = fmaf(qf[g][i], kf[i], x);
+#pragma unroll
+        for (int off = L / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+        s[u][g] = ok[u] ? x : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int g = 0; g < GMAX; ++g) {
+      if (g >= G) continue;
+      float mn = m[g];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) mn = fmaxf(mn, s[u][g]);
+      if (mn == -INFINITY) continue;  // nothing valid yet for this group
+      const float scale = exp2f(m[g] - mn);  // m = -inf -> 0
+      l[g] *= scale;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[g][i] *= scale;
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        const float p = exp2f(s[u][g] - mn);  // -inf -> 0
+        l[g] += p;
+        float vf[8];
+        cvt8(vr[u], vf);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[g][i] = fmaf(p, vf[i], acc[g][i]);
+      }
+      m[g] = mn;
+    }
+  }
+  // Combine the token groups.
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) s_acc[grp][g][d0 + i] = acc[g][i];
+      if (lane_t == 0) { s_m[grp][g] = m[g]; s_l[grp][g] = l[g]; }
+    }
+  }
+  __syncthreads();
+  for (int e = tid; e < G * D; e += kAttnThreads) {
+    const int g = e / D, d = e % D;
+    float M = -INFINITY;
+#pragma unroll 4
+    for (int r = 0; r < NG; ++r) M = fmaxf(M, s_m[r][g]);
+    float lsum = 0.f, o = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll 4
+      for (int r = 0; r < NG; ++r) {
+        const float w = exp2f(s_m[r][g] - M);
+        lsum = fmaf(s_l[r][g], w, lsum);
+        o = fmaf(s_acc[r][g][d], w, o);
+      }
+    }
+    const bool any = lsum > 0.f;
+    a.o[((row0 + g) * a.N + n) * D + d] = any ? o / lsum : 0.f;
+    if (d == 0) a.lse[(row0 + g) * a.N + n] = any ? (M + log2f(lsum)) * kLn2 : -INFINITY;
+  }
+}
+
+template <typename T, int D>
+cudaError_t attn_dispatch_g(const AttnArgs& a, cudaStream_t s) {
+  dim3 grid(a.N, a.Hk, a.B);
+  const int G = a.Hq / a.Hk;
+  // fp32 KV needs twice the registers per loaded row: fewer passes in flight.
+  constexpr int U = sizeof(T) == 4 ? 2 : 4;
+  if (G <= 4) sparse_attn_kernel<T, D, 4, U><<<grid, kAttnThreads, 0, s>>>(a);
+  else sparse_attn_kernel<T, D, 8, U><<<grid, kAttnThreads, 0, s>>>(a);
+  return cudaGetLastError();
+}
+template <typename T>
+cudaError_t attn_dispatch_d(const AttnArgs& a, cudaStream_t s) {
+  switch (a.D) {
+    case 64: return attn_dispatch_g<T, 64>(a, s);
+    case 128: return attn_dispatch_g<T, 128>(a, s);
+    case 256: return attn_dispatch_g<T, 256>(a, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+// ============================================================================ Quest scores
+// One warp per (request, block): it reads the block's min/max rows of every KV head (float4 per
+// lane) and sums max(q*kmax, q*kmin) over dims and the GQA group. q of the request is staged in
+// shared memory once per CTA.
+constexpr int kQuestWarps = 8;
+
+__global__ void __launch_bounds__(kQuestWarps * 32)
+quest_scores_kernel(QuestArgs a) {
+  extern __shared__ float s_q[];  // [Hq, D]
+  const int b = blockIdx.y;
+  const int HqD = a.Hq * a.D;
+  for (int e = threadIdx.x * 8; e < HqD; e += blockDim.x * 8) {
+    float f[8];
+    load8_any(a.q, (int64_t)b * HqD + e, a.q_dtype, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s_q[e + i] = f[i];
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n = blockIdx.x * kQuestWarps + warp;
+  if (n >= a.NB) return;
+  const int64_t nb_b = ld_index(a.nblk, b, a.nblk64);
+  float* out = a.out + (int64_t)b * a.Hk * a.NB + n;
+  if (n >= nb_b) {
+    for (int h = lane; h < a.Hk; h += 32) out[(int64_t)h * a.NB] = -INFINITY;
+    return;
+  }
+  const int64_t page = ld_index(a.table, (int64_t)b * a.table_stride + n, a.table64);
+  const int G = a.Hq / a.Hk, D4 = a.D / 4;
+  const float4* lo = reinterpret_cast<const float4*>(a.kmin + page * a.Hk * a.D);
+  const float4* hi = reinterpret_cast<const float4*>(a.kmax + page * a.Hk * a.D);
+  constexpr int HU = 4;  // KV heads loaded together
+  for (int h0 = 0; h0 < a.Hk; h0 += HU) {
+    float part[HU];
+#pragma unroll
+    for (int j = 0; j < HU; ++j) part[j] = 0.f;
+    for (int c = lane; c < D4; c += 32) {
+      float4 vl[HU], vh[HU];
+#pragma unroll
+      for (int j = 0; j < HU; ++j) {
+        if (h0 + j < a.Hk) { vl[j] = __ldg(lo + (h0 + j) * D4 + c); vh[j] = __ldg(hi + (h0 + j) * D4 + c); }
+      }
+#pragma unroll
+      for (int j = 0; j < HU; ++j) {
+        if (h0 + j >= a.Hk) continue;
+        for (int g = 0; g < G; ++g) {
+          const float4 q = reinterpret_cast<const float4*>(s_q + ((h0 + j) * G + g) * a.D)[c];
+          part[j] += fmaxf(q.x * vh[j].x, q.x * vl[j].x) + fmaxf(q.y * vh[j].y, q.y * vl[j].y) +
+                     fmaxf(q.z * vh[j].z, q.z * vl[j].z) + fmaxf(q.w * vh[j].w, q.w * vl[j].w);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < HU; ++j) {
+      float x = part[j];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+      if (lane == 0 && h0 + j < a.Hk) out[(int64_t)(h0 + j) * a.NB] = x;
+    }
+  }
+}
+
+// ============================================================================ top-K selection
+// One CTA per (request, KV head) row. Middle-block scores become order-preserving 32-bit keys
+// (0 = not selectable) held in shared memory; a 4-pass radix select finds the k-th largest key T;
+// blocks above T, then the lowest-id blocks equal to T, are chosen (the stable order of the
+// reference). Kept sink/local blocks are added and the set is written as an ascending list.
+constexpr int kTopkThreads = 512;
+constexpr int kTopkMaxBlocks = 48 * 1024;  // 192 KiB of keys: 786K tokens at block 16
+
+__device__ __forceinline__ uint32_t order_key(float s) {
+  // The reference ranks NaN and -inf as float32's lowest finite value, +inf as the largest, and
+  // treats -0 == +0.
+  if (s != s || s == -INFINITY) s = -FLT_MAX;
+  if (s == INFINITY) s = FLT_MAX;
+  if (s == 0.f) s = 0.f;
+  const uint32_t u = __float_as_uint(s);
+  return (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // >= 0x00800000 for finite s
+}
+
+__global__ void __launch_bounds__(kTopkThreads)
+select_topk_kernel(TopkArgs a) {
+  extern __shared__ uint32_t s_key[];  // [NB]
+  __shared__ uint32_t s_hist[256];
+  __shared__ int s_nmid, s_want, s_total;
+  __shared__ uint32_t s_prefix;
+  using Scan = cub::BlockScan<int, kTopkThreads>;
+  __shared__ typename Scan::TempStorage s_scan;
+
+  const int hk = blockIdx.x, b = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int NB = a.NB;
+  const int64_t row = (int64_t)b * a.Hk + hk;
+  int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
+  const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
+  const int keep_lo = a.sink, keep_hi = nb - a.local;  // kept: id < keep_lo or id >= keep_hi
+  int ninit = 0;
+  float gam = 0.f;
+  if (a.trend) {
+    const int64_t x = ld_index(a.n_init, b, a.ninit64);
+    ninit = (int)(x < NB ? x : NB);
+    gam = a.gamma[b * a.gamma_stride];
+  }
+  if (tid == 0) { s_nmid = 0; s_total = 0; }
+  __syncthreads();
+  int my_mid = 0;
+  const float* src = a.scores + row * NB;
+  const float* trd = a.trend ? a.trend + row * NB : nullptr;
+  for (int i = tid; i < NB; i += kTopkThreads) {
+    uint32_t key = 0;
+    if (i < nb && i >= keep_lo && i < keep_hi) {
+      float sc;
+      // Unfused multiply-add, as the reference rounds it (ties decide the selection).
+      if (trd) sc = i < ninit ? __fadd_rn(src[i], __fmul_rn(gam, trd[i])) : -INFINITY;
+      else sc = src[i];
+      key = order_key(sc);
+      ++my_mid;
+    }
+    s_key[i] = key;
+  }
+  if (my_mid) atomicAdd(&s_nmid, my_mid);
+  __syncthreads();
+  const int nmid = s_nmid;
+  uint32_t T;
+  int rem;
+  if (a.k >= nmid) { T = 0; rem = 0; }            // every middle block (keys > 0)
+  else if (a.k <= 0) { T = 0xffffffffu; rem = 0; }  // none
+  else {
+    uint32_t prefix = 0, mask = 0;
+    int want = a.k;
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int i = tid; i < 256; i += kTopkThreads) s_hist[i] = 0;
+      __syncthreads();
+      for (int i = tid; i < NB; i += kTopkThreads) {
+        const uint32_t key = s_key[i];
+        if (key != 0 && (key & mask) == prefix) atomicAdd(&s_hist[(key >> shift) & 255u], 1u);
+      }
+      __syncthreads();
+      if (tid < 32) {
+        uint32_t h[8];
+        int lsum = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) { h[j] = s_hist[tid * 8 + j]; lsum += h[j]; }
+        int incl = lsum;  // sum over lanes >= tid
+#pragma unroll
+        for (int off = 1; off < 32; off <<= 1) {
+          const int t = __shfl_down_sync(0xffffffffu, incl, off);
+          if (tid + off < 32) incl += t;
+        }
+        int cum = incl - lsum;  // keys in higher bins
+#pragma unroll
+        for (int j = 7; j >= 0; --j) {
+          if (cum < want && cum + (int)h[j] >= want) {
+            s_prefix = prefix | ((uint32_t)(tid * 8 + j) << shift);
+            s_want = want - cum;
+          }
+          cum += h[j];
+        }
+      }
+      __syncthreads();
+      prefix = s_prefix;
+      want = s_want;
+      mask |= 255u << shift;
+      __syncthreads();
+    }
+    T = prefix;
+    rem = want;
+  }
+  // Contiguous chunk per thread so that scans follow block-id order.
+  const int C = (NB + kTopkThreads - 1) / kTopkThreads;
+  const int i0 = tid * C, i1 = min(NB, i0 + C);
+  int eq = 0;
+  for (int i = i0; i < i1; ++i) eq += (s_key[i] == T && s_key[i] != 0);
+  int eq_before;
+  Scan(s_scan).ExclusiveSum(eq, eq_before);
+  __syncthreads();
+  int sel = 0;
+  for (int i = i0; i < i1; ++i) {
+    const uint32_t key = s_key[i];
+    bool chosen = key != 0 && key > T;
+    if (key != 0 && key == T) { chosen = eq_before < rem; ++eq_before; }
+    const bool keep = i < nb && (i < keep_lo || i >= keep_hi);
+    s_key[i] = (chosen || keep) ? 1u : 0u;  // reuse as the final mask
+    sel += (chosen || keep);
+  }
+  int pos;
+  Scan(s_scan).ExclusiveSum(sel, pos);
+  if (tid == kTopkThreads - 1) s_total = pos + sel;
+  __syncthreads();
+  int32_t* out = a.idx + row * a.n_out;
+  for (int i = i0; i < i1 && pos < a.n_out; ++i) {
+    if (s_key[i]) out[pos++] = i;
+  }
+  const int total = s_total;
+  for (int j = total + tid; j < a.n_out; j += kTopkThreads) out[j] = -1;
+  if (tid == 0) a.cnt[row] = total < a.n_out ? total : a.n_out;
+}
+
+// ============================================================================ set difference
+// One CTA per row: bitmask A \ P in shared memory (robust to any list order), then an ascending
+// compaction by a block scan over the mask words.
+constexpr int kSetThreads = 256;
+
+__global__ void __launch_bounds__(kSetThreads)
+set_difference_kernel(SetDiffArgs a) {
+  extern __shared__ uint32_t s_bits[];
+  using Scan = cub::BlockScan<int, kSetThreads>;
+  __shared__ typename Scan::TempStorage s_scan;
+  __shared__ int s_total;
+  const int row = blockIdx.x, tid = threadIdx.x;
+  const int W = (a.nb + 31) / 32;
+  for (int w = tid; w < W; w += kSetThreads) s_bits[w] = 0;
+  __syncthreads();
+  const int ca = a.a_cnt[row], cp = a.p_cnt[row];
+  for (int i = tid; i < a.Na && i < ca; i += kSetThreads) {
+    const int x = a.a_idx[(int64_t)row * a.Na + i];
+    if (x >= 0 && x < a.nb) atomicOr(&s_bits[x >> 5], 1u << (x & 31));
+  }
+  __syncthreads();
+  for (int i = tid; i < a.Np && i < cp; i += kSetThreads) {
+    const int x = a.p_idx[(int64_t)row * a.Np + i];
+    if (x >= 0 && x < a.nb) atomicAnd(&s_bits[x >> 5], ~(1u << (x & 31)));
+  }
+  __syncthreads();
+  const int C = (W + kSetThreads - 1) / kSetThreads;
+  const int w0 = tid * C, w1 = min(W, w0 + C);
+  int c = 0;
+  for (int w = w0; w < w1; ++w) c += __popc(s_bits[w]);
+  int pos;
+  Scan(s_scan).ExclusiveSum(c, pos);
+  if (tid == kSetThreads - 1) s_total = pos + c;
+  __syncthreads();
+  int32_t* out = a.m_idx + (int64_t)row * a.n_out;
+  for (int w = w0; w < w1 && pos < a.n_out; ++w) {
+    uint32_t bits = s_bits[w];
+    while (bits && pos < a.n_out) {
+      const int j = __ffs(bits) - 1;
+      bits &= bits - 1;
+      out[pos++] = w * 32 + j;
+    }
+  }
+  const int total = s_total;
+  for (int j = total + tid; j < a.n_out; j += kSetThreads) out[j] = -1;
+  if (tid == 0) a.m_cnt[row] = total < a.n_out ? total : a.n_out;
+}
+
+// ============================================================================ Holt update
+__global__ void holt_update_kernel(HoltArgs a) {
+  const int64_t total = (int64_t)a.B * a.Hk * a.NB;
+  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total;
+       e += (int64_t)gridDim.x * blockDim.x) {
+    const int i = (int)(e % a.NB);
+    const int b = (int)(e / ((int64_t)a.Hk * a.NB));
+    const int64_t nb = ld_index(a.nblk, b, a.nblk64);
+    if (i >= nb) continue;
+    const int64_t ni = ld_index(a.n_init, b, a.ninit64);
+    const float s = a.scores[e];
+    if (i < ni) {
+      const float al = a.alpha[b * a.alpha_stride], be = a.beta[b * a.beta_stride];
+      const float lv = a.level[e];
+      // Rounded op by op like the reference (no fused multiply-add): the state feeds top-K ties.
+      a.trend[e] = __fadd_rn(__fmul_rn(be, __fsub_rn(s, lv)), __fmul_rn(__fsub_rn(1.f, be), a.trend[e]));
+      a.level[e] = __fadd_rn(__fmul_rn(al, s), __fmul_rn(__fsub_rn(1.f, al), lv));
+    } else {
+      a.trend[e] = 0.f;
+      a.level[e] = s;
+    }
+  }
+}
+// A separate launch: the element kernel must see the old n_init everywhere.
+__global__ void holt_ninit_kernel(HoltArgs a) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= a.B) return;
+  const int64_t nb = ld_index(a.nblk, b, a.nblk64);
+  if (a.ninit64) {
+    long long* p = reinterpret_cast<long long*>(a.n_init) + b;
+    if (nb > *p) *p = nb;
+  } else {
+    int* p = reinterpret_cast<int*>(a.n_init) + b;
+    if (nb > *p) *p = (int)nb;
+  }
+}
+
+// ============================================================================ merge
+// One CTA per output row (request, query head): weights exp(lse - max) of the kept entries in
+// shared memory, then float4 columns x entry slices accumulated and reduced across slices.
+// Entries of weight 0 (dropped by the exact filter, padding) are never read.
+constexpr int kMergeThreads = 128;
+
+__global__ void __launch_bounds__(kMergeThreads)
+merge_kernel(MergeArgs a) {
+  extern __shared__ float s_dyn[];
+  const int Nt = a.N1 + a.N2;
+  const int nt4 = (Nt + 3) / 4 * 4;   // keeps s_part 16-byte aligned
+  float* s_w = s_dyn;                  // [Nt]
+  float* s_part = s_dyn + nt4;         // [kMergeThreads * 4]
+  uint32_t* s_amask = reinterpret_cast<uint32_t*>(s_part + kMergeThreads * 4);  // [nb/32 + 1]
+  __shared__ float s_red[32];
+  const int r = blockIdx.x, tid = threadIdx.x;
+  int pc = 0;
+  const int32_t* prow = nullptr;
+  if (a.p_idx) {
+    const int b = r / a.Hq, hk = (r % a.Hq) / (a.Hq / a.Hk);
+    const int W = a.nb / 32 + 1;
+    for (int w = tid; w < W; w += kMergeThreads) s_amask[w] = 0;
+    __syncthreads();
+    const int ca = a.a_cnt[b * a.Hk + hk];
+    const int32_t* arow = a.a_idx + ((int64_t)b * a.Hk + hk) * a.Na;
+    for (int i = tid; i < a.Na && i < ca; i += kMergeThreads) {
+      const int x = arow[i];
+      if (x >= 0 && x <= a.nb) atomicOr(&s_amask[x >> 5], 1u << (x & 31));
+    }
+    pc = a.p_cnt[b * a.Hk + hk];
+    prow = a.p_idx + ((int64_t)b * a.Hk + hk) * a.N1;
+    __syncthreads();
+  }
+  float mx = -INFINITY;
+  for (int i = tid; i < Nt; i += kMergeThreads) {
+    float v;
+    if (i < a.N1) {
+      v = a.lse1[(int64_t)r * a.N1 + i];
+      if (prow) {
+        const int x = prow[i];
+        const int xs = x > a.nb ? a.nb : x;
+        const bool keep = i < pc && x >= 0 && ((s_amask[xs >> 5] >> (xs & 31)) & 1u);
+        if (!keep) v = -INFINITY;
+      }
+    } else {
+      v = a.lse2[(int64_t)r * a.N2 + (i - a.N1)];
+    }
+    s_w[i] = v;
+    mx = fmaxf(mx, v);
+  }
+  // block max
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if ((tid & 31) == 0) s_red[tid >> 5] = mx;
+  __syncthreads();
+  mx = -INFINITY;
+  for (int j = 0; j < kMergeThreads / 32; ++j) mx = fmaxf(mx, s_red[j]);
+  const float m_safe = (mx == -INFINITY || mx == INFINITY || mx != mx) ? 0.f : mx;
+  __syncthreads();
+  float ls = 0.f;
+  for (int i = tid; i < Nt; i += kMergeThreads) {
+    const float w = expf(s_w[i] - m_safe);
+    s_w[i] = w;
+    ls += w;
+  }
+  for (int off = 16; off > 0; off >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, off);
+  if ((tid & 31) == 0) s_red[tid >> 5] = ls;
+  __syncthreads();
+  ls = 0.f;
+  for (int j = 0; j < kMergeThreads / 32; ++j) ls += s_red[j];
+  // Weighted sum: thread (float4 column c, entry slice p); slices reduced through shared memory.
+  const int D4 = a.D / 4;
+  const int P = kMergeThreads / D4;
+  const int c = tid % D4, p = tid / D4;
+  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+  if (p < P) {
+    for (int i = p; i < Nt; i += P) {
+      const float w = s_w[i];
+      if (w == 0.f) continue;
+      const float4* src = i < a.N1
+          ? reinterpret_cast<const float4*>(a.o1 + ((int64_t)r * a.N1 + i) * a.D)
+          : reinterpret_cast<const float4*>(a.o2 + ((int64_t)r * a.N2 + (i - a.N1)) * a.D);
+      float4 x = __ldg(src + c);
+      x.x = x.x != x.x ? 0.f : x.x; x.y = x.y != x.y ? 0.f : x.y;
+      x.z = x.z != x.z ? 0.f : x.z; x.w = x.w != x.w ? 0.f : x.w;
+      acc.x = fmaf(w, x.x, acc.x); acc.y = fmaf(w, x.y, acc.y);
+      acc.z = fmaf(w, x.z, acc.z); acc.w = fmaf(w, x.w, acc.w);
+    }
+    reinterpret_cast<float4*>(s_part)[tid] = acc;
+  }
+  __syncthreads();
+  if (p == 0) {
+    float4 t = acc;
+    for (int j = 1; j < P; ++j) {
+      const float4 y = reinterpret_cast<float4*>(s_part)[j * D4 + c];
+      t.x += y.x; t.y += y.y; t.z += y.z; t.w += y.w;
+    }
+    const float inv = 1.f / fmaxf(ls, 1e-30f);
+    t.x *= inv; t.y *= inv; t.z *= inv; t.w *= inv;
+    reinterpret_cast<float4*>(a.o + (int64_t)r * a.D)[c] = t;
+  }
+  if (tid == 0) a.lse[r] = m_safe + logf(ls);
+}
+
+// ============================================================================ Quest update
+__global__ void quest_reset_kernel(QuestUpdateArgs a) {
+  const int n = blockIdx.x;
+  const int64_t loc = ld_index(a.out_loc, n, a.loc64), pos = ld_index(a.positions, n, a.pos64);
+  const int64_t page = (pos % a.page_size == 0) ? loc / a.page_size : 0;
+  const int HD = a.Hk * a.D;
+  for (int e = threadIdx.x; e < HD; e += blockDim.x) {
+    a.kmin[page * HD + e] = INFINITY;
+    a.kmax[page * HD + e] = -INFINITY;
+  }
+}
+__device__ __forceinline__ void atomic_min_f(float* p, float v) {
+  if (v >= 0.f) atomicMin(reinterpret_cast<int*>(p), __float_as_int(v));
+  else atomicMax(reinterpret_cast<unsigned*>(p), __float_as_uint(v));
+}
+__device__ __forceinline__ void atomic_max_f(float* p, float v) {
+  if (v >= 0.f) atomicMax(reinterpret_cast<int*>(p), __float_as_int(v));
+  else atomicMin(reinterpret_cast<unsigned*>(p), __float_as_uint(v));
+}
+__global__ void quest_fold_kernel(QuestUpdateArgs a) {
+  const int n = blockIdx.x;
+  const int64_t page = ld_index(a.out_loc, n, a.loc64) / a.page_size;
+  const int HD = a.Hk * a.D;
+  for (int e = threadIdx.x * 8; e < HD; e += blockDim.x * 8) {
+    float f[8];
+    load8_any(a.k, (int64_t)n * HD + e, a.k_dtype, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      atomic_min_f(a.kmin + page * HD + e + i, f[i]);
+      atomic_max_f(a.kmax + page * HD + e + i, f[i]);
+    }
+  }
+}
+
+}  // namespace
+
+// ============================================================================ launchers
+cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s) {
+  if (a.Hq % a.Hk != 0 || a.Hq / a.Hk > kMaxGroup) return cudaErrorInvalidValue;
+  if (a.B == 0 || a.N == 0 || a.Hk == 0) return cudaSuccess;
+  switch (a.kv_dtype) {
+    case kF32: return attn_dispatch_d<float>(a, s);
+    case kF16: return attn_dispatch_d<__half>(a, s);
+    case kBF16: return attn_dispatch_d<__nv_bfloat16>(a, s);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+cudaError_t launch_quest_scores(const QuestArgs& a, cudaStream_t s) {
+  if (a.D % 8 != 0 || a.Hq % a.Hk != 0) return cudaErrorInvalidValue;
+  if (a.B == 0 || a.NB == 0) return cudaSuccess;
+  const size_t smem = (size_t)a.Hq * a.D * sizeof(float);
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(quest_scores_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  dim3 grid((a.NB + kQuestWarps - 1) / kQuestWarps, a.B);
+  quest_scores_kernel<<<grid, kQuestWarps * 32, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+int max_topk_blocks() { return kTopkMaxBlocks; }
+
+cudaError_t launch_select_topk(const TopkArgs& a, cudaStream_t s) {
+  if (a.NB > kTopkMaxBlocks) return cudaErrorInvalidValue;
+  if (a.B == 0 || a.Hk == 0) return cudaSuccess;
+  const size_t smem = (size_t)(a.NB > 0 ? a.NB : 1) * sizeof(uint32_t);
+  static bool attr_set = false;  // host-side, set once per process
+  if (!attr_set) {
+    cudaError_t e = cudaFuncSetAttribute(select_topk_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kTopkMaxBlocks * (int)sizeof(uint32_t));
+    if (e != cudaSuccess) return e;
+    attr_set = true;
+  }
+  select_topk_kernel<<<dim3(a.Hk, a.B), kTopkThreads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_set_difference(const SetDiffArgs& a, cudaStream_t s) {
+  if (a.rows == 0) return cudaSuccess;
+  const size_t smem = (size_t)((a.nb + 31) / 32 + 1) * sizeof(uint32_t);
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(set_difference_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  set_difference_kernel<<<a.rows, kSetThreads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_holt_update(const HoltArgs& a, cudaStream_t s) {
+  const int64_t total = (int64_t)a.B * a.Hk * a.NB;
+  if (total > 0) {
+    const int threads = 256;
+    int64_t blocks = (total + threads - 1) / threads;
+    if (blocks > 4096) blocks = 4096;
+    holt_update_kernel<<<(int)blocks, threads, 0, s>>>(a);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  if (a.B > 0) holt_ninit_kernel<<<(a.B + 127) / 128, 128, 0, s>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_merge(const MergeArgs& a, cudaStream_t s) {
+  if (a.D % 4 != 0 || a.D / 4 > kMergeThreads) return cudaErrorInvalidValue;
+  if (a.R == 0) return cudaSuccess;
+  const int Nt = a.N1 + a.N2;
+  const size_t smem = ((size_t)(Nt + 3) / 4 * 4 + kMergeThreads * 4 + (a.p_idx ? a.nb / 32 + 1 : 0)) * 4;
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(merge_kernel,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  merge_kernel<<<a.R, kMergeThreads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_quest_update(const QuestUpdateArgs& a, cudaStream_t s) {
+  if ((a.Hk * a.D) % 8 != 0) return cudaErrorInvalidValue;
+  if (a.N == 0) return cudaSuccess;
+  quest_reset_kernel<<<a.N, 256, 0, s>>>(a);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) return e;
+  quest_fold_kernel<<<a.N, 128, 0, s>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace prr

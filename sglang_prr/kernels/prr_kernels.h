@@ -1,0 +1,86 @@
+// Launchers of the PRR SM90 kernels (plain C types: this header is shared by the CUDA translation
+// unit and the torch binding, which is compiled by the host compiler).
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace prr {
+
+// Element types of the tensors the kernels read (q, KV buffers).
+enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
+
+// Largest GQA group handled by the attention kernels (query heads per KV head).
+constexpr int kMaxGroup = 8;
+
+struct AttnArgs {
+  const void* q; int q_dtype;                   // [B, Hq, D] contiguous
+  const void* k; const void* v; int kv_dtype;   // [num_slots, Hk, D], last dim contiguous
+  int64_t k_stride_slot, k_stride_head, v_stride_slot, v_stride_head;
+  const void* table; bool table64; int64_t table_stride;  // [B, NB]
+  const void* seq_lens; bool seq64;                          // [B]
+  const int32_t* idx; const int32_t* cnt;                    // [B, Hk, N], [B, Hk]
+  float* o; float* lse;                                      // [B, Hq, N, D], [B, Hq, N]
+  int B, Hq, Hk, N, D, page_size;
+  float sm_scale;
+};
+cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s);
+
+struct QuestArgs {
+  const void* q; int q_dtype;                  // [B, Hq, D] contiguous
+  const float* kmin; const float* kmax;        // [num_pages, Hk, D] contiguous
+  const void* table; bool table64; int64_t table_stride;  // [B, NB]
+  const void* nblk; bool nblk64;                          // [B]
+  float* out;                                             // [B, Hk, NB]
+  int B, Hq, Hk, NB, D;
+};
+cudaError_t launch_quest_scores(const QuestArgs& a, cudaStream_t s);
+
+struct TopkArgs {
+  const float* scores;              // [B, Hk, NB] (level when trend != nullptr)
+  const float* trend;               // predict mode: IS_hat = level + gamma * trend
+  const float* gamma; int64_t gamma_stride;
+  const void* n_init; bool ninit64;
+  const void* nblk; bool nblk64;    // [B]
+  int32_t* idx; int32_t* cnt;       // [B, Hk, n_out], [B, Hk]
+  int B, Hk, NB, k, sink, local, n_out;
+};
+cudaError_t launch_select_topk(const TopkArgs& a, cudaStream_t s);
+int max_topk_blocks();  // largest NB a row of select_topk may have (shared-memory bound)
+
+struct SetDiffArgs {
+  const int32_t* a_idx; const int32_t* a_cnt; int Na;
+  const int32_t* p_idx; const int32_t* p_cnt; int Np;
+  int32_t* m_idx; int32_t* m_cnt; int n_out;
+  int rows, nb;
+};
+cudaError_t launch_set_difference(const SetDiffArgs& a, cudaStream_t s);
+
+struct HoltArgs {
+  float* level; float* trend; void* n_init; bool ninit64;
+  const float* scores; const void* nblk; bool nblk64;
+  const float* alpha; int64_t alpha_stride; const float* beta; int64_t beta_stride;
+  int B, Hk, NB;
+};
+cudaError_t launch_holt_update(const HoltArgs& a, cudaStream_t s);
+
+struct MergeArgs {
+  const float* o1; const float* lse1; int N1;     // [R, N1, D], [R, N1]
+  const float* o2; const float* lse2; int N2;     // optional second source (repair), N2 may be 0
+  // exact PRR filter on source 1 (nullptr: keep all): entry i of row (b, hq) is kept iff
+  // i < p_cnt[b, hk], p_idx >= 0 and p_idx is in A.
+  const int32_t* p_idx; const int32_t* p_cnt; const int32_t* a_idx; const int32_t* a_cnt;
+  int Na, nb, Hq, Hk;
+  float* o; float* lse;                            // [R, D], [R]
+  int R, D;
+};
+cudaError_t launch_merge(const MergeArgs& a, cudaStream_t s);
+
+struct QuestUpdateArgs {
+  float* kmin; float* kmax;            // [num_pages, Hk, D]
+  const void* k; int k_dtype;          // [N, Hk, D] contiguous
+  const void* out_loc; bool loc64; const void* positions; bool pos64;
+  int N, Hk, D, page_size;
+};
+cudaError_t launch_quest_update(const QuestUpdateArgs& a, cudaStream_t s);
+
+}  // namespace prr
