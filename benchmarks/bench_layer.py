@@ -1,0 +1,230 @@
+"""One question: per-layer decode latency of PRR vs serial DSA vs dense FlashInfer, side by side.
+
+Llama-3-8B layer shape by default (32 q / 8 KV heads, dim 128, bf16 KV), SGLang's paged KV layout
+(one page = one PRR block), Quest selection. Each variant is captured in a CUDA graph and timed
+over replays (median and p10-p90 spread); queries drift between replays from a precomputed pool
+(the same pool and index bump in every variant), so the predictor sees realistic changes and
+the hit rate |P n A| / |A| measured during the replays is reported beside the times.
+
+  python benchmarks/bench_layer.py                       # 32K/128K x batch 1/8 on CUDA
+  python benchmarks/bench_layer.py --quick --device cpu  # smoke run of the same code on CPU
+
+Variants: dense = FlashInfer paged decode over every page (skipped when FlashInfer is missing);
+serial = selection then attention over A on one stream; prr = ``pipeline.PRRStep`` (speculative
+attention over P beside selection, then repair over M and the exact merge). Stage rows time the
+selection chain, the speculative pass and the repair alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from sglang_prr import ops  # noqa: E402
+from sglang_prr.pipeline import PRRStep  # noqa: E402
+
+
+def build(batch, ctx, page, hq, hk, d, dtype, dev, n_queries, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    max_ctx = ctx + page
+    per_req = -(-max_ctx // page)
+    n_pages = 1 + batch * per_req
+    pages = (torch.randperm(n_pages - 1, generator=g) + 1).view(batch, per_req)
+    r2t = (pages[:, :, None] * page + torch.arange(page)).view(batch, -1)[:, :max_ctx]
+    r2t = torch.cat([torch.zeros(1, max_ctx, dtype=torch.long), r2t]).int().to(dev)
+    rows = torch.arange(1, batch + 1, device=dev)
+    k_buf = torch.randn(n_pages * page, hk, d, generator=g)
+    v_buf = torch.randn(n_pages * page, hk, d, generator=g)
+    # A handful of blocks per request carry a "topic" direction that the queries follow.
+    topic = torch.randn(batch, hk, d, generator=g)
+    for b in range(batch):
+        hot = torch.randint(1, ctx // page - 1, (24,), generator=g)
+        for blk in hot:
+            k_buf[pages[b, blk] * page + torch.arange(page)] += 0.4 * topic[b]
+    k_buf, v_buf = k_buf.to(dev, dtype), v_buf.to(dev, dtype)
+    group = hq // hk
+    drift = torch.cumsum(torch.randn(n_queries, batch, hk, d, generator=g) * 0.15, 0)
+    qs = ((topic + drift).repeat_interleave(group, 2) * 3.0
+          + torch.randn(n_queries, batch, hq, d, generator=g)).to(dev, dtype)
+    table = ops.block_table(r2t, rows, page)
+    kmin = torch.full((n_pages, hk, d), float("inf"), device=dev)
+    kmax = torch.full((n_pages, hk, d), float("-inf"), device=dev)
+    for b in range(batch):
+        loc = r2t[b + 1, :ctx]
+        ops.quest_update(kmin, kmax, k_buf[loc.long()], loc, torch.arange(ctx, device=dev), page)
+    seq = torch.full((batch,), ctx, device=dev, dtype=torch.long)
+    return dict(k_buf=k_buf, v_buf=v_buf, qs=qs, table=table, kmin=kmin, kmax=kmax, seq=seq,
+                pages=pages, n_pages=n_pages)
+
+
+def flashinfer_dense(env, batch, ctx, page, hq, hk, d, dev):
+    if dev.type != "cuda":
+        return None
+    try:
+        import flashinfer
+    except Exception as e:  # noqa: BLE001 - report and skip the baseline
+        print(f"[dense] FlashInfer unavailable: {e}")
+        return None
+    npg = -(-ctx // page)
+    indptr = torch.arange(batch + 1, dtype=torch.int32, device=dev) * npg
+    indices = env["pages"][:, :npg].reshape(-1).int().to(dev)
+    last = torch.full((batch,), ctx - (npg - 1) * page, dtype=torch.int32, device=dev)
+    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr,
+        paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
+    w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=env["qs"].dtype,
+           kv_data_type=env["k_buf"].dtype)
+    kc = env["k_buf"].view(env["n_pages"], page, hk, d)
+    vc = env["v_buf"].view(env["n_pages"], page, hk, d)
+    return lambda q: w.run(q, (kc, vc))
+
+
+def time_graph(fn, q_buf, qs, dev, iters, warmup=5):
+    """Capture ``fn`` (which reads q_buf) with the pool bump in a graph; median/p10/p90 in us."""
+    n = qs.shape[0]
+    step = torch.zeros((), dtype=torch.long, device=dev)
+
+    def body():
+        q_buf.copy_(qs.index_select(0, step.view(1)).squeeze(0))
+        step.add_(1).remainder_(n)
+        fn(q_buf)
+
+    if dev.type != "cuda":
+        ts = []
+        for i in range(warmup + iters):
+            t0 = time.perf_counter()
+            body()
+            if i >= warmup:
+                ts.append((time.perf_counter() - t0) * 1e6)
+        return _stats(ts)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            body()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        body()
+    for _ in range(warmup):
+        g.replay()
+    ts = []
+    start = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    end = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for i in range(iters):
+        start[i].record()
+        g.replay()
+        end[i].record()
+    torch.cuda.synchronize()
+    ts = [a.elapsed_time(b) * 1e3 for a, b in zip(start, end)]
+    return _stats(ts)
+
+
+def _stats(ts):
+    ts = sorted(ts)
+    q = lambda f: ts[min(len(ts) - 1, int(f * len(ts)))]
+    return statistics.median(ts), q(0.1), q(0.9)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=2048, help="tokens")
+    ap.add_argument("--budget", type=float, default=1.5)
+    ap.add_argument("--heads", type=int, nargs=3, default=[32, 8, 128], metavar=("HQ", "HK", "D"))
+    ap.add_argument("--iters", type=int, default=100)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                  "layer.csv"))
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    if a.quick:
+        a.contexts, a.batches, a.iters, a.heads, a.page, a.top_k = [1024], [2], 3, [8, 2, 32], 16, 128
+    hq, hk, d = a.heads
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    if dev.type == "cuda":
+        try:
+            from sglang_prr import kernels
+            kernels.load()
+        except Exception as e:  # noqa: BLE001 - the reference ops still run
+            print(f"[kernels] not loaded, timing the torch reference ops: {e}")
+    k = -(-a.top_k // a.page)
+    n_pred = max(k, int(a.budget * k))
+    scale = 1.0 / math.sqrt(d)
+    rows = []
+    for ctx in a.contexts:
+        for batch in a.batches:
+            env = build(batch, ctx, a.page, hq, hk, d, dtype, dev, n_queries=64)
+            nb = env["table"].shape[1]
+            q_buf = env["qs"][0].clone()
+            summ = [env["kmin"], env["kmax"]]
+            common = (env["k_buf"], env["v_buf"], summ, env["table"], env["seq"])
+            res = {}
+            dense = flashinfer_dense(env, batch, ctx, a.page, hq, hk, d, dev)
+            if dense is not None:
+                res["dense (FlashInfer)"] = time_graph(dense, q_buf, env["qs"], dev, a.iters)
+            res["serial DSA"] = time_graph(
+                lambda q: ops.dsa_decode(q, *common, "quest", k, 1, 1, a.page, scale),
+                q_buf, env["qs"], dev, a.iters)
+            step = PRRStep(dev)
+            level = torch.zeros(batch, hk, nb, device=dev)
+            trend, n_init = torch.zeros_like(level), torch.zeros(batch, dtype=torch.long, device=dev)
+            theta = torch.tensor([[0.6, 0.3, 0.5]] * batch, device=dev)
+            p_idx = torch.full((batch, hk, n_pred + 2), -1, dtype=torch.int32, device=dev)
+            p_cnt = torch.zeros(batch, hk, dtype=torch.int32, device=dev)
+            hits = torch.zeros(2, device=dev)  # sum |M|, sum |A| accumulated on the device
+
+            def prr(q):
+                o, a_idx, a_cnt, m_idx, m_cnt, _, _ = step.run(
+                    q, *common, p_idx, p_cnt, level, trend, n_init, theta, "quest", k, n_pred,
+                    1, 1, a.page, scale)
+                hits.add_(torch.stack([m_cnt.sum(), a_cnt.sum()]).float())
+                return o
+
+            res["PRR (exact)"] = time_graph(prr, q_buf, env["qs"], dev, a.iters)
+            m_sum, a_sum = hits.tolist()  # host-ok: benchmark readout
+            hit = 1.0 - m_sum / max(a_sum, 1.0)
+            # Stages alone, for the timeline.
+            nblk = ops.num_blocks(env["seq"], a.page)
+            res["stage: selection"] = time_graph(
+                lambda q: ops.select_topk(ops.quest_scores(q, env["kmin"], env["kmax"],
+                                                           env["table"], nblk),
+                                          nblk, k, 1, 1, k + 2), q_buf, env["qs"], dev, a.iters)
+            res["stage: spec attention"] = time_graph(
+                lambda q: ops.sparse_attn_partials(q, env["k_buf"], env["v_buf"], env["table"],
+                                                   env["seq"], p_idx, p_cnt, a.page, scale),
+                q_buf, env["qs"], dev, a.iters)
+            for name, (med, p10, p90) in res.items():
+                rows.append(dict(device=str(dev), ctx=ctx, batch=batch, page=a.page,
+                                 top_k_tokens=a.top_k, budget=a.budget, variant=name,
+                                 median_us=round(med, 2), p10_us=round(p10, 2),
+                                 p90_us=round(p90, 2), hit_rate=round(hit, 4)))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"\n{name}, {time.strftime('%Y-%m-%d')}, page {a.page}, K={a.top_k} tokens, "
+          f"delta={a.budget}, heads {hq}/{hk}x{d}")
+    print(f"{'ctx':>7} {'batch':>5} {'variant':<22} {'median us':>10} {'p10-p90':>15} {'hit':>6}")
+    for r in rows:
+        print(f"{r['ctx']:>7} {r['batch']:>5} {r['variant']:<22} {r['median_us']:>10} "
+              f"{r['p10_us']:>7}-{r['p90_us']:<7} {r['hit_rate']:>6}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
