@@ -1,0 +1,490 @@
+"""PRR attention backend: wraps SGLang's attention backend; extend = calibrate, decode = PRR.
+
+Decode, per layer (``forward_decode``):
+
+1. write the new K/V into SGLang's pool (the same ``set_kv_buffer`` the inner backend uses),
+   then fold the new key into its page's block summary (``ops.quest_update`` /
+   ``ops.infllm_update``);
+2. rows below ``min_context`` tokens, layers in ``dense_layers``: the inner backend's dense
+   attention;
+3. other rows: serial DSA (``ops.dsa_decode``, with ``--prr-serial``) or PRR
+   (``ops.prr_decode``: predict -> speculative attention -> selection -> repair -> merge), with
+   the predictor state of the batch's request slots gathered from and scattered back to
+   ``PRRState``.
+
+Nothing in the decode path reads a device value on the host: shapes are static (block lists are
+``-1`` padded with device-side counts) and the statistics accumulate on the device. The only
+host decision uses ``forward_batch.seq_lens_cpu``, a host tensor SGLang already holds, to skip
+the dense or the sparse pass when no row needs it (under graph capture both run).
+
+Extend (``forward_extend``): the inner backend's attention, then the summaries of the new
+tokens, then calibration on ``calib_queries`` queries sampled evenly from each request's chunk:
+``ops.calibrate`` scores every candidate of ``cfg.theta_grid``, the scores accumulate over the
+chunks of a chunked prefill, theta* = argmax per request and layer; the predictor is replayed
+over the sampled queries with theta* and predicts P for the first decode step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import time
+import types
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from . import ops
+from . import reference as ref
+from .config import PRRConfig
+from .state import PRRState
+
+logger = logging.getLogger("sglang_prr")
+
+# Debug switch for negative controls: PRR without its repair step (M forced empty). The exactness
+# tests use it to show that the repair is what makes PRR(exact) equal serial DSA.
+ENV_SKIP_REPAIR = "SGLANG_PRR_DEBUG_SKIP_REPAIR"
+# On a GPU the statistics file is refreshed at most this often (a device->host copy).
+STATS_FLUSH_SECONDS_GPU = 1.0
+
+# Statistic slots accumulated on the device (float64).
+_S_STEPS, _S_ROWS, _S_HIT, _S_A, _S_M, _S_P, _S_DENSE = range(7)
+_N_STATS = 7
+
+
+def _no_repair_impl() -> types.SimpleNamespace:
+    """The ops module with ``set_difference`` returning an empty M (repair skipped)."""
+    ns = types.SimpleNamespace(**{k: getattr(ops, k) for k in dir(ops) if not k.startswith("__")})
+
+    def set_difference(a_idx, a_cnt, p_idx, p_cnt, nb):
+        m_idx, m_cnt = ops.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+        return torch.full_like(m_idx, -1), torch.zeros_like(m_cnt)
+
+    ns.set_difference = set_difference
+    return ns
+
+
+def wrap_backend(inner, runner, name: str):
+    """Called by the patched registry: PRRBackend around ``inner`` when PRR is configured."""
+    from .server_args_patch import load_config
+
+    cfg = load_config()
+    if cfg is None or not cfg.enabled:
+        return inner
+    if isinstance(inner, PRRBackend):
+        return inner
+    return PRRBackend(inner, runner, cfg, name)
+
+
+class _Stats:
+    """Device-side accumulators, copied to the host only outside the decode step."""
+
+    def __init__(self, device, cfg: PRRConfig, server_args):
+        self.acc = torch.zeros(_N_STATS, dtype=torch.float64, device=device)
+        self.cfg = cfg
+        self.decode_batches = 0
+        self.extend_batches = 0
+        self.calibrations = 0
+        self.theta_counts: Dict[str, int] = {}
+        self._last_flush = 0.0
+        self._last_logged = 0
+        self._gauges = None
+        self._enable_metrics = bool(getattr(server_args, "enable_metrics", False))
+        self._on_gpu = torch.device(device).type == "cuda"
+
+    def snapshot(self) -> Dict[str, Any]:
+        a = self.acc.tolist()  # host-ok: called from init_forward_metadata, outside decode
+        rows = max(a[_S_ROWS], 1.0)
+        return {
+            "decode_batches": self.decode_batches,
+            "decode_steps": int(a[_S_STEPS]),
+            "sparse_rows": int(a[_S_ROWS]),
+            "dense_rows": int(a[_S_DENSE]),
+            "hit_rate": (a[_S_HIT] / a[_S_A]) if a[_S_A] > 0 else None,
+            "mean_selected_blocks": a[_S_A] / rows if a[_S_ROWS] else None,
+            "mean_repair_blocks": a[_S_M] / rows if a[_S_ROWS] else None,
+            "delta": (a[_S_P] / a[_S_A]) if a[_S_A] > 0 else None,
+            "extend_batches": self.extend_batches,
+            "calibrations": self.calibrations,
+            "theta_chosen": dict(self.theta_counts),
+            "time": time.time(),
+        }
+
+    def maybe_flush(self, force: bool = False) -> None:
+        now = time.time()
+        interval = self.cfg.metrics_interval
+        log_due = interval > 0 and self.decode_batches - self._last_logged >= interval
+        if not (force or log_due or not self._on_gpu
+                or now - self._last_flush >= STATS_FLUSH_SECONDS_GPU):
+            return
+        self._last_flush = now
+        snap = self.snapshot()
+        from .plugin import stats_path
+
+        path = stats_path()
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(snap, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.debug("sglang_prr: cannot write stats (%s)", e)
+        if log_due:
+            self._last_logged = self.decode_batches
+            logger.info("PRR decode batches=%d hit_rate=%s |A|=%s |M|=%s delta=%s",
+                        snap["decode_batches"], _fmt(snap["hit_rate"]),
+                        _fmt(snap["mean_selected_blocks"]), _fmt(snap["mean_repair_blocks"]),
+                        _fmt(snap["delta"]))
+        if self._enable_metrics:
+            self._export(snap)
+
+    def _export(self, snap) -> None:
+        try:
+            from prometheus_client import Gauge
+
+            if self._gauges is None:
+                mk = lambda n, d: Gauge(f"sglang:prr_{n}", d, multiprocess_mode="mostrecent")
+                self._gauges = {
+                    "hit_rate": mk("hit_rate", "PRR hit rate |P n A| / |A| (cumulative)"),
+                    "mean_repair_blocks": mk("repair_blocks", "Mean |M| per row, head, layer"),
+                    "mean_selected_blocks": mk("selected_blocks", "Mean |A| per row, head, layer"),
+                    "delta": mk("delta", "Speculation budget used: |P| / |A|"),
+                    "decode_steps": mk("decode_steps", "PRR layer-steps run (cumulative)"),
+                }
+            for k, g in self._gauges.items():
+                if snap.get(k) is not None:
+                    g.set(float(snap[k]))
+        except Exception as e:  # metrics must never break serving
+            logger.debug("sglang_prr: prometheus export failed (%s)", e)
+
+
+def _fmt(v) -> str:
+    return "n/a" if v is None else f"{v:.4f}"
+
+
+class PRRBackend:
+    """Wraps an SGLang ``AttentionBackend``; see the module docstring. Every attribute not
+    defined here (CUDA-graph hooks, flags) is the inner backend's."""
+
+    def __init__(self, inner, runner, cfg: PRRConfig, name: str):
+        self.inner = inner
+        self.cfg = cfg
+        self.name = name
+        self.runner = runner
+        self.device = torch.device(runner.device)
+        self.page = int(runner.server_args.page_size or 1)
+        self.kv_pool = runner.token_to_kv_pool
+        self.req_pool = runner.req_to_token_pool
+        self.active = True
+        self._warned = False
+        reason = self._incompatible(runner)
+        if reason:
+            self.active = False
+            logger.warning("sglang_prr: %s; PRR falls back to dense attention", reason)
+            return
+        mc = runner.model_config
+        from sglang.srt.runtime_context import get_parallel
+
+        self.num_kv_heads = mc.get_num_kv_heads(get_parallel().attn_tp_size)
+        self.head_dim = mc.head_dim
+        self.num_layers = mc.num_hidden_layers
+        kbuf = self.kv_pool.get_key_buffer(getattr(self.kv_pool, "start_layer", 0) or 0)
+        self.num_pages = kbuf.shape[0] // self.page
+        L, P, Hk, D = self.num_layers, self.num_pages, self.num_kv_heads, self.head_dim
+        if cfg.method == "quest":
+            self.kmin = torch.full((L, P, Hk, D), float("inf"), device=self.device)
+            self.kmax = torch.full((L, P, Hk, D), float("-inf"), device=self.device)
+        else:
+            self.ck = torch.zeros((L, P, self.page // 16, Hk, D), device=self.device)
+        self.state = PRRState(cfg, L, Hk, self.req_pool, self.device)
+        grid = torch.tensor(cfg.theta_grid, dtype=torch.float32, device=self.device)  # [C, 3]
+        self.grid = grid
+        self.alphas, self.betas, self.gammas = (grid[:, i].contiguous() for i in range(3))
+        self.k_blocks = cfg.top_k_blocks
+        self.n_pred = cfg.predicted_blocks
+        self.dense_layers = set(cfg.dense_layers)
+        self.exact = cfg.mode == "exact"
+        self.impl = _no_repair_impl() if os.environ.get(ENV_SKIP_REPAIR) == "1" else ops
+        self.step = None
+        if self.impl is ops:
+            try:
+                from .pipeline import prr_step
+
+                self.step = prr_step(self.device)
+            except ImportError:
+                self.step = None
+        self.stats = _Stats(self.device, cfg, runner.server_args)
+        self.tracer = self._make_tracer()
+        self._ext_plan = None
+        summary_mib = sum(t.numel() * 4 for t in self._summary_tensors()) / 2**20
+        logger.info("sglang_prr: PRRBackend(%s) method=%s mode=%s%s K=%d blocks |P|<=%d "
+                    "page=%d pages=%d summaries=%.1f MiB state=%.1f MiB", name, cfg.method,
+                    cfg.mode, " serial" if cfg.serial else "", self.k_blocks, self.n_pred,
+                    self.page, self.num_pages, summary_mib, self.state.nbytes / 2**20)
+
+    # ------------------------------------------------------------------ plumbing
+    def __getattr__(self, item):
+        # Only reached for attributes not found normally: delegate to the wrapped backend.
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(item)
+        return getattr(inner, item)
+
+    def _incompatible(self, runner) -> Optional[str]:
+        if getattr(runner, "use_mla_backend", False):
+            return "MLA models are not supported"
+        mc = runner.model_config
+        if getattr(runner, "sliding_window_size", None) or getattr(mc, "is_hybrid_swa", False):
+            return "sliding-window attention models are not supported"
+        if self.page != self.cfg.block_size:
+            return f"page size {self.page} != PRR block size {self.cfg.block_size}"
+        if getattr(mc, "attention_arch", None) is not None and "MLA" in str(mc.attention_arch):
+            return "MLA models are not supported"
+        return None
+
+    def _make_tracer(self):
+        if not self.cfg.trace_path:
+            return None
+        try:
+            from .traces import TraceRecorder
+        except ImportError:
+            logger.warning("sglang_prr: --prr-trace-path given but sglang_prr.traces is missing")
+            return None
+        return TraceRecorder(self.cfg, self.num_layers, self.num_kv_heads)
+
+    def _summary_tensors(self) -> List[torch.Tensor]:
+        return [self.kmin, self.kmax] if self.cfg.method == "quest" else [self.ck]
+
+    def _summary(self, layer_id: int) -> List[torch.Tensor]:
+        if self.cfg.method == "quest":
+            return [self.kmin[layer_id], self.kmax[layer_id]]
+        return [self.ck[layer_id]]
+
+    def support_triton(self):
+        return self.inner.support_triton()
+
+    def get_cuda_graph_seq_len_fill_value(self):
+        return self.inner.get_cuda_graph_seq_len_fill_value()
+
+    def init_cuda_graph_state(self, *args, **kwargs):
+        return self.inner.init_cuda_graph_state(*args, **kwargs)
+
+    # ------------------------------------------------------------------ per-forward host work
+    def _before_forward(self, fb) -> None:
+        """Host bookkeeping at the start of a forward (never inside a captured graph)."""
+        if not self.active:
+            return
+        mode = fb.forward_mode
+        if mode.is_extend():
+            self.state.apply_resets()
+            self.stats.extend_batches += 1
+            self._ext_plan = None
+        elif mode.is_decode():
+            self.stats.decode_batches += 1
+        self.stats.maybe_flush()
+
+    def init_forward_metadata(self, fb):
+        self._before_forward(fb)
+        return self.inner.init_forward_metadata(fb)
+
+    def init_forward_metadata_out_graph(self, fb, in_capture: bool = False):
+        if not in_capture:
+            self._before_forward(fb)
+        return self.inner.init_forward_metadata_out_graph(fb, in_capture=in_capture)
+
+    def init_forward_metadata_in_graph(self, fb):
+        return self.inner.init_forward_metadata_in_graph(fb)
+
+    def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        mode = forward_batch.forward_mode
+        if mode.is_idle():
+            return q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)
+        if mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        if mode.is_mixed() and hasattr(self.inner, "forward_mixed") and not mode.is_extend():
+            return self.inner.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    # ------------------------------------------------------------------ summaries
+    def _update_summaries(self, layer_id: int, k: torch.Tensor, fb) -> None:
+        Hk, D = self.num_kv_heads, self.head_dim
+        loc = fb.out_cache_loc
+        pos = fb.positions
+        if self.cfg.method == "quest":
+            ops.quest_update(self.kmin[layer_id], self.kmax[layer_id], k.reshape(-1, Hk, D), loc,
+                             pos, self.page)
+        else:
+            req_idx = self._token_req_idx(fb)
+            ops.infllm_update(self.ck[layer_id], self.kv_pool.get_key_buffer(layer_id),
+                              self.req_pool.req_to_token, req_idx, loc, pos, self.page)
+
+    def _token_req_idx(self, fb) -> torch.Tensor:
+        """Request slot of every token of the batch ``[N]`` (decode: one token per request)."""
+        if fb.forward_mode.is_decode():
+            return fb.req_pool_indices
+        lens = fb.extend_seq_lens
+        return torch.repeat_interleave(fb.req_pool_indices, lens, output_size=int(fb.out_cache_loc.shape[0]))
+
+    def _applies(self, layer) -> bool:
+        return (self.active and not getattr(layer, "is_cross_attention", False)
+                and layer.layer_id not in self.dense_layers)
+
+    # ------------------------------------------------------------------ extend
+    def forward_extend(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+        o = self.inner.forward_extend(q, k, v, layer, fb, save_kv_cache=save_kv_cache, **kwargs)
+        if not self._applies(layer) or k is None:
+            return o
+        self._update_summaries(layer.layer_id, k, fb)
+        if self.cfg.calib_queries >= 2 and not self.cfg.serial:
+            self._calibrate(layer, q, fb)
+        return o
+
+    def _extend_plan(self, fb):
+        """Host copies of the batch layout (extend only: a sync here is outside decode)."""
+        if self._ext_plan is None:
+            rows = fb.req_pool_indices.tolist()  # host-ok: extend, once per forward
+            ext = list(fb.extend_seq_lens_cpu)
+            pre = list(fb.extend_prefix_lens_cpu)
+            self._ext_plan = (rows, ext, pre)
+        return self._ext_plan
+
+    def _calibrate(self, layer, q, fb) -> None:
+        cfg, l = self.cfg, layer.layer_id
+        Hq, D = layer.tp_q_head_num, layer.qk_head_dim
+        q3 = q.reshape(-1, Hq, D)
+        rows, ext, pre = self._extend_plan(fb)
+        st = self.state
+        start = 0
+        for row, n_new, n_pre in zip(rows, ext, pre):
+            s0, start = start, start + n_new
+            phi = min(cfg.calib_queries, n_new)
+            if phi < 1:
+                continue
+            # Evenly spaced queries of the chunk, always including its last one.
+            offs = torch.linspace(0, n_new - 1, phi, device=self.device).round().long().unique()
+            qs = q3[s0 + offs]  # [Phi, Hq, D]
+            seq = (n_pre + offs + 1)  # causal lengths [Phi]
+            r = torch.full_like(offs, row)
+            table = ops.block_table(self.req_pool.req_to_token, r, self.page)  # [Phi, NB]
+            scores = ops.select_blocks(cfg.method, qs, self._summary(l), table, seq, self.page,
+                                       layer.scaling)  # [Phi, Hk, NB]
+            nblk = ref.num_blocks(seq, self.page)  # [Phi]
+            nb = scores.shape[-1]
+            if offs.numel() >= 2:
+                H = ops.calibrate(scores.unsqueeze(0), nblk.unsqueeze(0), self.k_blocks,
+                                  self.n_pred, cfg.sink_blocks, cfg.local_blocks, self.alphas,
+                                  self.betas, self.gammas)[0]  # [C]
+                st.h_sum[l, row] += H * (offs.numel() - 1)
+                st.h_cnt[l, row] += offs.numel() - 1
+                best = int(torch.argmax(st.h_sum[l, row]))  # first max: lower index wins
+                st.theta[l, row] = self.grid[best]
+                self.stats.calibrations += 1
+                if l == 0:
+                    key = ",".join(f"{x:g}" for x in cfg.theta_grid[best])
+                    self.stats.theta_counts[key] = self.stats.theta_counts.get(key, 0) + 1
+            # Replay the predictor over the sampled queries with theta* (continuing the state
+            # of earlier chunks), then predict P for the first decode step.
+            theta = st.theta[l, row:row + 1]  # [1, 3]
+            lv, tr, ni = st.level[l, row:row + 1, :, :nb], st.trend[l, row:row + 1, :, :nb], \
+                st.n_init[l, row:row + 1]
+            lv, tr, ni = lv.clone(), tr.clone(), ni.clone()
+            for i in range(offs.numel()):
+                ops.holt_update(lv, tr, ni, scores[i:i + 1], nblk[i:i + 1], theta[:, 0],
+                                theta[:, 1])
+            st.level[l, row:row + 1, :, :nb] = lv
+            st.trend[l, row:row + 1, :, :nb] = tr
+            st.n_init[l, row:row + 1] = ni
+            total = n_pre + n_new
+            p_idx, p_cnt = ops.predict_set(
+                st.level[l, row:row + 1], st.trend[l, row:row + 1], theta[:, 2].contiguous(),
+                st.n_init[l, row:row + 1],
+                ref.num_blocks(torch.tensor([total + 1], device=self.device), self.page),
+                self.n_pred, cfg.sink_blocks, cfg.local_blocks)
+            st.p_idx[l, row] = p_idx[0]
+            st.p_cnt[l, row] = p_cnt[0]
+
+    # ------------------------------------------------------------------ decode
+    def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
+        if not self._applies(layer):
+            return self.inner.forward_decode(q, k, v, layer, fb, save_kv_cache=save_kv_cache,
+                                             **kwargs)
+        cfg, l = self.cfg, layer.layer_id
+        Hq, D, Dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
+        B = q.shape[0] if q.dim() == 2 else q.reshape(-1, Hq * D).shape[0]
+        # 1. KV write (the inner backend's store), then the summary of the new token.
+        if save_kv_cache and k is not None and v is not None:
+            self.kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
+            self._update_summaries(l, k, fb)
+        seq_lens = fb.seq_lens
+        # 2. Which passes are needed: seq_lens_cpu is already on the host (no sync).
+        lens_cpu = getattr(fb, "seq_lens_cpu", None)
+        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+        if lens_cpu is not None and not capturing:
+            need_dense = bool((lens_cpu < cfg.min_context).any())
+            need_sparse = bool((lens_cpu >= cfg.min_context).any())
+        else:
+            need_dense = need_sparse = True
+        o_dense = None
+        if need_dense:
+            o_dense = self.inner.forward_decode(q, k, v, layer, fb, save_kv_cache=False,
+                                                **kwargs).reshape(B, Hq * Dv)
+        if not need_sparse:
+            return o_dense
+        # 3. Sparse pass.
+        q3 = q.reshape(B, Hq, D)
+        k_buf = self.kv_pool.get_key_buffer(l)
+        v_buf = self.kv_pool.get_value_buffer(l)
+        table = ops.block_table(self.req_pool.req_to_token, fb.req_pool_indices, self.page)
+        summary = self._summary(l)
+        sparse_row = seq_lens >= cfg.min_context  # [B]
+        if cfg.serial:
+            o, scores, a_idx, a_cnt = ops.dsa_decode(
+                q3, k_buf, v_buf, summary, table, seq_lens, cfg.method, self.k_blocks,
+                cfg.sink_blocks, cfg.local_blocks, self.page, layer.scaling)
+            m_cnt, p_cnt = a_cnt, torch.zeros_like(a_cnt)
+        else:
+            scores = None
+            st, rows = self.state, fb.req_pool_indices.long()
+            nb = table.shape[1]
+            p_idx, p_cnt = st.p_idx[l][rows], st.p_cnt[l][rows]
+            level = st.level[l][rows][..., :nb].contiguous()
+            trend = st.trend[l][rows][..., :nb].contiguous()
+            n_init = st.n_init[l][rows]
+            theta = st.theta[l][rows]
+            args = (q3, k_buf, v_buf, summary, table, seq_lens, p_idx, p_cnt, level, trend,
+                    n_init, theta, cfg.method, self.k_blocks, self.n_pred, cfg.sink_blocks,
+                    cfg.local_blocks, self.page, layer.scaling)
+            if self.step is not None:  # two-stream pipeline on CUDA, ops.prr_decode on CPU
+                out = self.step.run(*args, exact=self.exact, update_p=False)
+            else:
+                out = ref.prr_decode(*args, exact=self.exact, impl=self.impl)
+            o, a_idx, a_cnt, m_idx, m_cnt, pn_idx, pn_cnt = out
+            # Dense rows keep their state untouched except the predictor, which keeps learning.
+            st.level[l].index_copy_(0, rows, torch.nn.functional.pad(
+                level, (0, st.nb - nb)) if nb < st.nb else level)
+            st.trend[l].index_copy_(0, rows, torch.nn.functional.pad(
+                trend, (0, st.nb - nb)) if nb < st.nb else trend)
+            st.n_init[l].index_copy_(0, rows, n_init)
+            st.p_idx[l].index_copy_(0, rows, pn_idx)
+            st.p_cnt[l].index_copy_(0, rows, pn_cnt)
+        # Statistics, on the device.
+        w = sparse_row.to(torch.float64)  # [B]
+        a_sum = (a_cnt.double().sum(-1) * w).sum()
+        m_sum = (m_cnt.double().sum(-1) * w).sum()
+        p_sum = (p_cnt.double().sum(-1) * w).sum()
+        n_rows = w.sum() * a_cnt.shape[1]
+        upd = torch.stack([torch.ones((), dtype=torch.float64, device=w.device), n_rows,
+                           a_sum - m_sum, a_sum, m_sum, p_sum, (1 - w).sum()])
+        self.stats.acc += upd
+        if self.tracer is not None and self.tracer.wants(l):
+            if scores is None:
+                scores = ops.select_blocks(cfg.method, q3, summary, table, seq_lens, self.page,
+                                           layer.scaling)
+            rids = list(getattr(fb, "rids", None) or [str(i) for i in range(B)])
+            self.tracer.record(l, rids, scores, ref.num_blocks(seq_lens, self.page))
+        o = o.to(q.dtype).reshape(B, Hq * Dv)
+        if o_dense is not None:
+            o = torch.where(sparse_row.unsqueeze(-1), o, o_dense)
+        return o

@@ -1,0 +1,195 @@
+"""The ``--prr-*`` server flags, generated from ``PRRConfig``, and how they reach every process.
+
+One source of truth: each dataclass field of ``PRRConfig`` becomes ``--prr-<name>`` with the
+field's help text, so a new option needs no edit here. Flags default to ``None`` in argparse so
+that "not given" is visible (the page size is derived from the block size only when the user did
+not choose one); the values then go through ``PRRConfig.validate()``, whose errors name the value
+and the allowed range.
+
+The validated configuration travels to SGLang's spawned scheduler processes as JSON in the
+environment variable ``SGLANG_PRR_CONFIG`` (children inherit the parent's environment), where
+``sglang_prr.plugin.apply()`` reads it back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import typing
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .config import PRRConfig, PRRConfigError
+
+logger = logging.getLogger(__name__)
+
+ENV_CONFIG = "SGLANG_PRR_CONFIG"
+FLAG_PREFIX = "--prr-"
+DEST_PREFIX = "prr_"
+
+
+class PRRArgsError(ValueError):
+    """An invalid PRR flag or an incompatible combination with SGLang's own flags."""
+
+
+def flag_name(field_name: str) -> str:
+    return FLAG_PREFIX + field_name.replace("_", "-")
+
+
+def _str2bool(v: str) -> bool:
+    low = str(v).strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"invalid boolean {v!r}: expected true | false")
+
+
+def _argparse_type(f: dataclasses.Field) -> Any:
+    """argparse ``type`` for a field: ints and floats parse early; everything else (tuples,
+    'auto'-or-number, optional paths) stays a string for ``PRRConfig.validate()``."""
+    hint = typing.get_type_hints(PRRConfig)[f.name]
+    if hint is int:
+        return int
+    if hint is float:
+        return float
+    return str
+
+
+def add_prr_args(parser: argparse.ArgumentParser) -> None:
+    """Add one ``--prr-*`` flag per ``PRRConfig`` field, in a group of its own."""
+    group = parser.add_argument_group("PRR (Predict, Reuse, Repair) sparse decoding")
+    hints = typing.get_type_hints(PRRConfig)
+    for f in dataclasses.fields(PRRConfig):
+        meta = f.metadata
+        default = f.default if f.default is not dataclasses.MISSING else None
+        if isinstance(default, tuple):
+            shown = ",".join(str(x) for x in default) if default else "(none)"
+        else:
+            shown = default
+        help_text = f"{meta.get('help', '')} (default: {shown})"
+        if "choices" in meta:
+            help_text += " [choices: " + " | ".join(str(c) for c in meta["choices"]) + "]"
+        help_text = help_text.replace("%", "%%")
+        if hints[f.name] is bool:
+            group.add_argument(flag_name(f.name), dest=DEST_PREFIX + f.name, type=_str2bool,
+                               nargs="?", const=True, default=None, help=help_text)
+        else:
+            group.add_argument(flag_name(f.name), dest=DEST_PREFIX + f.name,
+                               type=_argparse_type(f), default=None, help=help_text)
+
+
+def pop_prr_args(ns: argparse.Namespace) -> Dict[str, Any]:
+    """Remove the ``prr_*`` attributes from the namespace; return those the user gave."""
+    given = {}
+    for f in dataclasses.fields(PRRConfig):
+        dest = DEST_PREFIX + f.name
+        if hasattr(ns, dest):
+            v = getattr(ns, dest)
+            delattr(ns, dest)
+            if v is not None:
+                given[f.name] = v
+    return given
+
+
+def config_from_given(given: Dict[str, Any]) -> PRRConfig:
+    """A validated PRRConfig from user-given values (others keep their defaults)."""
+    return PRRConfig(**given).validate()
+
+
+def check_compatibility(cfg: PRRConfig, server_args: Any, has_cuda: bool) -> None:
+    """Combinations of PRR with SGLang options that cannot work: raise ``PRRArgsError``.
+
+    Model-dependent limits (MLA, sliding-window attention) are only known once the model is
+    loaded; the backend falls back to dense attention there, with one warning.
+    """
+    if not cfg.enabled:
+        return
+    page = int(getattr(server_args, "page_size", None) or 1)
+    if page != cfg.block_size:
+        raise PRRArgsError(
+            f"--page-size={page} must equal --prr-block-size={cfg.block_size}: one PRR block is "
+            f"one KV page (leave --page-size out to derive it from the block size)")
+    spec = getattr(server_args, "speculative_algorithm", None)
+    if spec:
+        raise PRRArgsError(
+            f"--speculative-algorithm={spec} is not supported with PRR (the predictor state "
+            f"assumes one new token per decode step); use --prr-method dense to disable PRR")
+    if getattr(server_args, "enable_mixed_chunk", False):
+        raise PRRArgsError(
+            "--enable-mixed-chunk is not supported with PRR (decode tokens inside a prefill "
+            "batch would skip the sparse path); remove it or use --prr-method dense")
+    backend = getattr(server_args, "attention_backend", None)
+    if not has_cuda and backend not in (None, "torch_native"):
+        raise PRRArgsError(
+            f"--attention-backend={backend} needs a GPU; on CPU PRR runs on torch_native "
+            f"(leave --attention-backend out)")
+    if cfg.trace_path and not getattr(server_args, "disable_cuda_graph", False) and has_cuda:
+        raise PRRArgsError(
+            f"--prr-trace-path={cfg.trace_path} copies scores to the host each step and needs "
+            f"--disable-cuda-graph")
+
+
+def export_config(cfg: PRRConfig) -> str:
+    """Put the configuration in the environment for the spawned processes; return the JSON."""
+    d = dataclasses.asdict(cfg)
+    text = json.dumps(d)
+    os.environ[ENV_CONFIG] = text
+    return text
+
+
+def load_config() -> Optional[PRRConfig]:
+    """The configuration exported by the launcher (or set by the user), or None when absent."""
+    text = os.environ.get(ENV_CONFIG)
+    if not text:
+        return None
+    try:
+        return PRRConfig.from_dict(json.loads(text))
+    except (ValueError, TypeError) as e:
+        raise PRRConfigError(f"invalid {ENV_CONFIG}: {e}") from e
+
+
+def argv_has(argv: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in argv)
+
+
+def argv_value(argv: Sequence[str], flag: str) -> Optional[str]:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def complete_argv(argv: List[str], has_cuda: bool, demo_path_fn=None) -> Tuple[List[str], List[str]]:
+    """Fill in what the user left out: the demo model, the CPU serving flags, the page size.
+
+    Returns ``(argv, notes)`` where notes describe each added flag (printed by the launcher).
+    """
+    argv = list(argv)
+    notes = []
+    if argv_has(argv, "--help") or argv_has(argv, "-h"):
+        return argv, notes
+    if not argv_has(argv, "--model-path") and not argv_has(argv, "--model"):
+        if demo_path_fn is None:
+            from .demo import demo_model_path as demo_path_fn
+        path = demo_path_fn()
+        argv += ["--model-path", path]
+        notes.append(f"--model-path {path} (built-in demo model)")
+    if not has_cuda:
+        for flag, val in (("--device", "cpu"), ("--attention-backend", "torch_native"),
+                          ("--disable-cuda-graph", None), ("--model-impl", "transformers")):
+            if not argv_has(argv, flag):
+                argv += [flag] + ([val] if val is not None else [])
+                notes.append(flag + (f" {val}" if val is not None else ""))
+    if not argv_has(argv, "--page-size"):
+        block = argv_value(argv, "--prr-block-size")
+        method = argv_value(argv, "--prr-method")
+        if method != "dense":
+            block = block if block is not None else str(PRRConfig().block_size)
+            argv += ["--page-size", block]
+            notes.append(f"--page-size {block} (= --prr-block-size)")
+    return argv, notes

@@ -1,0 +1,70 @@
+"""Request helpers shared by the integration tests: greedy generation with logprobs."""
+
+from __future__ import annotations
+
+import random
+from typing import Dict, List, Optional
+
+import requests
+
+TIMEOUT_S = 600
+TOP_N = 5  # top logprobs compared per step
+
+
+def prompt_ids(seed: int, length: int, vocab: int = 500) -> List[int]:
+    """Random token ids (ids 6.. avoid the special tokens); printed seed in the caller."""
+    rng = random.Random(seed)
+    return [rng.randrange(6, vocab) for _ in range(length)]
+
+
+def generate(server, input_ids: List[int], max_new_tokens: int = 8, extra: Optional[Dict] = None
+             ) -> Dict:
+    body = {"input_ids": input_ids,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                                "ignore_eos": True},
+            "return_logprob": True, "top_logprobs_num": TOP_N}
+    if extra:
+        body.update(extra)
+    r = requests.post(server.url + "/generate", json=body, timeout=TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def logprob_table(out: Dict) -> Dict[str, list]:
+    """Output ids, their logprobs, and the top-N (id, logprob) of every step."""
+    mi = out["meta_info"]
+    ids = [t[1] for t in mi["output_token_logprobs"]]
+    lps = [t[0] for t in mi["output_token_logprobs"]]
+    tops = [[(t[1], t[0]) for t in step] for step in mi["output_top_logprobs"]]
+    return {"ids": ids, "lps": lps, "tops": tops}
+
+
+def max_logprob_diff(a: Dict, b: Dict) -> float:
+    """Largest difference over the chosen-token logprobs and the top-N logprobs, comparing
+    values by token id; ``inf`` if the greedy tokens or the top-N id sets differ."""
+    ta, tb = logprob_table(a), logprob_table(b)
+    if ta["ids"] != tb["ids"]:
+        return float("inf")
+    d = max(abs(x - y) for x, y in zip(ta["lps"], tb["lps"]))
+    for sa, sb in zip(ta["tops"], tb["tops"]):
+        da, db = dict(sa), dict(sb)
+        common = set(da) & set(db)
+        if len(common) < TOP_N - 1:  # the last rank may swap on near-ties
+            return float("inf")
+        d = max([d] + [abs(da[i] - db[i]) for i in common])
+    return d
+
+
+def first_step_diff(a: Dict, b: Dict) -> float:
+    """Difference of the top-N logprobs at steps where both runs saw the same tokens so far."""
+    ta, tb = logprob_table(a), logprob_table(b)
+    d = 0.0
+    for i, (sa, sb) in enumerate(zip(ta["tops"], tb["tops"])):
+        da, db = dict(sa), dict(sb)
+        for tid in set(da) & set(db):
+            d = max(d, abs(da[tid] - db[tid]))
+        if set(da) != set(db):
+            d = max(d, 1.0)
+        if ta["ids"][i] != tb["ids"][i]:
+            break
+    return d
