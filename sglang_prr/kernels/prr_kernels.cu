@@ -82,6 +82,10 @@ __device__ __forceinline__ void cvt8(const Raw8<__nv_bfloat16>& x, float* f) {
 // loads of bf16/fp16); a CTA pass covers 128/L tokens and UNROLL passes are loaded before use so
 // that many loads are in flight. Each token group keeps an online softmax in the log2 domain;
 // groups are combined through shared memory at the end.
+// Occupancy decides the speed here (the loop is latency-bound): this variant keeps 128 registers
+// for groups <= 4 (4 CTAs/SM). Variants that packed several small pages per CTA, loaded 8 tokens
+// per pass, or staged K/V in shared memory with cp.async all measured slower on H200 (they cost
+// registers or shared memory and so CTAs per SM): see benchmarks/NOTES-kernels.md.
 constexpr int kAttnThreads = 128;
 
 template <typename T, int D, int GMAX, int UNROLL>
@@ -379,7 +383,12 @@ select_topk_kernel(TopkArgs a) {
       __syncthreads();
       for (int i = tid; i < NB; i += kTopkThreads) {
         const uint32_t key = s_key[i];
-        if (key != 0 && (key & mask) == prefix) atomicAdd(&s_hist[(key >> shift) & 255u], 1u);
+        if (key != 0 && (key & mask) == prefix) {
+          // Scores share their high bits: aggregate equal bins of a warp into one atomic.
+          const uint32_t bin = (key >> shift) & 255u;
+          const unsigned peers = __match_any_sync(__activemask(), bin);
+          if ((threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&s_hist[bin], (uint32_t)__popc(peers));
+        }
       }
       __syncthreads();
       if (tid < 32) {
