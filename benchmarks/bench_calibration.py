@@ -1,0 +1,222 @@
+"""What does prefill calibration cost? (the 80-candidate grid search of eqs 4-5, per layer)
+
+Times ``ops.calibrate`` (the reference unless a kernel is registered) on the scores of
+``--rows`` sampled prefill queries (PRRConfig.calib_queries) against every block of a prompt of
+length L, for L = 4K..128K, at block 64 and the Llama-3-8B layer shape (8 KV heads; 32 query
+heads, head dim 128 for the baseline), K = 2048 tokens, delta = 1.5, the default 80 candidates.
+
+Baseline: calibration must be small next to the prefill it hides in. As the stand-in for one
+layer's prefill we time a dense causal attention of length L for one layer (torch SDPA, bf16,
+GQA 32/8) on the same device; the full layer (projections, MLP) costs more, so the ratio shown is
+pessimistic. On CPU the baseline is only run up to ``--baseline-max-len`` (it is quadratic).
+
+On CUDA, calibration is timed both eagerly and replayed from a CUDA graph (``--no-graph`` skips
+the graph), median of ``--repeats`` with CUDA events; on CPU, median wall time.
+
+    PYTHONPATH=. python3 benchmarks/bench_calibration.py --out benchmarks/results/calibration_cpu.csv
+    PYTHONPATH=. python3 benchmarks/bench_calibration.py --device cuda \\
+        --out benchmarks/results/calibration_h200.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from sglang_prr import ops  # noqa: E402
+from sglang_prr import reference as ref  # noqa: E402
+from sglang_prr.config import PRRConfig  # noqa: E402
+
+LLAMA3_8B = dict(q_heads=32, kv_heads=8, head_dim=128)  # one layer of Llama-3-8B
+
+
+def _time_cpu(fn: Callable[[], object], repeats: int, warmup: int = 1) -> List[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t) * 1e3)
+    return out
+
+
+def _time_cuda(fn: Callable[[], object], repeats: int, warmup: int = 3) -> List[float]:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        out.append(a.elapsed_time(b))
+    return out
+
+
+def calib_inputs(L: int, rows: int, block: int, kv_heads: int, device: str, seed: int = 0):
+    """Scores ``[1, rows, Hk, NB]`` of the last ``rows`` prompt positions (every block visible:
+    the widest, costliest calibration of the prompt) and their causal block counts."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    nb = -(-L // block)
+    pos = torch.arange(L - rows, L)
+    nblk = ((pos + 1 + block - 1) // block).view(1, rows)
+    s = torch.randn(1, rows, kv_heads, nb, generator=g)
+    s = torch.where(torch.arange(nb).view(1, 1, 1, nb) < nblk.view(1, rows, 1, 1), s,
+                    torch.full_like(s, float("-inf")))
+    return s.to(device), nblk.to(device)
+
+
+def bench_one(L: int, a: argparse.Namespace, cfg: PRRConfig) -> Dict[str, object]:
+    dev = a.device
+    cuda = dev.startswith("cuda")
+    timer = _time_cuda if cuda else _time_cpu
+    scores, nblk = calib_inputs(L, a.rows, a.block, a.kv_heads, dev)
+    grid = torch.tensor(cfg.theta_grid, dtype=torch.float32, device=dev)
+    al, be, ga = (grid[:, i].contiguous() for i in range(3))
+    k = cfg.top_k_blocks
+    n_pred = cfg.predicted_blocks
+
+    def calib_ref():
+        return ops.calibrate(scores, nblk, k, n_pred, cfg.sink_blocks, cfg.local_blocks, al, be, ga)
+
+    def calib_kern():  # the same loop, composed of the dispatching ops (CUDA kernels if loaded)
+        return ref.calibrate(scores, nblk, k, n_pred, cfg.sink_blocks, cfg.local_blocks, al, be, ga,
+                             impl=ops)
+
+    row: Dict[str, object] = dict(device=torch.cuda.get_device_name() if cuda else "cpu",
+                                  L=L, nb=scores.shape[-1], rows=a.rows, kv_heads=a.kv_heads,
+                                  candidates=grid.shape[0], k_blocks=k, n_pred=n_pred)
+    variants = [("ref", calib_ref)] + ([("kern", calib_kern)] if cuda and a.kernels else [])
+    h_ref = calib_ref()
+    for name, fn in variants:
+        t = timer(fn, a.repeats)
+        row[f"{name}_ms"] = statistics.median(t)
+        row[f"{name}_ms_min"] = min(t)
+        row[f"{name}_ms_max"] = max(t)
+        row[f"{name}_graph_ms"] = None
+        row[f"{name}_maxdiff_vs_ref"] = float((fn() - h_ref).abs().max())  # host-ok: benchmark
+        if cuda and a.graph:
+            gr = _capture(fn)
+            tg = timer(gr.replay, a.repeats)
+            row[f"{name}_graph_ms"] = statistics.median(tg)
+            del gr
+    row["calib_ms"] = min(v for key, v in row.items()
+                          if key.endswith(("_ms", "_graph_ms")) and v is not None
+                          and key.split("_")[0] in ("ref", "kern"))
+    row["sdpa_ms"] = None
+    if cuda or L <= a.baseline_max_len:
+        dt = torch.bfloat16 if cuda else torch.float32
+        gq = torch.Generator(device="cpu").manual_seed(1)
+        q = torch.randn(1, a.q_heads, L, a.head_dim, generator=gq).to(dev, dt)
+        kk = torch.randn(1, a.kv_heads, L, a.head_dim, generator=gq).to(dev, dt)
+        vv = torch.randn(1, a.kv_heads, L, a.head_dim, generator=gq).to(dev, dt)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(q, kk, vv, is_causal=True, enable_gqa=True)
+
+        row["sdpa_ms"] = statistics.median(timer(sdpa, max(3, a.repeats // 2)))
+        del q, kk, vv
+    row["ratio_pct"] = (100.0 * row["calib_ms"] / row["sdpa_ms"]) if row["sdpa_ms"] else None
+    return row
+
+
+def _capture(fn: Callable[[], torch.Tensor]) -> "torch.cuda.CUDAGraph":
+    """Capture ``fn`` in a CUDA graph (after a side-stream warm-up) and check one replay."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    gr = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(gr):
+        static = fn()
+    gr.replay()
+    torch.cuda.synchronize()
+    eager = fn()
+    if not torch.allclose(static, eager, atol=1e-6, rtol=0):
+        raise RuntimeError("calibration replayed from a CUDA graph differs from eager: max diff "
+                           f"{(static - eager).abs().max().item()}")  # host-ok: benchmark
+    return gr
+
+
+def _fmt(x: Optional[float], spec: str = ".2f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    ap.add_argument("--lengths", default="4096,8192,16384,32768,65536,131072",
+                    help="prompt lengths L in tokens")
+    ap.add_argument("--block", type=int, default=64)
+    ap.add_argument("--rows", type=int, default=PRRConfig().calib_queries,
+                    help="sampled prefill queries per calibration (calib_queries)")
+    ap.add_argument("--kv-heads", type=int, default=LLAMA3_8B["kv_heads"])
+    ap.add_argument("--q-heads", type=int, default=LLAMA3_8B["q_heads"])
+    ap.add_argument("--head-dim", type=int, default=LLAMA3_8B["head_dim"])
+    ap.add_argument("--top-k", type=int, default=2048, help="K in tokens")
+    ap.add_argument("--budget", type=float, default=1.5, help="delta")
+    ap.add_argument("--repeats", type=int, default=None, help="default: 20 on CUDA, 3 on CPU")
+    ap.add_argument("--no-graph", dest="graph", action="store_false")
+    ap.add_argument("--no-kernels", dest="kernels", action="store_false",
+                    help="on CUDA, skip the variant composed of the registered CUDA op kernels")
+    ap.add_argument("--baseline-max-len", type=int, default=8192,
+                    help="longest L whose SDPA baseline runs on CPU")
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--out", default=None, help="CSV path")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"--device {a.device}: no CUDA device is available")
+    if a.repeats is None:
+        a.repeats = 20 if a.device.startswith("cuda") else 3
+    cfg = PRRConfig(block_size=a.block, top_k=a.top_k, budget=a.budget,
+                    calib_queries=a.rows).validate()
+    rows = []
+    for L in [int(x) for x in a.lengths.split(",") if x]:
+        r = bench_one(L, a, cfg)
+        rows.append(r)
+        print(f"L={L}: best calibration {r['calib_ms']:.3f} ms, sdpa {_fmt(r['sdpa_ms'])} ms, "
+              f"{r}", flush=True)
+        if a.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    if a.out:
+        os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
+        with open(a.out, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
+            w.writeheader()
+            w.writerows(rows)
+    print(f"\ncalibration cost, {rows[0]['device']}, {a.rows} rows x {a.kv_heads} KV heads x "
+          f"{rows[0]['candidates']} candidates, block {a.block}, K={cfg.top_k_blocks} blocks, "
+          f"|P|={cfg.predicted_blocks}; ref = reference ops, kern = the same loop through the CUDA "
+          f"op kernels; baseline = one layer of dense causal SDPA (GQA {a.q_heads}/{a.kv_heads}, "
+          f"d={a.head_dim}, {'fp32' if a.device == 'cpu' else 'bf16'}); times in ms, median")
+    print("| L | blocks | ref eager | ref graph | kern eager | kern graph | SDPA 1 layer "
+          "| best calib / SDPA |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['L']} | {r['nb']} | {_fmt(r.get('ref_ms'), '.3f')} | "
+              f"{_fmt(r.get('ref_graph_ms'), '.3f')} | {_fmt(r.get('kern_ms'), '.3f')} | "
+              f"{_fmt(r.get('kern_graph_ms'), '.3f')} | {_fmt(r['sdpa_ms'], '.3f')} | "
+              f"{'n/a' if r['ratio_pct'] is None else format(r['ratio_pct'], '.2f') + '%'} |")
+    if a.out:
+        print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

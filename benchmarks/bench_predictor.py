@@ -1,0 +1,398 @@
+"""How well does the PRR predictor guess the selected set A? (hit rates per trace family)
+
+For each trace family (synthetic, ``sglang_prr.traces``) or a captured trace (``--trace``), and each
+(K, delta) of the grid, replays with the library's ops:
+
+* reuse-previous: P = top-|P| of the previous step's scores (= the previous A at delta = 1);
+* EMA (Holt) with several fixed theta = (alpha, beta, gamma), and every one of the 80 grid
+  candidates (to find the best single fixed theta in hindsight, averaged over families);
+* EMA with prefill calibration: theta* = argmax of ``ops.calibrate`` over the first
+  ``--calib-rows`` steps of the trace, which play the sampled prefill queries; hit rates are
+  measured on the remaining steps ("decode"). Every predictor's state runs over the whole trace,
+  so the decode part starts from a warm state for all of them;
+* oracle: the best grid theta per request in hindsight on the decode steps (calibration's ceiling).
+
+Metrics over the middle blocks of A (sink/local blocks are always attended, hence always hits):
+the score-weighted hit rate of eq 4 (``reference.weighted_hit``), the plain overlap |P n A| / |A|,
+and the distribution of |M| = |A \\ P| (blocks the repair pass must attend).
+
+Writes ``<out>.csv`` (named predictors), ``<out>_grid.csv`` (every grid theta), ``<out>.md`` (the
+table and the target checks) and ``<out>.png``. Default size runs on CPU in about a minute:
+
+    PYTHONPATH=. python3 benchmarks/bench_predictor.py
+    PYTHONPATH=. python3 benchmarks/bench_predictor.py --trace /path/to/trace_dir --k 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+from typing import Dict, List, Sequence, Tuple
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from sglang_prr import ops, traces  # noqa: E402
+from sglang_prr import reference as ref  # noqa: E402
+from sglang_prr.config import PRRConfig  # noqa: E402
+
+# Fixed thetas shown as their own columns: the config default and three corners of the grid.
+FIXED_THETAS: Dict[str, Tuple[float, float, float]] = {
+    "ema_default": tuple(PRRConfig().default_theta),
+    "ema_slow": (0.2, 0.1, 0.0),
+    "ema_mid": (0.4, 0.2, 0.25),
+    "ema_fast": (0.8, 0.5, 0.75),
+}
+TARGET_GAIN = 0.15  # calibrated >= reuse-previous + 15 points on every structured family
+HEADLINE = (32, 1.5)  # (K blocks, delta) of the plot's bar panel and the README table
+PCTS = (50, 90, 99)
+# Default size: 32 calibration steps + 64 measured decode steps, 4 KV heads, 2 requests per family;
+# small enough that the default grid runs in about two minutes on two CPU cores (the sort in
+# select_topk dominates). Heads and requests only add samples; they do not change the model.
+BENCH_STEPS = 96
+BENCH_KV_HEADS = 4
+
+
+def n_pred_of(k: int, delta: float) -> int:
+    """|P| middle blocks for K and delta, as ``PRRConfig.predicted_blocks`` computes it."""
+    return max(k, int(math.floor(delta * k + 1e-9)))
+
+
+def _best(H: torch.Tensor) -> torch.Tensor:
+    fn = getattr(ref, "best_theta", None)
+    return fn(H) if fn is not None else H.argmax(-1)
+
+
+def evaluate(scores: torch.Tensor, nblk: torch.Tensor, k: int, delta: float, calib_rows: int,
+             sink_blocks: int = 1, local_blocks: int = 1,
+             fixed: Dict[str, Tuple[float, float, float]] = FIXED_THETAS,
+             full_grid: bool = False, cfg: PRRConfig = None) -> Dict[str, object]:
+    """The benchmark's core: every predictor on traces ``scores [R, T, Hk, NB]``, ``nblk [R, T]``.
+
+    The first ``calib_rows`` steps calibrate (``ops.calibrate`` -> theta* per trace) and warm every
+    predictor's state; the other steps are measured. ``full_grid`` also replays all 80 grid
+    thetas on the measured steps (for the best fixed theta in hindsight and the oracle).
+    Returns ``{"named": {predictor: {"hit", "overlap": [R], "missed": [R, T_m, Hk]}},
+    "theta_star": [R, 3], "n_pred", "calib_H": [R, 80]}`` plus ``"grid": [80, 3]``,
+    ``"grid_hit"``/``"grid_overlap": [R, 80]`` when ``full_grid``.
+    """
+    cfg = cfg or PRRConfig()
+    R, T, Hk, nb = scores.shape
+    if not 2 <= calib_rows < T:
+        raise ValueError(f"calib_rows={calib_rows}: need 2 <= calib_rows < steps={T} (the rest "
+                         f"are the measured decode steps)")
+    n_pred = n_pred_of(k, delta)
+    grid = torch.tensor(cfg.theta_grid, dtype=torch.float32)  # [80, 3]
+    G = grid.shape[0]
+    # Calibration on the prefix rows, exactly as the prefill does it (eqs 4-5).
+    H = ops.calibrate(scores[:, :calib_rows].contiguous(), nblk[:, :calib_rows].contiguous(), k,
+                      n_pred, sink_blocks, local_blocks, grid[:, 0].contiguous(),
+                      grid[:, 1].contiguous(), grid[:, 2].contiguous())
+    star = _best(H)  # [R]
+    names = ["reuse_prev"] + list(fixed) + ["calibrated"]
+    shared = torch.tensor([traces.REUSE_THETA] + list(fixed.values()), dtype=torch.float32)
+    thetas = torch.cat([shared.expand(R, -1, 3), grid[star].unsqueeze(1)], 1)  # [R, C, 3]
+    if full_grid:
+        thetas = torch.cat([thetas, grid.expand(R, G, 3)], 1)
+    res = traces.replay(scores, nblk, k, n_pred, sink_blocks, local_blocks, thetas,
+                        start=calib_rows)
+    hit = res["hit"].mean((2, 3))  # [R, C]
+    ov = res["overlap"].mean((2, 3))
+    named = {n: {"hit": hit[:, c], "overlap": ov[:, c], "missed": res["missed"][:, c]}
+             for c, n in enumerate(names)}
+    out = {"named": named, "theta_star": grid[star], "n_pred": n_pred, "calib_H": H}
+    if full_grid:
+        gh, go = hit[:, len(names):], ov[:, len(names):]
+        best = gh.argmax(-1)
+        ar = torch.arange(R)
+        named["oracle"] = {"hit": gh[ar, best], "overlap": go[ar, best],
+                           "missed": res["missed"][:, len(names):][ar, best]}
+        out.update(grid=grid, grid_hit=gh, grid_overlap=go)
+    return out
+
+
+def _stack(trs: Sequence[traces.Trace], layer: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Stack traces of one shape (synthetic requests of one family) into ``[R, T, Hk, NB]``."""
+    rows = [t.torch_rows(layer) for t in trs]
+    return torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows])
+
+
+def _mstats(m: torch.Tensor) -> Dict[str, float]:
+    x = m.reshape(-1).double().numpy()
+    out = {"m_mean": float(x.mean()), "m_max": float(x.max())}
+    for p in PCTS:
+        out[f"m_p{p}"] = float(np.percentile(x, p))
+    return out
+
+
+def run(sources: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]], ks: Sequence[int],
+        deltas: Sequence[float], calib_rows: int, sink: int, local: int, structured: Dict[str, bool],
+        full_grid: str = "headline") -> Tuple[List[dict], List[dict], Dict[tuple, np.ndarray]]:
+    """Evaluate every source (a list of stacked ``(scores, nblk)`` groups) over the grid.
+
+    full_grid: ``all`` | ``headline`` (only at ``HEADLINE`` or the middle of the grid) | ``none``.
+    """
+    k0, d0 = headline(ks, deltas)
+    rows, grid_rows, missed = [], [], {}
+    for name, groups in sources.items():
+        for k in ks:
+            for d in deltas:
+                fg = full_grid == "all" or (full_grid == "headline" and (k, d) == (k0, d0))
+                outs = [evaluate(s, n, k, d, calib_rows, sink, local, full_grid=fg)
+                        for s, n in groups]
+                nreq = sum(o["theta_star"].shape[0] for o in outs)
+                for pred in outs[0]["named"]:
+                    hit = torch.cat([o["named"][pred]["hit"] for o in outs])
+                    ov = torch.cat([o["named"][pred]["overlap"] for o in outs])
+                    m = torch.cat([o["named"][pred]["missed"].reshape(-1) for o in outs])
+                    missed[(name, k, d, pred)] = m.numpy()
+                    rows.append(dict(source=name, structured=int(structured.get(name, True)),
+                                     k=k, delta=d, n_pred=outs[0]["n_pred"], predictor=pred,
+                                     hit=float(hit.mean()), overlap=float(ov.mean()),
+                                     requests=nreq, **_mstats(m)))
+                if not fg:
+                    continue
+                ghit = torch.cat([o["grid_hit"] for o in outs]).mean(0)
+                gov = torch.cat([o["grid_overlap"] for o in outs]).mean(0)
+                star = torch.cat([o["theta_star"] for o in outs])
+                for c, th in enumerate(outs[0]["grid"].tolist()):
+                    picked = int((star == torch.tensor(th)).all(-1).sum())
+                    grid_rows.append(dict(source=name, k=k, delta=d, alpha=th[0], beta=th[1],
+                                          gamma=th[2], hit=float(ghit[c]), overlap=float(gov[c]),
+                                          picked=picked))
+    return rows, grid_rows, missed
+
+
+def headline(ks: Sequence[int], deltas: Sequence[float]) -> Tuple[int, float]:
+    """The (K, delta) of the bar panel and the full-grid comparison."""
+    k0 = HEADLINE[0] if HEADLINE[0] in ks else ks[len(ks) // 2]
+    d0 = HEADLINE[1] if HEADLINE[1] in deltas else deltas[len(deltas) // 2]
+    return k0, d0
+
+
+def targets(rows: List[dict], grid_rows: List[dict]) -> List[dict]:
+    """The issue's targets per (K, delta) on the score-weighted hit rate: calibrated >= reuse +
+    ``TARGET_GAIN`` on every structured source; calibrated >= the best single fixed theta, both
+    averaged over all sources (over the 80 grid thetas where they were replayed, else over the
+    named fixed thetas)."""
+    out = []
+    for k, d in sorted({(r["k"], r["delta"]) for r in rows}):
+        sel = [r for r in rows if r["k"] == k and r["delta"] == d]
+        by = {(r["source"], r["predictor"]): r for r in sel}
+        srcs = sorted({r["source"] for r in sel})
+        gains = {s: by[(s, "calibrated")]["hit"] - by[(s, "reuse_prev")]["hit"]
+                 for s in srcs if by[(s, "calibrated")]["structured"]}
+        cal_avg = float(np.mean([by[(s, "calibrated")]["hit"] for s in srcs]))
+        g = [r for r in grid_rows if r["k"] == k and r["delta"] == d]
+        avg: Dict[object, List[float]] = {}
+        if g:
+            for r in g:
+                avg.setdefault((r["alpha"], r["beta"], r["gamma"]), []).append(r["hit"])
+            pool = "80 grid thetas"
+        else:
+            for name in FIXED_THETAS:
+                avg[name] = [by[(s, name)]["hit"] for s in srcs]
+            pool = f"{len(FIXED_THETAS)} named fixed thetas"
+        best = max(avg, key=lambda t: float(np.mean(avg[t])))
+        best_avg = float(np.mean(avg[best]))
+        out.append(dict(k=k, delta=d, gains=gains,
+                        gain_ok=bool(gains) and all(v >= TARGET_GAIN for v in gains.values()),
+                        cal_avg=cal_avg, best_fixed=best, best_fixed_avg=best_avg, pool=pool,
+                        fixed_ok=cal_avg >= best_avg))
+    return out
+
+
+def table(rows: List[dict], tg: List[dict], ks: Sequence[int], deltas: Sequence[float]) -> str:
+    lines = []
+    for k in ks:
+        for d in deltas:
+            sel = {(r["source"], r["predictor"]): r for r in rows if r["k"] == k and r["delta"] == d}
+            if not sel:
+                continue
+            preds = ["reuse_prev"] + list(FIXED_THETAS) + ["calibrated"]
+            preds += ["oracle"] if any(p == "oracle" for _, p in sel) else []
+            srcs = sorted({s for s, _ in sel}, key=lambda s: (s not in traces.FAMILIES, s))
+            lines.append(f"\nK = {k} blocks, delta = {d} (|P| = {n_pred_of(k, d)} middle blocks): "
+                         "score-weighted hit (eq 4) / plain overlap; |M| of calibrated")
+            lines.append("| source | " + " | ".join(preds) + " | cal - reuse | |M| mean / p90 / max |")
+            lines.append("|---" * (len(preds) + 3) + "|")
+            for s in srcs:
+                cells = [f"{sel[(s, p)]['hit']:.3f} / {sel[(s, p)]['overlap']:.3f}" for p in preds]
+                c = sel[(s, "calibrated")]
+                gain = c["hit"] - sel[(s, "reuse_prev")]["hit"]
+                lines.append(f"| {s} | " + " | ".join(cells) + f" | {gain:+.3f} | "
+                             f"{c['m_mean']:.1f} / {c['m_p90']:.0f} / {c['m_max']:.0f} |")
+    lines.append("\nTargets (score-weighted hit rate):")
+    for t in tg:
+        g = ", ".join(f"{s} {v:+.3f}" for s, v in t["gains"].items())
+        lines.append(f"- K={t['k']} delta={t['delta']}: calibrated >= reuse + {TARGET_GAIN:.2f} on "
+                     f"every structured source: {'MET' if t['gain_ok'] else 'MISSED'} ({g}); "
+                     f"calibrated avg {t['cal_avg']:.3f} vs best of {t['pool']} {t['best_fixed']} "
+                     f"avg {t['best_fixed_avg']:.3f}: {'MET' if t['fixed_ok'] else 'MISSED'}")
+    return "\n".join(lines)
+
+
+def plot(path: str, rows: List[dict], grid_rows: List[dict], missed: Dict[tuple, np.ndarray],
+         ks: Sequence[int], deltas: Sequence[float]) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k0, d0 = headline(ks, deltas)
+    sel = {(r["source"], r["predictor"]): r for r in rows if r["k"] == k0 and r["delta"] == d0}
+    srcs = sorted({s for s, _ in sel}, key=lambda s: (s not in traces.FAMILIES, s))
+    g = [r for r in grid_rows if r["k"] == k0 and r["delta"] == d0]
+    bars = [("reuse_prev", "reuse-previous"), ("ema_default", "EMA default theta")]
+    best: Dict[str, float] = {}
+    if g:
+        avg: Dict[tuple, List[float]] = {}
+        for r in g:
+            avg.setdefault((r["alpha"], r["beta"], r["gamma"]), []).append(r["hit"])
+        best_th = max(avg, key=lambda t: np.mean(avg[t]))
+        best = {r["source"]: r["hit"] for r in g if (r["alpha"], r["beta"], r["gamma"]) == best_th}
+        bars.append(("best_fixed", f"best fixed theta {best_th}"))
+    bars.append(("calibrated", "EMA calibrated"))
+    if ("oracle" in {p for _, p in sel}):
+        bars.append(("oracle", "oracle theta (hindsight)"))
+    fig, ax = plt.subplots(1, 3, figsize=(18, 5))
+    w = 0.8 / len(bars)
+    x = np.arange(len(srcs))
+    for i, (p, label) in enumerate(bars):
+        ys = [best[s] if p == "best_fixed" else sel[(s, p)]["hit"] for s in srcs]
+        ax[0].bar(x + (i - len(bars) / 2 + 0.5) * w, ys, w, label=label)
+    ax[0].set_xticks(x, srcs, rotation=20)
+    ax[0].set_ylim(0, 1.05)
+    ax[0].set_ylabel("score-weighted hit rate (eq 4)")
+    ax[0].set_title(f"hit rate, K={k0} blocks, delta={d0}")
+    ax[0].legend(fontsize=8, loc="lower left")
+    for s in srcs:
+        for p, style in (("calibrated", "-o"), ("reuse_prev", "--x")):
+            ys = [next(r["hit"] for r in rows if r["source"] == s and r["k"] == k0
+                       and r["delta"] == d and r["predictor"] == p) for d in deltas]
+            ax[1].plot(deltas, ys, style, label=f"{s} {p}")
+    ax[1].set_xlabel("speculation budget delta (|P| <= delta K)")
+    ax[1].set_ylabel("score-weighted hit rate")
+    ax[1].set_title(f"hit rate vs delta, K={k0}")
+    ax[1].legend(fontsize=7, ncol=2)
+    for s in srcs:
+        for p, style in (("calibrated", "-"), ("reuse_prev", ":")):
+            m = np.sort(missed[(s, k0, d0, p)])
+            ax[2].plot(m, np.arange(1, m.size + 1) / m.size, style, label=f"{s} {p}")
+    ax[2].set_xlabel("|M| = |A \\ P| per step and KV head (blocks)")
+    ax[2].set_ylabel("CDF")
+    ax[2].set_title(f"repair size, K={k0}, delta={d0}")
+    ax[2].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _csv(path: str, rows: List[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(rows[0]))
+        wr.writeheader()
+        wr.writerows(rows)
+
+
+def _floats(s: str) -> List[float]:
+    return [float(x) for x in s.split(",") if x]
+
+
+def _ints(s: str) -> List[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def main(argv: Sequence[str] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--families", default=",".join(traces.FAMILIES),
+                    help="synthetic families (comma-separated), ignored with --trace")
+    ap.add_argument("--trace", default=None, help="a captured trace .npz file or directory")
+    ap.add_argument("--k", default="16,32,64", help="K values in blocks")
+    ap.add_argument("--delta", default="1,1.5,2", help="speculation budgets delta")
+    ap.add_argument("--steps", type=int, default=BENCH_STEPS, help="steps per synthetic trace")
+    ap.add_argument("--calib-rows", type=int, default=PRRConfig().calib_queries,
+                    help="leading trace steps that play the sampled prefill queries")
+    ap.add_argument("--requests", type=int, default=2, help="synthetic requests (seeds) per family")
+    ap.add_argument("--heads", type=int, default=BENCH_KV_HEADS)
+    ap.add_argument("--ctx", type=int, default=traces.DEFAULT_CTX_TOKENS)
+    ap.add_argument("--block", type=int, default=traces.DEFAULT_BLOCK_SIZE)
+    ap.add_argument("--sink", type=int, default=None, help="sink blocks (default: trace meta or 1)")
+    ap.add_argument("--local", type=int, default=None, help="local blocks (default: meta or 1)")
+    ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
+                    help="override a synthetic family parameter (e.g. rho=0.5) in every family "
+                         "that has it; repeatable")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch default)")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                  "results", "predictor"),
+                    help="output path prefix (.csv, _grid.csv, .md, .png are appended)")
+    ap.add_argument("--full-grid", default="none", choices=("headline", "all", "none"),
+                    help="where to replay all 80 grid thetas (best fixed in hindsight, oracle)")
+    ap.add_argument("--no-plot", action="store_true")
+    a = ap.parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    ks, deltas = _ints(a.k), _floats(a.delta)
+    for d in deltas:
+        if d < 1:
+            raise SystemExit(f"--delta {d}: each delta must be >= 1")
+    t0 = time.time()
+    sources: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+    structured: Dict[str, bool] = {}
+    if a.trace:
+        trs = traces.load_traces(a.trace)
+        sink = a.sink if a.sink is not None else int(trs[0].meta.get("sink_blocks", 1))
+        local = a.local if a.local is not None else int(trs[0].meta.get("local_blocks", 1))
+        for t in trs:
+            name = f"trace:{t.rid or 'request'}"
+            sources[name] = [tuple(x[None] for x in t.torch_rows(li))
+                             for li in range(len(t.layers))]
+            structured[name] = True
+        desc = f"{len(trs)} captured trace(s) from {a.trace}"
+    else:
+        sink = 1 if a.sink is None else a.sink
+        local = 1 if a.local is None else a.local
+        over = {}
+        for kv in a.param:
+            name, _, val = kv.partition("=")
+            if not val:
+                raise SystemExit(f"--param {kv!r}: expected NAME=VALUE")
+            over[name] = float(val)
+        for fam in [f for f in a.families.split(",") if f]:
+            p = {n: v for n, v in over.items() if n in traces.FAMILIES[fam].params}
+            trs = [traces.generate(fam, steps=a.steps, num_kv_heads=a.heads, ctx_tokens=a.ctx,
+                                   block_size=a.block, seed=a.seed + i, sink_blocks=sink,
+                                   local_blocks=local, **p) for i in range(a.requests)]
+            sources[fam] = [_stack(trs)]
+            structured[fam] = traces.FAMILIES[fam].structured
+        desc = (f"synthetic families, {a.requests} request(s) each, {a.steps} steps, "
+                f"{a.heads} KV heads, {a.ctx} prompt tokens, block {a.block}, seed {a.seed}"
+                + (f", overrides {over}" if over else ""))
+    rows, grid_rows, missed = run(sources, ks, deltas, a.calib_rows, sink, local, structured,
+                                  a.full_grid)
+    tg = targets(rows, grid_rows)
+    text = (f"# predictor hit rates: {desc}; first {a.calib_rows} steps calibrate, the rest are "
+            f"measured; sink={sink} local={local}\n" + table(rows, tg, ks, deltas))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
+    _csv(a.out + ".csv", rows)
+    if grid_rows:
+        _csv(a.out + "_grid.csv", grid_rows)
+    cmd = "python3 benchmarks/bench_predictor.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    with open(a.out + ".md", "w") as f:
+        f.write(f"Command: `{cmd.strip()}`\n\n{text}\n")
+    if not a.no_plot:
+        plot(a.out + ".png", rows, grid_rows, missed, ks, deltas)
+    print(text)
+    print(f"\nwrote {a.out}.csv, {a.out}_grid.csv, {a.out}.md"
+          f"{'' if a.no_plot else ', ' + a.out + '.png'} in {time.time() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
