@@ -301,15 +301,19 @@ def weighted_hit(scores: Tensor, a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_
 
 
 def calibrate(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: int,
-              local_blocks: int, alphas: Tensor, betas: Tensor, gammas: Tensor) -> Tensor:
+              local_blocks: int, alphas: Tensor, betas: Tensor, gammas: Tensor,
+              impl=None) -> Tensor:
     """Eqs 4-5: replay the predictor for every candidate theta over sampled prefill rows, together.
 
     scores: ``[R, Phi, Hk, NB]`` block scores of ``Phi`` sampled queries (in position order) of
     ``R`` requests; nblk: ``[R, Phi]`` blocks visible to each query (causal).
     alphas/betas/gammas: ``[C]`` the candidates. Returns ``H: [R, C]`` the score-weighted hit rate
     of each candidate, averaged over heads and over rows 1..Phi-1 (row 0 only seeds the state);
-    ``theta* = best_theta(H)`` per request.
+    ``theta* = best_theta(H)`` per request. ``impl`` is the module whose ``predict_set``,
+    ``select_topk`` and ``holt_update`` are composed (this one by default; ``sglang_prr.ops`` runs
+    them through the dispatching ops, i.e. the CUDA kernels where registered).
     """
+    impl = _this if impl is None else impl
     R, Phi, Hk, nb = scores.shape
     C = alphas.numel()
     dev = scores.device
@@ -324,13 +328,15 @@ def calibrate(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: in
     n_init = torch.zeros(R * C, dtype=torch.long, device=dev)
     total = torch.zeros(R * C, device=dev)
     for phi in range(Phi):
-        row, n = s[:, phi], nbk[:, phi]
+        row, n = s[:, phi].contiguous(), nbk[:, phi].contiguous()
         if phi > 0:
-            p_idx, p_cnt = predict_set(level, trend, g_, n_init, n, n_pred, sink_blocks, local_blocks)
-            a_idx, a_cnt = select_topk(row, n, k, sink_blocks, local_blocks)
+            p_idx, p_cnt = impl.predict_set(level, trend, g_, n_init, n, n_pred, sink_blocks,
+                                            local_blocks)
+            a_idx, a_cnt = impl.select_topk(row, n, k, sink_blocks, local_blocks,
+                                            k + sink_blocks + local_blocks)
             _, middle = kept_mask(n, nb, sink_blocks, local_blocks)
             total += weighted_hit(row, a_idx, a_cnt, p_idx, p_cnt, middle.unsqueeze(1)).mean(-1)
-        holt_update(level, trend, n_init, row, n, a_, b_)
+        impl.holt_update(level, trend, n_init, row, n, a_, b_)
     return (total / max(Phi - 1, 1)).view(R, C)
 
 
