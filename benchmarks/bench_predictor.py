@@ -162,7 +162,8 @@ def run(sources: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]], ks: Sequenc
                 gov = torch.cat([o["grid_overlap"] for o in outs]).mean(0)
                 star = torch.cat([o["theta_star"] for o in outs])
                 for c, th in enumerate(outs[0]["grid"].tolist()):
-                    picked = int((star == torch.tensor(th)).all(-1).sum())
+                    th = [round(x, 4) for x in th]
+                    picked = int(((star - torch.tensor(th)).abs() < 1e-4).all(-1).sum())
                     grid_rows.append(dict(source=name, k=k, delta=d, alpha=th[0], beta=th[1],
                                           gamma=th[2], hit=float(ghit[c]), overlap=float(gov[c]),
                                           picked=picked))
@@ -267,10 +268,10 @@ def plot(path: str, rows: List[dict], grid_rows: List[dict], missed: Dict[tuple,
         ys = [best[s] if p == "best_fixed" else sel[(s, p)]["hit"] for s in srcs]
         ax[0].bar(x + (i - len(bars) / 2 + 0.5) * w, ys, w, label=label)
     ax[0].set_xticks(x, srcs, rotation=20)
-    ax[0].set_ylim(0, 1.05)
+    ax[0].set_ylim(0, 1.3)
     ax[0].set_ylabel("score-weighted hit rate (eq 4)")
     ax[0].set_title(f"hit rate, K={k0} blocks, delta={d0}")
-    ax[0].legend(fontsize=8, loc="lower left")
+    ax[0].legend(fontsize=7, loc="upper center", ncol=2)
     for s in srcs:
         for p, style in (("calibrated", "-o"), ("reuse_prev", "--x")):
             ys = [next(r["hit"] for r in rows if r["source"] == s and r["k"] == k0

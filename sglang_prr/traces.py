@@ -34,7 +34,8 @@ Synthetic families
 * ``base``: a per-block relevance field ``N(0, base^2)`` that drifts as an Ornstein-Uhlenbeck
   process (per-step correlation ``1 - base_drift``): the slow content drift of a real context;
 * ``e``: per-step query fluctuation, unit variance, AR(1) in time with correlation ``rho``
-  (consecutive decode queries are similar, not identical);
+  (default 0: independent from step to step; ``rho > 0`` makes consecutive fluctuations alike,
+  which helps reuse-previous and shrinks what smoothing can gain);
 * ``structure``: what the family is about (see ``FAMILIES``):
 
   - ``sink_local``: attention sink + local window, ``local_amp * exp(-age / window)`` on the
@@ -335,7 +336,8 @@ class TraceRecorder:
 
 # Fitted on `retrieval` (defaults below, K = 32 blocks, block 64, 32K context, 8 KV heads) so that
 # reuse-previous overlaps 68% of A step to step: `fit_noise("retrieval")` bisects the noise level
-# with `replay` (the benchmark's overlap function) and returned this value (see FIT_REPORT).
+# with `replay` (the benchmark's overlap function) on seeds 0 and 1 and returned this value; the
+# probes are listed in benchmarks/README-predictor.md (and in FIT_REPORT after a call).
 FIT_NOISE = 0.361
 FIT_TARGET = 0.68
 # The headline geometry the fit refers to: K in blocks, prompt tokens (not a block multiple, so the
