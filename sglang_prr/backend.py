@@ -185,9 +185,13 @@ class PRRBackend:
             logger.warning("sglang_prr: %s; PRR falls back to dense attention", reason)
             return
         mc = runner.model_config
-        from sglang.srt.runtime_context import get_parallel
+        try:
+            from sglang.srt.runtime_context import get_parallel
 
-        self.num_kv_heads = mc.get_num_kv_heads(get_parallel().attn_tp_size)
+            tp = get_parallel().attn_tp_size
+        except Exception:  # no parallel context (a backend built outside a server)
+            tp = 1
+        self.num_kv_heads = mc.get_num_kv_heads(tp)
         self.head_dim = mc.head_dim
         self.num_layers = mc.num_hidden_layers
         kbuf = self.kv_pool.get_key_buffer(getattr(self.kv_pool, "start_layer", 0) or 0)
@@ -367,7 +371,10 @@ class PRRBackend:
             qs = q3[s0 + offs]  # [Phi, Hq, D]
             seq = (n_pre + offs + 1)  # causal lengths [Phi]
             r = torch.full_like(offs, row)
-            table = ops.block_table(self.req_pool.req_to_token, r, self.page)  # [Phi, NB]
+            # Only the blocks this chunk can see: the extend batch's lengths are known on the
+            # host, so the calibration works on [.., nb_used] instead of the static context.
+            nb_used = -(-(n_pre + n_new) // self.page)
+            table = ops.block_table(self.req_pool.req_to_token, r, self.page)[:, :nb_used]
             scores = ops.select_blocks(cfg.method, qs, self._summary(l), table, seq, self.page,
                                        layer.scaling)  # [Phi, Hk, NB]
             nblk = ref.num_blocks(seq, self.page)  # [Phi]
@@ -416,6 +423,7 @@ class PRRBackend:
         # 1. KV write (the inner backend's store), then the summary of the new token.
         if save_kv_cache and k is not None and v is not None:
             self.kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
+        if k is not None:
             self._update_summaries(l, k, fb)
         seq_lens = fb.seq_lens
         # 2. Which passes are needed: seq_lens_cpu is already on the host (no sync).

@@ -193,3 +193,18 @@ def complete_argv(argv: List[str], has_cuda: bool, demo_path_fn=None) -> Tuple[L
             argv += ["--page-size", block]
             notes.append(f"--page-size {block} (= --prr-block-size)")
     return argv, notes
+
+
+def flags_markdown() -> str:
+    """The ``--prr-*`` flags as a Markdown table (for the README), from the dataclass."""
+    rows = ["| flag | default | meaning |", "|---|---|---|"]
+    for f in dataclasses.fields(PRRConfig):
+        d = f.default
+        shown = ",".join(str(x) for x in d) if isinstance(d, tuple) else d
+        help_text = f.metadata.get("help", "").replace("|", "\\|")
+        rows.append(f"| `{flag_name(f.name)}` | `{shown}` | {help_text} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(flags_markdown())
