@@ -9,6 +9,8 @@
 #include <cuda_fp16.h>
 #include <cub/block/block_scan.cuh>
 #include <cfloat>
+#include <cstdlib>
+#include <cstring>
 #include <cmath>
 
 namespace prr {
@@ -228,10 +230,217 @@ sparse_attn_kernel(AttnArgs a) {
   }
 }
 
+// ---------------------------------------------------------------------------- head-split variant
+// Same contract, other mapping (16-bit KV, head dims 64/128, groups 1/2/4/8): every thread owns
+// one query head and 8 dims (few registers, so many CTAs per SM), and the K/V rows of a chunk are
+// copied into shared memory with cp.async by all threads at once (one round trip per chunk; two
+// stages when a page is longer than a chunk), where the G head-threads of a row read them.
+constexpr int kHdChunkBytes = 32 * 1024;  // K + V bytes of one stage
+constexpr int kHdMaxPage = 32;            // largest page size dispatched to it by default
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+template <typename T, int D, int G>
+__global__ void __launch_bounds__(kAttnThreads)
+sparse_attn_hd_kernel(AttnArgs a) {
+  constexpr int L = D / 8;                       // lanes per (token, head)
+  constexpr int TG = kAttnThreads / (L * G);     // token groups
+  constexpr int ROW16 = D * (int)sizeof(T) / 16;  // 16-byte pieces per row
+  constexpr int CT = kHdChunkBytes / (2 * D * (int)sizeof(T));  // tokens per chunk
+  constexpr int U = 4;
+  extern __shared__ __align__(16) unsigned char s_raw[];
+  __shared__ float s_m[TG][G];
+  __shared__ float s_l[TG][G];
+  const int n = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x;
+  const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;
+  const int c = a.cnt[b * a.Hk + hk];
+  const int blk = a.idx[((int64_t)b * a.Hk + hk) * a.N + n];
+  int ntok = 0;
+  int64_t page = 0;
+  if (n < c && blk >= 0) {
+    page = ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64);
+    const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
+    const int64_t rem = sl - (int64_t)blk * a.page_size;
+    ntok = (int)(rem < 0 ? 0 : (rem > a.page_size ? a.page_size : rem));
+  }
+  if (ntok == 0) {  // padding entry or block past the request: (0, -inf)
+    for (int e = tid; e < G * D; e += kAttnThreads) a.o[((row0 + e / D) * a.N + n) * D + e % D] = 0.f;
+    if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
+    return;
+  }
+  const int CTe = a.page_size < CT ? a.page_size : CT;
+  T* const sbase = reinterpret_cast<T*>(s_raw);
+  const T* kg = reinterpret_cast<const T*>(a.k) + hk * a.k_stride_head;
+  const T* vg = reinterpret_cast<const T*>(a.v) + hk * a.v_stride_head;
+  const int64_t slot0 = page * a.page_size;
+  auto issue = [&](int ch, int st) {
+    const int t0 = ch * CTe;
+    const int nt = min(CTe, ntok - t0);
+    const int pieces = nt * 2 * ROW16;
+    for (int p = tid; p < pieces; p += kAttnThreads) {
+      const int c16 = p % ROW16, r = p / ROW16;
+      const int kv = r >= nt ? 1 : 0;
+      const int t = r - kv * nt;
+      const int64_t slot = slot0 + t0 + t;
+      const T* src = kv ? vg + slot * a.v_stride_slot : kg + slot * a.k_stride_slot;
+      T* dst = sbase + (2 * st + kv) * CT * D + t * D;
+      cp_async16(dst + c16 * (16 / (int)sizeof(T)), src + c16 * (16 / (int)sizeof(T)));
+    }
+    cp_async_commit();
+  };
+  const int nch = (ntok + CTe - 1) / CTe;
+  issue(0, 0);
+
+  const int lane = tid % L, h = (tid / L) % G, tg = tid / (L * G);
+  const int d0 = lane * 8;
+  float qf[8];
+  load8_any(a.q, (row0 + h) * D + d0, a.q_dtype, qf);
+  const float qs = a.sm_scale * kLog2e;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) qf[i] *= qs;
+  float m = -INFINITY, l = 0.f, acc[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = 0.f;
+
+  for (int ch = 0; ch < nch; ++ch) {
+    const int st = ch & 1;
+    if (ch + 1 < nch) { issue(ch + 1, st ^ 1); cp_async_wait<1>(); }
+    else cp_async_wait<0>();
+    __syncthreads();
+    const int nt = min(CTe, ntok - ch * CTe);
+    const T* K = sbase + (2 * st) * CT * D + d0;
+    const T* V = K + CT * D;
+    for (int j = 0; j * TG < nt; j += U) {
+      float sc[U];
+      bool ok[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int t = tg + (j + u) * TG;
+        ok[u] = t < nt;
+        float kf[8];
+        if (ok[u]) {
+          Raw8<T> r;
+          r.r[0] = *reinterpret_cast<const uint4*>(K + t * D);
+          cvt8(r, kf);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) kf[i] = 0.f;
+        }
+        float x = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x = fmaf(qf[i], kf[i], x);
+#pragma unroll
+        for (int off = L / 2; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+        sc[u] = ok[u] ? x : -INFINITY;
+      }
+      float mn = m;
+#pragma unroll
+      for (int u = 0; u < U; ++u) mn = fmaxf(mn, sc[u]);
+      if (mn != -INFINITY) {
+        const float scale = exp2f(m - mn);
+        l *= scale;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] *= scale;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          if (!ok[u]) continue;
+          const int t = tg + (j + u) * TG;
+          const float pr = exp2f(sc[u] - mn);
+          l += pr;
+          Raw8<T> r;
+          r.r[0] = *reinterpret_cast<const uint4*>(V + t * D);
+          float vf[8];
+          cvt8(r, vf);
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = fmaf(pr, vf[i], acc[i]);
+        }
+        m = mn;
+      }
+    }
+    __syncthreads();  // this stage is refilled two chunks later
+  }
+  float* s_acc = reinterpret_cast<float*>(s_raw);  // [TG][G][D], aliases the K/V stage
+#pragma unroll
+  for (int i = 0; i < 8; ++i) s_acc[(tg * G + h) * D + d0 + i] = acc[i];
+  if (lane == 0) { s_m[tg][h] = m; s_l[tg][h] = l; }
+  __syncthreads();
+  for (int x = tid; x < G * D; x += kAttnThreads) {
+    const int g = x / D, d = x % D;
+    float M = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < TG; ++r) M = fmaxf(M, s_m[r][g]);
+    float lsum = 0.f, o = 0.f;
+    if (M != -INFINITY) {
+#pragma unroll
+      for (int r = 0; r < TG; ++r) {
+        const float w = exp2f(s_m[r][g] - M);
+        lsum = fmaf(s_l[r][g], w, lsum);
+        o = fmaf(s_acc[(r * G + g) * D + d], w, o);
+      }
+    }
+    const bool any = lsum > 0.f;
+    a.o[((row0 + g) * a.N + n) * D + d] = any ? o / lsum : 0.f;
+    if (d == 0) a.lse[(row0 + g) * a.N + n] = any ? (M + log2f(lsum)) * kLn2 : -INFINITY;
+  }
+}
+
+template <typename T, int D, int G>
+cudaError_t attn_hd_launch(const AttnArgs& a, cudaStream_t s) {
+  constexpr int CT = kHdChunkBytes / (2 * D * (int)sizeof(T));
+  static bool attr_done = false;  // host-side, once per instantiation
+  if (!attr_done) {
+    cudaError_t e = cudaFuncSetAttribute(sparse_attn_hd_kernel<T, D, G>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         2 * kHdChunkBytes);
+    if (e != cudaSuccess) return e;
+    attr_done = true;
+  }
+  const size_t smem = a.page_size > CT ? 2 * kHdChunkBytes : kHdChunkBytes;
+  sparse_attn_hd_kernel<T, D, G><<<dim3(a.N, a.Hk, a.B), kAttnThreads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+// SGLANG_PRR_ATTN_VARIANT=regs|hd overrides the choice (a tuning knob; read once per process).
+inline int attn_variant_env() {
+  static int v = [] {
+    const char* e = getenv("SGLANG_PRR_ATTN_VARIANT");
+    if (!e) return 0;
+    if (!strcmp(e, "regs")) return 1;
+    if (!strcmp(e, "hd")) return 2;
+    return 0;
+  }();
+  return v;
+}
+
 template <typename T, int D>
 cudaError_t attn_dispatch_g(const AttnArgs& a, cudaStream_t s) {
-  dim3 grid(a.N, a.Hk, a.B);
   const int G = a.Hq / a.Hk;
+  if constexpr (sizeof(T) == 2 && (D == 64 || D == 128)) {
+    // Measured on H200 (NOTES-kernels.md): the head-split variant wins on small pages (16-32
+    // tokens: 1.4-1.7x), the register variant on pages >= 64 (the head-split one then streams
+    // two-stage chunks per CTA and loses up to 1.7x).
+    const int var = attn_variant_env();
+    const bool hd = (G == 1 || G == 2 || G == 4 || G == 8) &&
+                    (var == 2 || (var == 0 && a.page_size <= kHdMaxPage));
+    if (hd) {
+      switch (G) {
+        case 1: return attn_hd_launch<T, D, 1>(a, s);
+        case 2: return attn_hd_launch<T, D, 2>(a, s);
+        case 4: return attn_hd_launch<T, D, 4>(a, s);
+        default: return attn_hd_launch<T, D, 8>(a, s);
+      }
+    }
+  }
+  dim3 grid(a.N, a.Hk, a.B);
   // fp32 KV needs twice the registers per loaded row: fewer passes in flight.
   constexpr int U = sizeof(T) == 4 ? 2 : 4;
   if (G <= 4) sparse_attn_kernel<T, D, 4, U><<<grid, kAttnThreads, 0, s>>>(a);

@@ -105,7 +105,8 @@ ATTN_CASES = [
     (1, 8, 1, 128, 16, torch.float32),     # GQA 8, fp32 KV
     (3, 16, 4, 64, 64, torch.bfloat16),    # head dim 64
     (3, 8, 2, 256, 32, torch.float16),     # head dim 256
-    (2, 12, 4, 128, 256, torch.bfloat16),  # block 256 (benchmark range)
+    (2, 12, 4, 128, 256, torch.bfloat16),  # block 256 (benchmark range), GQA 3
+    (3, 16, 8, 64, 16, torch.float16),     # GQA 2, head dim 64, small pages
 ]
 
 
