@@ -56,6 +56,7 @@ The structured families share one noise level, ``FIT_NOISE``, fitted on ``retrie
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import os
@@ -188,6 +189,11 @@ def load_traces(path: str) -> List[Trace]:
 # ----------------------------------------------------------------------------- the recorder
 
 
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 class _RequestBuffer:
     def __init__(self, ordinal: int, layers: Sequence[int]):
         self.ordinal = ordinal
@@ -205,7 +211,8 @@ class TraceRecorder:
 
     Memory is bounded by ``max_requests * max_steps * len(layers) * Hk * NB * 4`` bytes; a
     request's file is written as soon as it has ``max_steps`` steps, when ``finish(rid)`` is
-    called (request done), or at ``close()``. Recording copies scores to the host each step, so
+    called (request done), or at ``close()`` (also registered with ``atexit``). Under tensor
+    parallelism each rank's files get a ``rank<r>_`` prefix (its own KV heads). Recording copies scores to the host each step, so
     it is only used with CUDA graphs disabled (the caller validates that at startup).
     """
 
@@ -222,6 +229,9 @@ class TraceRecorder:
             raise PRRConfigError(f"invalid PRR option trace_layers={bad}: allowed layer ids in "
                                  f"[0, {num_layers - 1}]")
         self.path = cfg.trace_path
+        if not file_prefix and _world_size() > 1:
+            # Tensor-parallel ranks record their own KV heads: keep their files apart.
+            file_prefix = f"rank{torch.distributed.get_rank()}_"
         self.layers = tuple(sorted(set(int(l) for l in cfg.trace_layers)))
         self._layer_set = frozenset(self.layers)
         self.num_kv_heads = int(num_kv_heads)
@@ -238,6 +248,8 @@ class TraceRecorder:
         self._closed = False
         self.written: List[str] = []
         os.makedirs(self.path, exist_ok=True)
+        # Requests still running at shutdown are written then (close() is idempotent).
+        atexit.register(self.close)
 
     @property
     def accepting(self) -> bool:

@@ -91,7 +91,7 @@ def test_recorder_bounds_layers_steps_and_requests(tmp_path, seed):
         if step == 2:
             assert rec.finish("b") is not None  # b finishes early: its file has 3 steps
     files = rec.close()
-    assert not rec.wants(0)
+    assert not rec.wants(0) and rec.close() == files  # idempotent (also runs at exit)
     trs = {t.rid: t for t in T.load_traces(rec.path)}
     assert sorted(trs) == ["a", "b"] and len(files) == 2  # c exceeds trace_max_requests
     assert trs["a"].steps == 5 and trs["b"].steps == 3  # trace_max_steps / finish
