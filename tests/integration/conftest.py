@@ -6,7 +6,8 @@ tokens have 7-19 blocks: PRR really runs, and the choice of blocks changes the o
 model's attention is peaked; ``test_dsa_small_k_differs_from_dense`` checks it).
 
 Configurations:
-  prr     PRR (exact), chunked prefill of 128 tokens, no --model-path (the demo default)
+  prr     PRR (exact), chunked prefill of 128 tokens, --enable-metrics, no --model-path
+          (the demo default)
   serial  serial DSA (--prr-serial), same K, same chunking: the baseline PRR(exact) must equal
   norep   PRR (exact) with the repair step disabled (negative control; debug env switch)
   full    PRR (exact) with K covering every block, chunked prefill
@@ -34,7 +35,8 @@ COMMON = ["--prr-block-size", "16", "--prr-top-k", "2", "--prr-top-k-unit", "blo
           "--max-running-requests", "32", "--random-seed", "0", "--log-level", "warning",
           "--skip-server-warmup", "--context-length", "1024"]
 CONFIGS = {
-    "prr": (COMMON + ["--chunked-prefill-size", "128", "--prr-metrics-interval", "20"], {},
+    "prr": (COMMON + ["--chunked-prefill-size", "128", "--prr-metrics-interval", "20",
+                      "--enable-metrics"], {},
             False),
     "serial": (COMMON + ["--chunked-prefill-size", "128", "--prr-serial"], {}, True),
     "norep": (COMMON + ["--chunked-prefill-size", "128"], {"SGLANG_PRR_DEBUG_SKIP_REPAIR": "1"},

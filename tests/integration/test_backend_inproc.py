@@ -200,3 +200,24 @@ def test_slot_reuse_resets_state():
     b.state.mark_new([1])
     b._before_forward(fb)
     assert b.state.n_init[0, 2] > 0
+
+
+def test_trace_recording(tmp_path):
+    traces = pytest.importorskip("sglang_prr.traces")
+    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=0,
+                    calib_queries=4, trace_path=str(tmp_path / "tr"), trace_layers=(1,),
+                    trace_max_steps=3).validate()
+    w = World(2, 4, 2, cfg, 1)
+    b = _backends(w, {"prr": cfg})["prr"]
+    assert b.tracer is not None
+    fb, q, k, v = w.batch([1, 2], [70, 90])
+    _forward(b, w, fb, q, k, v)
+    for _ in range(4):
+        fb, q, k, v = w.batch([1, 2], [1, 1])
+        fb.rids = ["req-a", "req-b"]
+        _forward(b, w, fb, q, k, v)
+    files = b.tracer.close()
+    assert len(files) == 2, files
+    loaded = traces.load_traces(str(tmp_path / "tr"))
+    assert sorted(t.rid for t in loaded) == ["req-a", "req-b"]
+    assert all(t.steps == 3 for t in loaded)  # bounded by trace_max_steps

@@ -16,6 +16,12 @@ from sglang_prr.server_args_patch import complete_argv, flag_name
 REPO = Path(__file__).resolve().parents[2]
 
 
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _launch(*args, timeout=300):
     env = dict(os.environ)
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
@@ -47,6 +53,8 @@ def test_bad_flag_exits_nonzero_from_the_command_line():
     (["--prr-block-size", "16", "--page-size", "32"], "--page-size=32"),
     (["--speculative-algorithm", "EAGLE"], "--speculative-algorithm=EAGLE"),
     (["--enable-mixed-chunk"], "--enable-mixed-chunk"),
+    pytest.param(["--attention-backend", "fa3"], "--attention-backend=fa3",
+                 marks=pytest.mark.skipif(_cuda(), reason="fa3 is valid with a GPU")),
 ])
 def test_bad_flags_exit_nonzero_with_message(args, needle, capsys, monkeypatch):
     from sglang_prr import launch_server

@@ -139,3 +139,12 @@ def test_prr_stats(prr_server):
     assert 1.0 <= s["delta"] <= s["config"]["predicted_blocks"] / 2 + 1
     # Chunked prefill (128-token chunks) calibrated every chunk of each request.
     assert s["calibrations"] > s["extend_batches"] // 2 > 0
+
+
+def test_metrics_endpoint_exports_prr(prr_server):
+    generate(prr_server, prompt_ids(SEED + 12, 120), 4)
+    generate(prr_server, prompt_ids(SEED + 13, 90), 2)  # a later forward flushes the numbers
+    text = requests.get(prr_server.url + "/metrics", timeout=60).text
+    lines = [l for l in text.splitlines() if l.startswith("sglang:prr_hit_rate")]
+    assert lines, text[-2000:]
+    assert 0.0 <= float(lines[0].split()[-1]) <= 1.0
