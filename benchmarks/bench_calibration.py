@@ -14,9 +14,11 @@ On CUDA, calibration is timed both eagerly and replayed from a CUDA graph (``--n
 the graph), median of ``--repeats`` with CUDA events; on CPU, median wall time.
 
     PYTHONPATH=. python3 benchmarks/bench_calibration.py --out benchmarks/results/calibration_cpu.csv
-    PYTHONPATH=. python3 benchmarks/bench_calibration.py --device cuda \\
+    PYTHONPATH=. python3 benchmarks/bench_calibration.py --device cuda --batched \\
         --out benchmarks/results/calibration_h200.csv
-"""
+
+``--batched`` adds ``calibrate_rows_batched``, an experimental row-batched form kept here to size
+what batching the top-K over rows would buy (it is not used by the product)."""
 
 from __future__ import annotations
 
@@ -66,6 +68,47 @@ def _time_cuda(fn: Callable[[], object], repeats: int, warmup: int = 3) -> List[
     return out
 
 
+def calibrate_rows_batched(scores, nblk, k, n_pred, sink_blocks, local_blocks, alphas, betas,
+                           gammas, impl=ops):
+    """An experimental form of ``reference.calibrate`` (not used by the product): the Holt loop
+    stays sequential (elementwise, one ``holt_update`` per row), but the predictions of all rows
+    are kept and the top-K selections and eq 4 run once, batched over rows. Same per-row
+    arithmetic, so ``H`` matches the reference up to fp32 reassociation of the final mean; peak
+    memory grows by a factor of about ``Phi`` (all rows' predictions and sort buffers at once)."""
+    R, Phi, Hk, nb = scores.shape
+    C = alphas.numel()
+    dev = scores.device
+    n_keep = sink_blocks + local_blocks
+    s = scores.float().unsqueeze(1).expand(R, C, Phi, Hk, nb).reshape(R * C, Phi, Hk, nb)
+    nbk = nblk.long().unsqueeze(1).expand(R, C, Phi).reshape(R * C, Phi)
+    a_, b_, g_ = (x.float().to(dev).repeat(R) for x in (alphas, betas, gammas))
+    level = torch.zeros(R * C, Hk, nb, device=dev)
+    trend = torch.zeros_like(level)
+    n_init = torch.zeros(R * C, dtype=torch.long, device=dev)
+    preds = torch.empty(max(Phi - 1, 0), R * C, Hk, nb, device=dev)
+    for phi in range(Phi):
+        if phi > 0:
+            preds[phi - 1] = ref.holt_predict(level, trend, g_, n_init)
+        impl.holt_update(level, trend, n_init, s[:, phi].contiguous(), nbk[:, phi].contiguous(),
+                         a_, b_)
+    if Phi < 2:
+        return torch.zeros(R, C, device=dev)
+    n_rows = nbk[:, 1:].transpose(0, 1).reshape(-1)  # [(Phi-1) * R*C], row-major like preds
+    p_idx, p_cnt = impl.select_topk(preds.view(-1, Hk, nb), n_rows, n_pred, sink_blocks,
+                                    local_blocks, n_pred + n_keep)
+    # A depends on the request only: select once per (request, row), then repeat for candidates.
+    rows = scores.float()[:, 1:].transpose(0, 1).reshape(-1, Hk, nb).contiguous()  # [(Phi-1)*R]
+    a_idx, a_cnt = impl.select_topk(rows, nblk.long()[:, 1:].transpose(0, 1).reshape(-1).contiguous(),
+                                    k, sink_blocks, local_blocks, k + n_keep)
+    a_idx = a_idx.view(Phi - 1, R, 1, Hk, -1).expand(Phi - 1, R, C, Hk, k + n_keep)
+    a_cnt = a_cnt.view(Phi - 1, R, 1, Hk).expand(Phi - 1, R, C, Hk)
+    row_s = rows.view(Phi - 1, R, 1, Hk, nb).expand(Phi - 1, R, C, Hk, nb)
+    _, middle = ref.kept_mask(n_rows, nb, sink_blocks, local_blocks)
+    hit = ref.weighted_hit(row_s.reshape(-1, Hk, nb), a_idx.reshape(-1, Hk, k + n_keep),
+                           a_cnt.reshape(-1, Hk), p_idx, p_cnt, middle.unsqueeze(1))
+    return hit.mean(-1).view(Phi - 1, R * C).sum(0).div(Phi - 1).view(R, C)
+
+
 def calib_inputs(L: int, rows: int, block: int, kv_heads: int, device: str, seed: int = 0):
     """Scores ``[1, rows, Hk, NB]`` of the last ``rows`` prompt positions (every block visible:
     the widest, costliest calibration of the prompt) and their causal block counts."""
@@ -99,7 +142,13 @@ def bench_one(L: int, a: argparse.Namespace, cfg: PRRConfig) -> Dict[str, object
     row: Dict[str, object] = dict(device=torch.cuda.get_device_name() if cuda else "cpu",
                                   L=L, nb=scores.shape[-1], rows=a.rows, kv_heads=a.kv_heads,
                                   candidates=grid.shape[0], k_blocks=k, n_pred=n_pred)
+    def calib_batched():
+        return calibrate_rows_batched(scores, nblk, k, n_pred, cfg.sink_blocks, cfg.local_blocks,
+                                      al, be, ga, impl=ops)
+
     variants = [("ref", calib_ref)] + ([("kern", calib_kern)] if cuda and a.kernels else [])
+    if a.batched:
+        variants.append(("batched", calib_batched))
     h_ref = calib_ref()
     for name, fn in variants:
         t = timer(fn, a.repeats)
@@ -115,7 +164,7 @@ def bench_one(L: int, a: argparse.Namespace, cfg: PRRConfig) -> Dict[str, object
             del gr
     row["calib_ms"] = min(v for key, v in row.items()
                           if key.endswith(("_ms", "_graph_ms")) and v is not None
-                          and key.split("_")[0] in ("ref", "kern"))
+                          and key.split("_")[0] in ("ref", "kern"))  # the product's forms
     row["sdpa_ms"] = None
     if cuda or L <= a.baseline_max_len:
         dt = torch.bfloat16 if cuda else torch.float32
@@ -171,6 +220,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--budget", type=float, default=1.5, help="delta")
     ap.add_argument("--repeats", type=int, default=None, help="default: 20 on CUDA, 3 on CPU")
     ap.add_argument("--no-graph", dest="graph", action="store_false")
+    ap.add_argument("--batched", action="store_true",
+                    help="also time the experimental row-batched form (calibrate_rows_batched)")
     ap.add_argument("--no-kernels", dest="kernels", action="store_false",
                     help="on CUDA, skip the variant composed of the registered CUDA op kernels")
     ap.add_argument("--baseline-max-len", type=int, default=8192,
@@ -205,13 +256,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
           f"|P|={cfg.predicted_blocks}; ref = reference ops, kern = the same loop through the CUDA "
           f"op kernels; baseline = one layer of dense causal SDPA (GQA {a.q_heads}/{a.kv_heads}, "
           f"d={a.head_dim}, {'fp32' if a.device == 'cpu' else 'bf16'}); times in ms, median")
-    print("| L | blocks | ref eager | ref graph | kern eager | kern graph | SDPA 1 layer "
-          "| best calib / SDPA |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| L | blocks | ref eager | ref graph | kern eager | kern graph | batched graph (exp.) "
+          "| SDPA 1 layer | best calib / SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['L']} | {r['nb']} | {_fmt(r.get('ref_ms'), '.3f')} | "
               f"{_fmt(r.get('ref_graph_ms'), '.3f')} | {_fmt(r.get('kern_ms'), '.3f')} | "
-              f"{_fmt(r.get('kern_graph_ms'), '.3f')} | {_fmt(r['sdpa_ms'], '.3f')} | "
+              f"{_fmt(r.get('kern_graph_ms'), '.3f')} | "
+              f"{_fmt(r.get('batched_graph_ms') or r.get('batched_ms'), '.3f')} | "
+              f"{_fmt(r['sdpa_ms'], '.3f')} | "
               f"{'n/a' if r['ratio_pct'] is None else format(r['ratio_pct'], '.2f') + '%'} |")
     if a.out:
         print(f"wrote {a.out}")

@@ -107,3 +107,28 @@ def test_main_writes_table_csv_and_plot_and_reads_a_trace(bp, tmp_path, seed):
     with pytest.raises(ValueError, match="calib_rows"):
         bp.main(["--trace", str(tmp_path / "cap"), "--k", "8", "--delta", "1.5",
                  "--calib-rows", "30", "--no-plot", "--out", out2])
+
+
+def test_calibration_bench_runs_and_its_batched_form_matches_the_reference(tmp_path, seed):
+    spec = importlib.util.spec_from_file_location(
+        "bench_calibration", os.path.join(ROOT, "benchmarks", "bench_calibration.py"))
+    bc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bc)
+    from sglang_prr import reference as ref
+    g = torch.Generator().manual_seed(seed)
+    R, Phi, Hk, nb = 3, 9, 2, 37
+    nblk = torch.sort(torch.randint(5, nb + 1, (R, Phi), generator=g), dim=1).values
+    s = torch.randn(R, Phi, Hk, nb, generator=g)
+    s = torch.where(torch.arange(nb).view(1, 1, 1, nb) < nblk.view(R, Phi, 1, 1), s,
+                    torch.full_like(s, float("-inf")))
+    al, be, ga = torch.tensor([0.2, 0.8, 1.0]), torch.tensor([0.1, 0.5, 0.3]), torch.tensor([0.0, 0.75, 0.5])
+    want = ref.calibrate(s, nblk, 4, 6, 1, 1, al, be, ga)
+    got = bc.calibrate_rows_batched(s, nblk, 4, 6, 1, 1, al, be, ga, impl=ref)
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
+    # Negative control: the candidates really differ, so the equality above compares something.
+    assert float((want[:, 0] - want[:, 1]).abs().max()) > 1e-3
+    out = str(tmp_path / "cal.csv")
+    assert bc.main(["--lengths", "1000", "--rows", "4", "--repeats", "1", "--top-k", "128",
+                    "--baseline-max-len", "1000", "--batched", "--out", out]) == 0
+    text = open(out).read()
+    assert "ref_ms" in text and "batched_maxdiff_vs_ref" in text and "sdpa_ms" in text
