@@ -206,6 +206,22 @@ def main(argv=None):
                 lambda q: ops.sparse_attn_partials(q, env["k_buf"], env["v_buf"], env["table"],
                                                    env["seq"], p_idx, p_cnt, a.page, scale),
                 q_buf, env["qs"], dev, a.iters)
+            # Repair over the last step's M and the exact merge, alone (PRR's critical path after
+            # the join).
+            _, a_idx, a_cnt, m_idx, m_cnt, _, _ = step.run(
+                q_buf, *common, p_idx.clone(), p_cnt.clone(), level.clone(), trend.clone(),
+                n_init.clone(), theta, "quest", k, n_pred, 1, 1, a.page, scale, update_p=False)
+            res["stage: repair over M"] = time_graph(
+                lambda q: ops.sparse_attn_partials(q, env["k_buf"], env["v_buf"], env["table"],
+                                                   env["seq"], m_idx, m_cnt, a.page, scale),
+                q_buf, env["qs"], dev, a.iters)
+            o_s, l_s = ops.sparse_attn_partials(q_buf, env["k_buf"], env["v_buf"], env["table"],
+                                                env["seq"], p_idx, p_cnt, a.page, scale)
+            o_r, l_r = ops.sparse_attn_partials(q_buf, env["k_buf"], env["v_buf"], env["table"],
+                                                env["seq"], m_idx, m_cnt, a.page, scale)
+            res["stage: merge"] = time_graph(
+                lambda q: ops.prr_merge(o_s, l_s, p_idx, p_cnt, a_idx, a_cnt, o_r, l_r, nb, True),
+                q_buf, env["qs"], dev, a.iters)
             for name, (med, p10, p90) in res.items():
                 rows.append(dict(device=str(dev), ctx=ctx, batch=batch, page=a.page,
                                  top_k_tokens=a.top_k, budget=a.budget, variant=name,
