@@ -197,12 +197,25 @@ class PRRBackend:
         kbuf = self.kv_pool.get_key_buffer(getattr(self.kv_pool, "start_layer", 0) or 0)
         self.num_pages = kbuf.shape[0] // self.page
         L, P, Hk, D = self.num_layers, self.num_pages, self.num_kv_heads, self.head_dim
-        if cfg.method == "quest":
-            self.kmin = torch.full((L, P, Hk, D), float("inf"), device=self.device)
-            self.kmax = torch.full((L, P, Hk, D), float("-inf"), device=self.device)
-        else:
-            self.ck = torch.zeros((L, P, self.page // 16, Hk, D), device=self.device)
-        self.state = PRRState(cfg, L, Hk, self.req_pool, self.device)
+        # One model runner may build several backends (separate prefill and decode backends):
+        # they share one set of summaries, state and statistics, kept on the runner.
+        shared = getattr(runner, "_prr_shared", None)
+        if shared is None:
+            shared = {"state": PRRState(cfg, L, Hk, self.req_pool, self.device),
+                      "stats": _Stats(self.device, cfg, runner.server_args)}
+            if cfg.method == "quest":
+                shared["kmin"] = torch.full((L, P, Hk, D), float("inf"), device=self.device)
+                shared["kmax"] = torch.full((L, P, Hk, D), float("-inf"), device=self.device)
+            else:
+                shared["ck"] = torch.zeros((L, P, self.page // 16, Hk, D), device=self.device)
+            try:
+                runner._prr_shared = shared
+            except AttributeError:
+                pass
+        for key in ("kmin", "kmax", "ck"):
+            if key in shared:
+                setattr(self, key, shared[key])
+        self.state = shared["state"]
         grid = torch.tensor(cfg.theta_grid, dtype=torch.float32, device=self.device)  # [C, 3]
         self.grid = grid
         self.alphas, self.betas, self.gammas = (grid[:, i].contiguous() for i in range(3))
@@ -219,7 +232,7 @@ class PRRBackend:
                 self.step = prr_step(self.device)
             except ImportError:
                 self.step = None
-        self.stats = _Stats(self.device, cfg, runner.server_args)
+        self.stats = shared["stats"]
         self.tracer = self._make_tracer()
         self._ext_plan = None
         summary_mib = sum(t.numel() * 4 for t in self._summary_tensors()) / 2**20

@@ -124,8 +124,8 @@ def check_compatibility(cfg: PRRConfig, server_args: Any, has_cuda: bool) -> Non
     backend = getattr(server_args, "attention_backend", None)
     if not has_cuda and backend not in (None, "torch_native"):
         raise PRRArgsError(
-            f"--attention-backend={backend} needs a GPU; on CPU PRR runs on torch_native "
-            f"(leave --attention-backend out)")
+            f"--attention-backend={backend} is not supported without a GPU; on CPU PRR runs on "
+            f"torch_native (leave --attention-backend out)")
     if cfg.trace_path and not getattr(server_args, "disable_cuda_graph", False) and has_cuda:
         raise PRRArgsError(
             f"--prr-trace-path={cfg.trace_path} copies scores to the host each step and needs "
