@@ -135,6 +135,33 @@ def _stats(ts):
     return statistics.median(ts), q(0.1), q(0.9)
 
 
+def plot(csv_paths, png):
+    """Grouped bars of the variants' median latency per (ctx, batch), one panel per CSV."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(csv_paths), figsize=(7 * len(csv_paths), 4), squeeze=False)
+    for ax, path in zip(axes[0], csv_paths):
+        with open(path) as f:
+            rows = [r for r in csv.DictReader(f) if not r["variant"].startswith("stage")]
+        cases = sorted({(int(r["ctx"]), int(r["batch"])) for r in rows})
+        variants = list(dict.fromkeys(r["variant"] for r in rows))
+        width = 0.8 / len(variants)
+        for i, v in enumerate(variants):
+            ys = [next((float(r["median_us"]) for r in rows if r["variant"] == v
+                        and (int(r["ctx"]), int(r["batch"])) == c), 0.0) for c in cases]
+            ax.bar([j + i * width for j in range(len(cases))], ys, width, label=v)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(cases))])
+        ax.set_xticklabels([f"{c // 1024}K, bs {b}" for c, b in cases])
+        ax.set_yscale("log")
+        ax.set_ylabel("per-layer decode latency, us (median)")
+        ax.set_title(os.path.basename(path))
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
@@ -148,7 +175,12 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="tiny sizes (smoke run)")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results",
                                                   "layer.csv"))
+    ap.add_argument("--plot-only", nargs="+", metavar="CSV",
+                    help="draw the PNG of earlier CSV runs (beside the first CSV) and exit")
     a = ap.parse_args(argv)
+    if a.plot_only:
+        plot(a.plot_only, os.path.splitext(a.plot_only[0])[0] + ".png")
+        return []
     dev = torch.device(a.device)
     if a.quick:
         a.contexts, a.batches, a.iters, a.heads, a.page, a.top_k = [1024], [2], 3, [8, 2, 32], 16, 128
