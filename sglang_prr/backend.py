@@ -226,12 +226,15 @@ class PRRBackend:
         self.impl = _no_repair_impl() if os.environ.get(ENV_SKIP_REPAIR) == "1" else ops
         self.step = None
         if self.impl is ops:
-            try:
-                from .pipeline import prr_step
+            from .pipeline import prr_step
 
-                self.step = prr_step(self.device)
-            except ImportError:
-                self.step = None
+            self.step = prr_step(self.device)
+        if self.device.type == "cuda":
+            # Build/load the SM90 kernels now, not in the first decode step or a graph capture
+            # (falls back to the reference with one warning on other GPUs or a failed build).
+            from . import kernels
+
+            kernels.load()
         self.stats = shared["stats"]
         self.tracer = self._make_tracer()
         self._ext_plan = None

@@ -457,7 +457,7 @@ def generate(family: str, steps: int = DEFAULT_STEPS, num_kv_heads: int = DEFAUL
             move = r_struct.random(hot.shape) < float(p["hop"])
             if move.any():
                 hot = hot.copy()
-                for h, i in zip(*np.nonzero(move)):
+                for h, i in zip(*np.nonzero(move)):  # host-ok: numpy trace generator
                     free = np.setdiff1d(np.arange(lo, hi), hot[h])
                     hot[h, i] = r_struct.choice(free)
             np.put_along_axis(struct[t], hot, float(p["hot_amp"]), axis=-1)
