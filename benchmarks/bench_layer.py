@@ -30,39 +30,22 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from sglang_prr import ops  # noqa: E402
 from sglang_prr.pipeline import PRRStep  # noqa: E402
+from sglang_prr.synthetic import paged_kv  # noqa: E402
 
 
 def build(batch, ctx, page, hq, hk, d, dtype, dev, n_queries, seed=0):
     g = torch.Generator(device="cpu").manual_seed(seed)
-    max_ctx = ctx + page
-    per_req = -(-max_ctx // page)
-    n_pages = 1 + batch * per_req
-    pages = (torch.randperm(n_pages - 1, generator=g) + 1).view(batch, per_req)
-    r2t = (pages[:, :, None] * page + torch.arange(page)).view(batch, -1)[:, :max_ctx]
-    r2t = torch.cat([torch.zeros(1, max_ctx, dtype=torch.long), r2t]).int().to(dev)
-    rows = torch.arange(1, batch + 1, device=dev)
-    k_buf = torch.randn(n_pages * page, hk, d, generator=g)
-    v_buf = torch.randn(n_pages * page, hk, d, generator=g)
     # A handful of blocks per request carry a "topic" direction that the queries follow.
     topic = torch.randn(batch, hk, d, generator=g)
-    for b in range(batch):
-        hot = torch.randint(1, ctx // page - 1, (24,), generator=g)
-        for blk in hot:
-            k_buf[pages[b, blk] * page + torch.arange(page)] += 0.4 * topic[b]
-    k_buf, v_buf = k_buf.to(dev, dtype), v_buf.to(dev, dtype)
+    kv = paged_kv(batch, ctx, page, hk, d, dtype=dtype, device=dev, generator=g, topic=topic,
+                  hot_blocks=24)
     group = hq // hk
     drift = torch.cumsum(torch.randn(n_queries, batch, hk, d, generator=g) * 0.15, 0)
     qs = ((topic + drift).repeat_interleave(group, 2) * 3.0
           + torch.randn(n_queries, batch, hq, d, generator=g)).to(dev, dtype)
-    table = ops.block_table(r2t, rows, page)
-    kmin = torch.full((n_pages, hk, d), float("inf"), device=dev)
-    kmax = torch.full((n_pages, hk, d), float("-inf"), device=dev)
-    for b in range(batch):
-        loc = r2t[b + 1, :ctx]
-        ops.quest_update(kmin, kmax, k_buf[loc.long()], loc, torch.arange(ctx, device=dev), page)
     seq = torch.full((batch,), ctx, device=dev, dtype=torch.long)
-    return dict(k_buf=k_buf, v_buf=v_buf, qs=qs, table=table, kmin=kmin, kmax=kmax, seq=seq,
-                pages=pages, n_pages=n_pages)
+    return dict(k_buf=kv.k_buf, v_buf=kv.v_buf, qs=qs, table=kv.table, kmin=kv.kmin,
+                kmax=kv.kmax, seq=seq, pages=kv.pages, n_pages=kv.n_pages)
 
 
 def flashinfer_dense(env, batch, ctx, page, hq, hk, d, dev):

@@ -14,6 +14,7 @@ import torch
 
 from . import ops
 from .config import PRRConfig
+from .synthetic import paged_kv
 
 
 def main(argv=None) -> None:
@@ -31,31 +32,11 @@ def main(argv=None) -> None:
     dev, page = torch.device(a.device), cfg.block_size
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     B, Hk, G, D = a.batch, 8, 4, 128
-    max_ctx = a.context + a.steps + page
-    per_req = -(-max_ctx // page)
-    n_pages = 1 + B * per_req
-    pages = (torch.randperm(n_pages - 1, generator=g) + 1).view(B, per_req)
-    req_to_token = (pages[:, :, None] * page + torch.arange(page)).view(B, -1)[:, :max_ctx]
-    req_to_token = torch.cat([torch.zeros(1, max_ctx, dtype=torch.long), req_to_token]).int()
-    rows = torch.arange(1, B + 1)
-    k_buf = torch.randn(n_pages * page, Hk, D, generator=g)
-    v_buf = torch.randn(n_pages * page, Hk, D, generator=g)
     # A few blocks hold keys aligned with a slowly drifting query direction.
     topic = torch.randn(B, Hk, D, generator=g)
-    hot = torch.randint(1, a.context // page - 1, (B, 12), generator=g)
-    for b in range(B):
-        for blk in hot[b]:
-            slots = pages[b, blk] * page + torch.arange(page)
-            k_buf[slots] += 0.5 * topic[b]
-    k_buf, v_buf = k_buf.to(dev), v_buf.to(dev)
-    req_to_token, rows = req_to_token.to(dev), rows.to(dev)
-    table = ops.block_table(req_to_token, rows, page)
-    kmin = torch.full((n_pages, Hk, D), float("inf"), device=dev)
-    kmax = torch.full((n_pages, Hk, D), float("-inf"), device=dev)
-    for b in range(B):
-        loc = req_to_token[b + 1, :a.context + a.steps]
-        ops.quest_update(kmin, kmax, k_buf[loc.long()], loc, torch.arange(loc.numel(), device=dev),
-                         page)
+    kv = paged_kv(B, a.context + a.steps, page, Hk, D, dtype=torch.float32, device=dev,
+                  generator=g, topic=topic, hot_blocks=12, hot_scale=0.5)
+    k_buf, v_buf, table, kmin, kmax = kv.k_buf, kv.v_buf, kv.table, kv.kmin, kv.kmax
     nb, k, n_pred = table.shape[1], cfg.top_k_blocks, cfg.predicted_blocks
     level = torch.zeros(B, Hk, nb, device=dev)
     trend = torch.zeros_like(level)

@@ -15,6 +15,7 @@ if not torch.cuda.is_available():
 
 from sglang_prr import ops  # noqa: E402
 from sglang_prr.pipeline import PRRStep  # noqa: E402
+from sglang_prr.synthetic import paged_kv  # noqa: E402
 
 
 def _rel(a, b):
@@ -28,22 +29,8 @@ def test_prr_step_graph_replay_equals_serial_dsa(batch, group, page):
     g = torch.Generator().manual_seed(seed)
     dev = torch.device("cuda")
     hk, d, ctx = 2, 128, 40 * page + 7
-    max_ctx = ctx + 16 + page
-    per_req = -(-max_ctx // page)
-    n_pages = 1 + batch * per_req
-    pages = (torch.randperm(n_pages - 1, generator=g) + 1).view(batch, per_req)
-    r2t = (pages[:, :, None] * page + torch.arange(page)).view(batch, -1)[:, :max_ctx]
-    r2t = torch.cat([torch.zeros(1, max_ctx, dtype=torch.long), r2t]).int().to(dev)
-    rows = torch.arange(1, batch + 1, device=dev)
-    k_buf = torch.randn(n_pages * page, hk, d, generator=g).to(dev, torch.bfloat16)
-    v_buf = torch.randn(n_pages * page, hk, d, generator=g).to(dev, torch.bfloat16)
-    table = ops.block_table(r2t, rows, page)
-    kmin = torch.full((n_pages, hk, d), float("inf"), device=dev)
-    kmax = torch.full((n_pages, hk, d), float("-inf"), device=dev)
-    for b in range(batch):
-        loc = r2t[b + 1, :max_ctx - page]
-        ops.quest_update(kmin, kmax, k_buf[loc.long()], loc,
-                         torch.arange(loc.numel(), device=dev), page)
+    kv = paged_kv(batch, ctx + 16, page, hk, d, dtype=torch.bfloat16, device=dev, generator=g)
+    k_buf, v_buf, table, kmin, kmax = kv.k_buf, kv.v_buf, kv.table, kv.kmin, kv.kmax
     nb, k, n_pred = table.shape[1], 4, 6
     level = torch.zeros(batch, hk, nb, device=dev)
     trend, n_init = torch.zeros_like(level), torch.zeros(batch, dtype=torch.long, device=dev)
