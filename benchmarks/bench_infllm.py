@@ -1,0 +1,159 @@
+"""InfLLM-v2 kernels beside the torch reference on one GPU: ``infllm_scores`` (block scores from the
+compressed keys) and ``infllm_update`` (one decode step's compressed keys).
+
+Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16 q and keys, fp32 compressed keys),
+block 64, 128K context (8191 complete compressed keys per request), batch 1 and 8 by default.
+Every variant is captured in a CUDA graph that calls it over R rotating input sets (different
+pages, >= 256 MB in all, so replays do not run from the 60 MB L2), replayed ``--reps`` times;
+per-call time = replay / R; median and p10/p90. GB/s counts the compressed keys that must be read
+(``B x n_ck x Hk x D x 4`` bytes) over the median. The kernel is checked against the reference on
+one input set before timing.
+
+    python benchmarks/bench_infllm.py [--batch 1 8] [--ctx 131072] [--csv out.csv]
+
+Library: ``SGLANG_PRR_INFLLM_LIB`` (a library holding the InfLLM ops) or the full kernel library.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from sglang_prr import reference as ref  # noqa: E402
+
+ROTATE_BYTES = 256 << 20
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, int(round(p / 100 * (len(xs) - 1)))))]
+
+
+def time_graph(calls, reps):
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) * 1000.0 / len(calls))
+    del g
+    return statistics.median(ts), pct(ts, 10), pct(ts, 90)
+
+
+def load_lib():
+    lib = os.environ.get("SGLANG_PRR_INFLLM_LIB")
+    if lib:
+        torch.ops.load_library(lib)
+    else:
+        from sglang_prr import kernels
+        assert kernels.load(), kernels.load_error()
+
+
+def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows):
+    dev = torch.device("cuda")
+    NB = ctx // page
+    pp = page // 16
+    n_ck = (ctx - 32) // 16 + 1
+    key_bytes = B * n_ck * Hk * D * 4
+    R = max(2, math.ceil(ROTATE_BYTES / key_bytes))
+    num_pages = R * B * NB + 1
+    ck = torch.randn(num_pages, pp, Hk, D, device=dev)
+    perm = torch.randperm(num_pages - 1, device=dev) + 1
+    tables = [perm[r * B * NB:(r + 1) * B * NB].view(B, NB).contiguous() for r in range(R)]
+    qs = [torch.randn(B, Hq, D, device=dev, dtype=torch.bfloat16) for _ in range(R)]
+    sl = torch.full((B,), ctx, dtype=torch.int64, device=dev)
+    sm = 1.0 / math.sqrt(D)
+    out = torch.ops.sglang_prr_cuda.infllm_scores(qs[0], ck, tables[0], sl, page, sm)
+    exp = ref.infllm_scores(qs[0], ck, tables[0], sl, page, sm)
+    fin = torch.isfinite(exp)
+    assert torch.equal(torch.isneginf(out), torch.isneginf(exp))
+    err = ((out[fin] - exp[fin]).abs() / (exp[fin].abs() + 1e-6)).max().item()  # host-ok: bench
+    for name, fn in (("kernel", lambda r: torch.ops.sglang_prr_cuda.infllm_scores(
+                         qs[r], ck, tables[r], sl, page, sm)),
+                     ("reference", lambda r: ref.infllm_scores(qs[r], ck, tables[r], sl, page,
+                                                               sm))):
+        med, p10, p90 = time_graph([lambda r=r: fn(r) for r in range(R)], reps)
+        rows.append(dict(op="infllm_scores", variant=name, batch=B, ctx=ctx, page=page, R=R,
+                         us_median=round(med, 2), us_p10=round(p10, 2), us_p90=round(p90, 2),
+                         GBps=round(key_bytes / med / 1e3, 1),
+                         max_rel_err=f"{err:.2e}" if name == "kernel" else ""))
+    del ck, tables
+
+
+def bench_update(B, ctx, page, Hk, D, reps, rows):
+    dev = torch.device("cuda")
+    NB = ctx // page
+    R = 16
+    num_pages = B * NB + 1
+    k_buf = torch.randn(num_pages * page, Hk, D, device=dev, dtype=torch.bfloat16)
+    rtt = ((torch.randperm(num_pages - 1, device=dev) + 1).view(B, NB, 1) * page
+           + torch.arange(page, device=dev)).view(B, NB * page).to(torch.int32)
+    ck = torch.zeros(num_pages, page // 16, Hk, D, device=dev)
+    req = torch.arange(B, device=dev)
+    sets = []
+    for _ in range(R):
+        pos = torch.randint(2, ctx // 16, (B,), device=dev) * 16 - 1
+        loc = rtt[req, pos].long()
+        sets.append((pos, loc))
+    for name, fn in (("kernel", torch.ops.sglang_prr_cuda.infllm_update),
+                     ("reference", ref.infllm_update)):
+        med, p10, p90 = time_graph(
+            [lambda p=p, l=l, fn=fn: fn(ck, k_buf, rtt, req, l, p, page) for p, l in sets], reps)
+        rows.append(dict(op="infllm_update", variant=name, batch=B, ctx=ctx, page=page, R=R,
+                         us_median=round(med, 2), us_p10=round(p10, 2), us_p90=round(p90, 2),
+                         GBps="", max_rel_err=""))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--ctx", type=int, default=131072)
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--csv", type=str, default="")
+    args = ap.parse_args()
+    load_lib()
+    print(torch.cuda.get_device_name(), torch.__version__)
+    rows = []
+    for B in args.batch:
+        bench_scores(B, args.ctx, args.page, 32, 8, 128, args.reps, rows)
+        bench_update(B, args.ctx, args.page, 8, 128, args.reps, rows)
+        torch.cuda.empty_cache()
+    keys = list(rows[0].keys())
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r[k]) for k in keys))
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=keys)
+            w.writeheader()
+            w.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,376 @@
+// InfLLM-v2 kernels for SM90 (H100/H200): the compressed-key update and the block scores.
+// Semantics are those of sglang_prr/reference.py (infllm_update, infllm_scores). Plain CUDA: both
+// ops are memory-bound (the scores read every complete compressed key of a request once, fp32).
+// Graph-safe: static launch shapes, device-side counts (seq_lens, positions), no host reads.
+#include "infllm_kernels.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cmath>
+
+namespace prr {
+namespace {
+
+constexpr float kLog2eInf = 1.4426950408889634f;
+
+__device__ __forceinline__ int64_t ld_idx(const void* p, int64_t i, bool is64) {
+  return is64 ? __ldg(reinterpret_cast<const long long*>(p) + i)
+              : (int64_t)__ldg(reinterpret_cast<const int*>(p) + i);
+}
+
+// 8 consecutive elements of dtype `dt` as floats (16-byte aligned).
+__device__ __forceinline__ void ld8_any(const void* base, int64_t off, int dt, float* f) {
+  if (dt == kInfF32) {
+    const float4* p = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(base) + off);
+    const float4 x = __ldg(p), y = __ldg(p + 1);
+    f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w; f[4] = y.x; f[5] = y.y; f[6] = y.z; f[7] = y.w;
+  } else if (dt == kInfF16) {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(base) + off));
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { const float2 v = __half22float2(h[i]); f[2 * i] = v.x; f[2 * i + 1] = v.y; }
+  } else {
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(base) + off));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { const float2 v = __bfloat1622float2(h[i]); f[2 * i] = v.x; f[2 * i + 1] = v.y; }
+  }
+}
+
+// Raw 8-element vector of type T (one 16-byte load for 16-bit types, two for fp32), so that
+// several rows can be in flight before any is converted.
+template <typename T> struct Vec8 { uint4 r[sizeof(T) / 2]; };
+template <typename T>
+__device__ __forceinline__ Vec8<T> ld_vec8(const T* p) {
+  Vec8<T> x;
+  const uint4* u = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) x.r[i] = __ldg(u + i);
+  return x;
+}
+__device__ __forceinline__ void add8(const Vec8<float>& x, float* f) {
+  const float* p = reinterpret_cast<const float*>(x.r);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) f[i] += p[i];
+}
+__device__ __forceinline__ void add8(const Vec8<__half>& x, float* f) {
+  const __half2* h = reinterpret_cast<const __half2*>(x.r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { const float2 v = __half22float2(h[i]); f[2 * i] += v.x; f[2 * i + 1] += v.y; }
+}
+__device__ __forceinline__ void add8(const Vec8<__nv_bfloat16>& x, float* f) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(x.r);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) { const float2 v = __bfloat1622float2(h[i]); f[2 * i] += v.x; f[2 * i + 1] += v.y; }
+}
+
+// Complete compressed keys of a request of `sl` tokens: ((sl - 32) // 16 + 1) clamped at 0.
+__device__ __forceinline__ int64_t complete_keys(int64_t sl) {
+  return sl >= kInfllmWindow ? (sl - kInfllmWindow) / kInfllmStride + 1 : 0;
+}
+
+// ============================================================================ update
+// One CTA per new token. A token at position pos completes compressed key i = (pos - 31) / 16
+// when (pos + 1) % 16 == 0 and pos >= 31; the CTA then averages the 32 window keys (slots from
+// req_to_token) in fp32 and writes them to ck[page of pos, j]. Other tokens exit at once (the
+// reference sends their write to the padding page; nothing is written here).
+constexpr int kUpdThreads = 128;
+
+template <typename T>
+__global__ void __launch_bounds__(kUpdThreads) infllm_update_kernel(InfllmUpdateArgs a) {
+  __shared__ int64_t s_slot[kInfllmWindow];
+  const int n = blockIdx.x;
+  const int64_t pos = ld_idx(a.positions, n, a.pos64);
+  if (pos < kInfllmWindow - 1 || (pos + 1) % kInfllmStride != 0) return;
+  if (threadIdx.x < kInfllmWindow) {
+    const int64_t r = ld_idx(a.req_idx, n, a.req64);
+    s_slot[threadIdx.x] = ld_idx(a.req_to_token,
+                                 r * a.rtt_stride + pos - (kInfllmWindow - 1) + threadIdx.x, a.rtt64);
+  }
+  __syncthreads();
+  const int pp = a.page_size / kInfllmStride;
+  const int64_t i = (pos - (kInfllmWindow - 1)) / kInfllmStride;
+  const int64_t j = i + 1 - (pos / a.page_size) * pp;
+  const int64_t page = ld_idx(a.out_loc, n, a.loc64) / a.page_size;
+  float* dst = a.ck + (page * pp + j) * a.Hk * a.D;
+  const T* kb = reinterpret_cast<const T*>(a.k);
+  const int hd8 = a.Hk * a.D / 8;
+  constexpr int U = 8;  // window rows loaded before use
+  for (int c = threadIdx.x; c < hd8; c += kUpdThreads) {
+    const int h = (c * 8) / a.D, d0 = (c * 8) % a.D;
+    const T* src = kb + h * a.k_stride_head + d0;
+    float acc[8];
+#pragma unroll
+    for (int t = 0; t < 8; ++t) acc[t] = 0.f;
+#pragma unroll
+    for (int w0 = 0; w0 < kInfllmWindow; w0 += U) {
+      Vec8<T> v[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[u] = ld_vec8<T>(src + s_slot[w0 + u] * a.k_stride_slot);
+#pragma unroll
+      for (int u = 0; u < U; ++u) add8(v[u], acc);
+    }
+    constexpr float inv = 1.f / kInfllmWindow;
+    float4* o = reinterpret_cast<float4*>(dst + h * a.D + d0);
+    o[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
+    o[1] = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
+  }
+}
+
+// ============================================================================ scores
+// Pass 1 (logits): one CTA per (chunk of kChunk entries, KV head, request). Entry e of a request
+// is slot e % pp of its block e / pp and holds compressed key e - 1; entries 1..n_ck are valid.
+// A compressed-key row (D fp32) is read by L = D/8 lanes (two float4 each) and dotted with the
+// whole GQA group's q (registers, pre-scaled into the log2 domain); the G partial sums are
+// reduced across the L lanes by recursive halving (G - 1 + log2(L/G) shuffles instead of
+// G log2 L). The chunk's logits go to shared memory, then to the workspace, with the chunk's
+// (max, sum of exp2) per query head.
+// Pass 2 (pool): one CTA per (range of blocks, KV head, request) combines the row's chunk
+// statistics, turns its entries' logits into softmax probabilities summed over the group and
+// max-pools them to blocks (a block takes its own entries and the first entry of the next block,
+// whose key starts in it).
+constexpr int kScoreThreads = 256;
+constexpr int kChunk = 128;
+constexpr int kPoolThreads = 256;
+
+template <int D, int GMAX, int UNROLL>
+__global__ void __launch_bounds__(kScoreThreads) infllm_logits_kernel(InfllmScoresArgs a) {
+  constexpr int L = D / 8;                 // lanes per entry
+  constexpr int EPP = kScoreThreads / L;   // entries per pass
+  constexpr int SPLIT = L / GMAX;          // lanes per query head after the reduce-scatter
+  static_assert(L >= GMAX && L <= 32, "lanes per entry");
+  static_assert(kChunk % (EPP * UNROLL) == 0, "chunk must be whole passes");
+  __shared__ float s_x[GMAX][kChunk];
+  __shared__ int64_t s_page[kChunk + 1];
+
+  const int c = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int NC = gridDim.x;
+  const int G = a.Hq / a.Hk;
+  const int pp = a.page_size / kInfllmStride;
+  const int64_t E = (int64_t)a.NB * pp;
+  const int64_t row = (int64_t)b * a.Hk + hk;
+  const int tid = threadIdx.x;
+  float2* stats = reinterpret_cast<float2*>(a.stats);
+
+  int64_t nvalid = complete_keys(ld_idx(a.seq_lens, b, a.seq64));
+  if (nvalid > E - 1) nvalid = E - 1;
+  const int64_t e0 = (int64_t)c * kChunk;
+  const int64_t e_end = e0 + kChunk < nvalid + 1 ? e0 + kChunk : nvalid + 1;  // exclusive
+  if (e_end <= (e0 > 1 ? e0 : 1)) {  // no valid entry in this chunk
+    if (tid < G) stats[(row * G + tid) * NC + c] = make_float2(-INFINITY, 0.f);
+    return;
+  }
+  const int64_t pg0 = e0 / pp;
+  const int npg = (int)((e_end - 1) / pp - pg0 + 1);
+  for (int t = tid; t < npg; t += kScoreThreads)
+    s_page[t] = ld_idx(a.table, (int64_t)b * a.table_stride + pg0 + t, a.table64);
+
+  const int grp = tid / L, lane_t = tid % L, d0 = lane_t * 8;
+  float qf[GMAX][8];
+  const float qs = a.sm_scale * kLog2eInf;
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+      ld8_any(a.q, ((int64_t)b * a.Hq + (int64_t)hk * G + g) * D + d0, a.q_dtype, qf[g]);
+#pragma unroll
+      for (int t = 0; t < 8; ++t) qf[g][t] *= qs;
+    } else {
+#pragma unroll
+      for (int t = 0; t < 8; ++t) qf[g][t] = 0.f;
+    }
+  }
+  __syncthreads();
+
+  const int64_t entry_stride = (int64_t)a.Hk * D, page_stride = (int64_t)pp * entry_stride;
+  const float* ckb = a.ck + (int64_t)hk * D + d0;
+  for (int64_t base = e0; base < e_end; base += EPP * UNROLL) {
+    float4 kv[UNROLL][2];
+    bool ok[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      const int64_t e = base + u * EPP + grp;
+      ok[u] = e >= 1 && e < e_end;
+      if (ok[u]) {
+        const float4* p = reinterpret_cast<const float4*>(
+            ckb + s_page[e / pp - pg0] * page_stride + (e % pp) * entry_stride);
+        kv[u][0] = __ldg(p);
+        kv[u][1] = __ldg(p + 1);
+      } else {
+        kv[u][0] = kv[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      float x[GMAX];
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        float s = qf[g][0] * kv[u][0].x;
+        s = fmaf(qf[g][1], kv[u][0].y, s);
+        s = fmaf(qf[g][2], kv[u][0].z, s);
+        s = fmaf(qf[g][3], kv[u][0].w, s);
+        s = fmaf(qf[g][4], kv[u][1].x, s);
+        s = fmaf(qf[g][5], kv[u][1].y, s);
+        s = fmaf(qf[g][6], kv[u][1].z, s);
+        s = fmaf(qf[g][7], kv[u][1].w, s);
+        x[g] = s;
+      }
+      // Reduce-scatter: after the step at lane offset o the lane keeps half of its sums (the
+      // upper half when its o bit is set) plus its partner's matching half.
+#pragma unroll
+      for (int h = GMAX / 2, o = L / 2; h >= 1; h >>= 1, o >>= 1) {
+        const bool hi = (lane_t & o) != 0;
+#pragma unroll
+        for (int t = 0; t < h; ++t) {
+          const float send = hi ? x[t] : x[t + h];
+          const float keep = hi ? x[t + h] : x[t];
+          x[t] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+      }
+#pragma unroll
+      for (int o = SPLIT / 2; o > 0; o >>= 1) x[0] += __shfl_xor_sync(0xffffffffu, x[0], o);
+      const int64_t e = base + u * EPP + grp;
+      const int g = lane_t / SPLIT;
+      if (lane_t % SPLIT == 0 && g < G && e < e_end) s_x[g][e - e0] = ok[u] ? x[0] : -INFINITY;
+    }
+  }
+  __syncthreads();
+
+  const int n = (int)(e_end - e0);
+  for (int t = tid; t < G * n; t += kScoreThreads) {
+    const int g = t / n, k = t % n;
+    a.logits[(row * G + g) * E + e0 + k] = s_x[g][k];
+  }
+  const int warp = tid / 32, lane = tid % 32;
+  for (int g = warp; g < G; g += kScoreThreads / 32) {
+    float m = -INFINITY;
+    for (int k = lane; k < n; k += 32) m = fmaxf(m, s_x[g][k]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float l = 0.f;
+    if (m != -INFINITY)
+      for (int k = lane; k < n; k += 32) l += exp2f(s_x[g][k] - m);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) stats[(row * G + g) * NC + c] = make_float2(m, l);
+  }
+}
+
+__global__ void __launch_bounds__(kPoolThreads)
+infllm_pool_kernel(InfllmScoresArgs a, int bpc, int NC) {
+  extern __shared__ float s_p[];  // bpc * pp + 1 entries
+  __shared__ float s_M[kInfllmMaxGroup], s_iL[kInfllmMaxGroup];
+  const int cb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int G = a.Hq / a.Hk;
+  const int pp = a.page_size / kInfllmStride;
+  const int64_t E = (int64_t)a.NB * pp;
+  const int64_t row = (int64_t)b * a.Hk + hk;
+  const int tid = threadIdx.x;
+  const int64_t n0 = (int64_t)cb * bpc;
+  const int64_t n1 = n0 + bpc < a.NB ? n0 + bpc : a.NB;
+  float* out = a.out + row * a.NB;
+  int64_t nvalid = complete_keys(ld_idx(a.seq_lens, b, a.seq64));
+  if (nvalid > E - 1) nvalid = E - 1;
+  const int64_t lo = n0 * pp > 1 ? n0 * pp : 1;
+  const int64_t hi = n1 * pp < nvalid ? n1 * pp : nvalid;  // inclusive
+  if (lo > hi) {
+    for (int64_t n = n0 + tid; n < n1; n += kPoolThreads) out[n] = -INFINITY;
+    return;
+  }
+  const float2* stats = reinterpret_cast<const float2*>(a.stats);
+  const int warp = tid / 32, lane = tid % 32;
+  for (int g = warp; g < G; g += kPoolThreads / 32) {
+    const float2* st = stats + (row * G + g) * NC;
+    float m = -INFINITY;
+    for (int k = lane; k < NC; k += 32) m = fmaxf(m, st[k].x);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float l = 0.f;
+    for (int k = lane; k < NC; k += 32) {
+      const float2 v = st[k];
+      if (v.x != -INFINITY) l += v.y * exp2f(v.x - m);
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) { s_M[g] = m; s_iL[g] = 1.f / l; }
+  }
+  __syncthreads();
+  const int ne = (int)((n1 - n0) * pp + 1);
+  for (int t = tid; t < ne; t += kPoolThreads) {
+    const int64_t e = n0 * pp + t;
+    float p = -INFINITY;
+    if (e >= lo && e <= hi) {
+      p = 0.f;
+      for (int g = 0; g < G; ++g)
+        p += exp2f(a.logits[(row * G + g) * E + e] - s_M[g]) * s_iL[g];
+    }
+    s_p[t] = p;
+  }
+  __syncthreads();
+  for (int64_t n = n0 + tid; n < n1; n += kPoolThreads) {
+    const int base = (int)((n - n0) * pp);
+    float v = -INFINITY;
+    for (int j = 0; j < pp; ++j) v = fmaxf(v, s_p[base + j]);
+    if (n + 1 < a.NB) v = fmaxf(v, s_p[base + pp]);
+    out[n] = v;
+  }
+}
+
+template <int D, int GMAX>
+cudaError_t launch_logits(const InfllmScoresArgs& a, dim3 grid, cudaStream_t s) {
+  infllm_logits_kernel<D, GMAX, 4><<<grid, kScoreThreads, 0, s>>>(a);
+  return cudaGetLastError();
+}
+template <int D>
+cudaError_t launch_logits_g(const InfllmScoresArgs& a, dim3 grid, cudaStream_t s) {
+  const int G = a.Hq / a.Hk;
+  if (G == 1) return launch_logits<D, 1>(a, grid, s);
+  if (G == 2) return launch_logits<D, 2>(a, grid, s);
+  if (G <= 4) return launch_logits<D, 4>(a, grid, s);
+  return launch_logits<D, 8>(a, grid, s);
+}
+
+int pool_blocks_per_cta(int pp) { return pp >= kPoolThreads ? 1 : kPoolThreads / pp; }
+
+}  // namespace
+
+// ============================================================================ launchers
+cudaError_t launch_infllm_update(const InfllmUpdateArgs& a, cudaStream_t s) {
+  if (a.page_size < kInfllmStride || a.page_size % kInfllmStride != 0 || a.D % 8 != 0)
+    return cudaErrorInvalidValue;
+  if (a.N == 0 || a.Hk == 0) return cudaSuccess;
+  switch (a.k_dtype) {
+    case kInfF32: infllm_update_kernel<float><<<a.N, kUpdThreads, 0, s>>>(a); break;
+    case kInfF16: infllm_update_kernel<__half><<<a.N, kUpdThreads, 0, s>>>(a); break;
+    case kInfBF16: infllm_update_kernel<__nv_bfloat16><<<a.N, kUpdThreads, 0, s>>>(a); break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
+}
+
+int infllm_chunk() { return kChunk; }
+
+cudaError_t launch_infllm_scores(const InfllmScoresArgs& a, cudaStream_t s) {
+  if (a.Hk <= 0 || a.Hq % a.Hk != 0 || a.Hq / a.Hk > kInfllmMaxGroup) return cudaErrorInvalidValue;
+  if (a.page_size < kInfllmStride || a.page_size % kInfllmStride != 0) return cudaErrorInvalidValue;
+  if (a.D != 64 && a.D != 128 && a.D != 256) return cudaErrorInvalidValue;
+  if (a.B == 0 || a.NB == 0) return cudaSuccess;
+  const int pp = a.page_size / kInfllmStride;
+  const int64_t E = (int64_t)a.NB * pp;
+  const int NC = (int)((E + kChunk - 1) / kChunk);
+  const dim3 grid1(NC, a.Hk, a.B);
+  cudaError_t e;
+  switch (a.D) {
+    case 64: e = launch_logits_g<64>(a, grid1, s); break;
+    case 128: e = launch_logits_g<128>(a, grid1, s); break;
+    default: e = launch_logits_g<256>(a, grid1, s); break;
+  }
+  if (e != cudaSuccess) return e;
+  const int bpc = pool_blocks_per_cta(pp);
+  const size_t smem = ((size_t)bpc * pp + 1) * sizeof(float);
+  if (smem > 48 * 1024) return cudaErrorInvalidValue;  // pages of more than 196K tokens
+  const dim3 grid2((a.NB + bpc - 1) / bpc, a.Hk, a.B);
+  infllm_pool_kernel<<<grid2, kPoolThreads, smem, s>>>(a, bpc, NC);
+  return cudaGetLastError();
+}
+
+}  // namespace prr

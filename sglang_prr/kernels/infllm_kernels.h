@@ -1,0 +1,46 @@
+// Launchers of the InfLLM-v2 SM90 kernels: compressed-key update and block scores (plain C types:
+// shared by the CUDA translation unit and the torch binding, compiled by the host compiler).
+#pragma once
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace prr {
+
+// Element types of q / k_buf (same codes as prr::DType in prr_kernels.h).
+enum InfllmDType : int { kInfF32 = 0, kInfF16 = 1, kInfBF16 = 2 };
+
+// Compressed keys: key i = mean of the keys at positions [16 i, 16 i + 32) (reference.py).
+constexpr int kInfllmWindow = 32;
+constexpr int kInfllmStride = 16;
+// Largest GQA group of infllm_scores (query heads per KV head).
+constexpr int kInfllmMaxGroup = 8;
+
+struct InfllmUpdateArgs {
+  float* ck;                                        // [num_pages, page_size/16, Hk, D] contiguous
+  const void* k; int k_dtype;                       // [num_slots, Hk, D], last dim contiguous
+  int64_t k_stride_slot, k_stride_head;
+  const void* req_to_token; bool rtt64; int64_t rtt_stride;  // [max_reqs, max_ctx]
+  const void* req_idx; bool req64;                  // [N]
+  const void* out_loc; bool loc64;                  // [N]
+  const void* positions; bool pos64;                // [N]
+  int N, Hk, D, page_size;
+};
+cudaError_t launch_infllm_update(const InfllmUpdateArgs& a, cudaStream_t s);
+
+struct InfllmScoresArgs {
+  const void* q; int q_dtype;                       // [B, Hq, D] contiguous
+  const float* ck;                                  // [num_pages, page_size/16, Hk, D] contiguous
+  const void* table; bool table64; int64_t table_stride;  // [B, NB]
+  const void* seq_lens; bool seq64;                 // [B]
+  float* logits;                                    // workspace [B, Hk, G, NB * page_size/16]
+  float* stats;                                     // workspace [B, Hk, G, num_chunks, 2]
+  float* out;                                       // [B, Hk, NB]
+  int B, Hq, Hk, NB, D, page_size;
+  float sm_scale;
+};
+// Entries (compressed-key slots) per CTA of the logits pass: the workspace has
+// ceil(NB * page_size/16 / infllm_chunk()) chunks of statistics per (request, query head).
+int infllm_chunk();
+cudaError_t launch_infllm_scores(const InfllmScoresArgs& a, cudaStream_t s);
+
+}  // namespace prr

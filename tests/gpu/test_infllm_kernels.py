@@ -1,0 +1,333 @@
+"""InfLLM-v2 SM90 kernels (compressed-key update, block scores) against the pure-torch reference.
+
+Each test draws fresh random inputs (the seed is printed), runs the CUDA op from
+``torch.ops.sglang_prr_cuda`` directly (no silent fallback can hide a kernel) and compares with
+``sglang_prr.reference`` run on the CPU from the same inputs. ``infllm_update`` writes only some
+entries of ``ck`` in place, so ``ck`` starts as NaN and only what the reference defines is
+compared (every page but the padding page 0, NaN where neither writes); the scores the op
+allocates are poisoned through the caching allocator. Every equality has a negative control.
+
+The library is the full kernel library (``kernels.load()``), or, when ``SGLANG_PRR_INFLLM_LIB``
+names one, a library holding only the InfLLM ops (built from ``infllm_kernels.cu`` and
+``infllm_binding.cpp``). Skipped with a reason without a CUDA SM90 device or a loadable library.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from sglang_prr import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device (SM90 kernels)", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip(f"needs an SM90 GPU, found sm_{''.join(map(str, torch.cuda.get_device_capability()))}",
+                allow_module_level=True)
+
+from sglang_prr import kernels, ops  # noqa: E402
+from sglang_prr.kernels import infllm  # noqa: E402
+
+DEV = torch.device("cuda")
+_STANDALONE = os.environ.get("SGLANG_PRR_INFLLM_LIB")
+
+
+def _load() -> str:
+    """Load the library; returns why it is unusable ('' when usable)."""
+    if _STANDALONE:
+        try:
+            torch.ops.load_library(_STANDALONE)
+        except Exception as e:  # noqa: BLE001
+            return f"SGLANG_PRR_INFLLM_LIB={_STANDALONE!r} does not load: {e}"
+    elif not kernels.load():
+        return f"kernel library failed to build/load: {kernels.load_error()}"
+    if not hasattr(torch.ops.sglang_prr_cuda, "infllm_scores"):
+        return "the kernel library has no infllm ops"
+    return ""
+
+
+_why = _load()
+if _why:
+    pytest.skip(_why, allow_module_level=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _dispatch_to_standalone():
+    """With the standalone library, let the dispatching ops see the kernels as loaded (only the
+    InfLLM ops are exercised through them here)."""
+    saved = kernels._lib_state
+    if _STANDALONE:
+        kernels._lib_state = True
+    yield
+    kernels._lib_state = saved
+
+
+def seeded(tag: str) -> int:
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"[{tag}] seed={seed}")
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return seed
+
+
+def poison(*shapes_dtypes) -> None:
+    """Fill allocator blocks of these sizes with NaN and free them, so that outputs the op
+    allocates next start as garbage rather than zeros."""
+    keep = []
+    for shape, dtype in shapes_dtypes:
+        keep.append(torch.full(shape, float("nan"), dtype=dtype, device=DEV))
+    del keep
+
+
+# ----------------------------------------------------------------------------- paged pool
+def make_pool(B, Hk, D, page, seq_lens, kv_dtype, idx_dtype=torch.int32, extra_pages=3):
+    """SGLang-style pool: request slots (shuffled), pages (shuffled, never page 0), ``req_to_token``
+    filled with garbage past each request, ``table`` = ``block_table`` of it."""
+    nblk = [(s + page - 1) // page for s in seq_lens]
+    NB = max(nblk) + 2
+    total = sum(nblk) + extra_pages
+    num_pages = total + 1
+    perm = iter((torch.randperm(total) + 1).tolist())
+    max_reqs = B + 2
+    slots_of = torch.randperm(max_reqs)[:B]
+    rtt = torch.randint(0, num_pages * page, (max_reqs, NB * page), dtype=torch.int64)
+    for b in range(B):
+        r = slots_of[b]
+        for j in range(nblk[b]):
+            p = next(perm)
+            rtt[r, j * page:(j + 1) * page] = p * page + torch.arange(page)
+    k_buf = (torch.randn(num_pages * page, Hk, D) * 1.5).to(kv_dtype)
+    table = ref.block_table(rtt, slots_of, page)  # int64, garbage (in range) past the request
+    return (k_buf, rtt.to(idx_dtype), slots_of.to(idx_dtype), table,
+            torch.tensor(seq_lens, dtype=torch.int64), NB, num_pages)
+
+
+def close_nan(a: torch.Tensor, b: torch.Tensor, rtol=1e-5, atol=1e-6) -> bool:
+    return torch.allclose(a.cpu().double(), b.cpu().double(), rtol=rtol, atol=atol, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------- update
+UPDATE_CASES = [
+    # B, Hk, D, page, kv dtype, index dtype
+    (1, 8, 128, 64, torch.bfloat16, torch.int32),
+    (3, 8, 128, 16, torch.float16, torch.int64),
+    (17, 2, 64, 32, torch.bfloat16, torch.int32),
+    (3, 4, 128, 128, torch.float32, torch.int64),
+    (3, 1, 256, 48, torch.bfloat16, torch.int32),  # 3 compressed keys per page
+]
+
+
+@pytest.mark.parametrize("B,Hk,D,page,kv_dtype,idx_dtype", UPDATE_CASES)
+def test_infllm_update(B, Hk, D, page, kv_dtype, idx_dtype):
+    seeded(f"update B={B} Hk={Hk} D={D} page={page} {kv_dtype} {idx_dtype}")
+    seq_lens = [random.randint(1, 6 * page) + random.randint(0, 40) for _ in range(B)]
+    seq_lens[0] = max(seq_lens[0], 3 * page + 17)  # several keys, a partial last block
+    k_buf, rtt, slots_of, table, sl, NB, num_pages = make_pool(B, Hk, D, page, seq_lens,
+                                                               kv_dtype, idx_dtype)
+    # every token of every request in one call (a prefill), in shuffled order
+    req, pos, loc = [], [], []
+    for b in range(B):
+        for t in range(seq_lens[b]):
+            req.append(int(slots_of[b]))
+            pos.append(t)
+            loc.append(int(rtt[slots_of[b], t]))
+    order = torch.randperm(len(pos))
+    req_idx = torch.tensor(req, dtype=idx_dtype)[order]
+    positions = torch.tensor(pos, dtype=idx_dtype)[order]
+    out_loc = torch.tensor(loc, dtype=torch.int64)[order]
+
+    ck_ref = torch.full((num_pages, page // 16, Hk, D), float("nan"))
+    ref.infllm_update(ck_ref, k_buf, rtt, req_idx, out_loc, positions, page)
+    ck = torch.full_like(ck_ref, float("nan")).to(DEV)
+    args = [x.to(DEV) for x in (k_buf, rtt, req_idx, out_loc, positions)]
+    torch.ops.sglang_prr_cuda.infllm_update(ck, *args, page)
+    torch.cuda.synchronize()
+    written = torch.isfinite(ck_ref[1:]).all(-1).all(-1)
+    assert written.sum() > 0
+    assert close_nan(ck[1:], ck_ref[1:]), (ck[1:].cpu() - ck_ref[1:]).abs().nan_to_num(0).max()
+
+    # a decode-like call: one token per request at its last position (some complete a key)
+    dec_pos = torch.tensor([s - 1 for s in seq_lens], dtype=idx_dtype)
+    dec_loc = torch.stack([rtt[slots_of[b], seq_lens[b] - 1].long() for b in range(B)])
+    ck_ref2 = torch.full_like(ck_ref, float("nan"))
+    ref.infllm_update(ck_ref2, k_buf, rtt, slots_of, dec_loc, dec_pos, page)
+    ck2 = torch.full_like(ck_ref, float("nan")).to(DEV)
+    torch.ops.sglang_prr_cuda.infllm_update(ck2, args[0], args[1], slots_of.to(DEV),
+                                            dec_loc.to(DEV), dec_pos.to(DEV), page)
+    assert close_nan(ck2[1:], ck_ref2[1:])
+
+    # negative control: change one key inside the window of a written compressed key
+    pg, j = [int(x) for x in written.nonzero()[0]]
+    pg += 1
+    k2 = k_buf.clone()
+    k2[pg * page:(pg + 1) * page] += 4.0  # the page holding the last token of that key
+    ck3 = torch.full_like(ck_ref, float("nan")).to(DEV)
+    torch.ops.sglang_prr_cuda.infllm_update(ck3, k2.to(DEV), *args[1:], page)
+    assert not close_nan(ck3[1:], ck_ref[1:]), "a changed key must change some compressed key"
+
+
+def test_infllm_update_dispatch_and_graph():
+    """ops.infllm_update on CUDA goes to the kernel; captured in a CUDA graph and replayed with
+    new positions (decode steps), each replay checked against the reference."""
+    seeded("update graph")
+    B, Hk, D, page = 3, 8, 128, 32
+    max_len = 700
+    k_buf, rtt, slots_of, table, sl, NB, num_pages = make_pool(B, Hk, D, page, [max_len] * B,
+                                                               torch.bfloat16)
+    kd, rd = k_buf.to(DEV), rtt.to(DEV)
+    st = {"req": slots_of.to(DEV), "pos": torch.zeros(B, dtype=torch.int64, device=DEV),
+          "loc": torch.zeros(B, dtype=torch.int64, device=DEV)}
+    ck = torch.full((num_pages, page // 16, Hk, D), float("nan"), device=DEV)
+    ops.infllm_update(ck, kd, rd, st["req"], st["loc"], st["pos"], page)  # warm-up
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        ops.infllm_update(ck, kd, rd, st["req"], st["loc"], st["pos"], page)
+    for it in range(3):
+        pos = torch.tensor([16 * random.randint(2, max_len // 16 - 1) - 1 for _ in range(B)])
+        if it == 2:
+            pos[0] = 40  # completes no key
+        loc = torch.stack([rtt[slots_of[b], pos[b]].long() for b in range(B)])
+        st["pos"].copy_(pos)
+        st["loc"].copy_(loc)
+        ck.fill_(float("nan"))
+        g.replay()
+        ck_ref = torch.full(ck.shape, float("nan"))
+        ref.infllm_update(ck_ref, k_buf, rtt, slots_of, loc, pos, page)
+        assert close_nan(ck[1:], ck_ref[1:]), f"replay {it}"
+        n_written = int(torch.isfinite(ck[1:]).all(-1).all(-1).sum())
+        assert n_written == (B if it < 2 else B - 1), n_written
+
+
+# ----------------------------------------------------------------------------- scores
+SCORE_CASES = [
+    # B, Hq, Hk, D, page, q dtype
+    (1, 32, 8, 128, 64, torch.bfloat16),
+    (3, 8, 8, 128, 16, torch.float16),     # GQA 1
+    (17, 32, 8, 128, 32, torch.bfloat16),  # GQA 4
+    (3, 64, 8, 128, 128, torch.bfloat16),  # GQA 8
+    (3, 16, 4, 64, 64, torch.float16),     # head dim 64
+    (2, 8, 2, 256, 32, torch.bfloat16),    # head dim 256
+    (3, 12, 4, 128, 48, torch.bfloat16),   # GQA 3, 3 compressed keys per page
+    (1, 8, 1, 128, 16, torch.float32),     # GQA 8, fp32 q
+]
+
+
+def _score_inputs(B, Hq, Hk, D, page, qdtype, seq_lens, table64):
+    k_buf, rtt, slots_of, table, sl, NB, num_pages = make_pool(B, Hk, D, page, seq_lens,
+                                                               torch.bfloat16)
+    ck = torch.randn(num_pages, page // 16, Hk, D) * 1.2  # every entry random: invalid ones too
+    q = torch.randn(B, Hq, D).to(qdtype)
+    if not table64:
+        table = table.to(torch.int32)
+    return q, ck, table, sl if table64 else sl.to(torch.int32), NB
+
+
+def check_scores(out, exp):
+    out = out.cpu()
+    assert out.shape == exp.shape and out.dtype == torch.float32
+    assert not torch.isnan(out).any(), "NaN in the scores"
+    assert torch.equal(torch.isneginf(out), torch.isneginf(exp)), "-inf pattern differs"
+    fin = torch.isfinite(exp)
+    if fin.any():
+        err = (out[fin].double() - exp[fin].double()).abs()
+        tol = 2e-6 + 1e-4 * exp[fin].double().abs()
+        assert (err <= tol).all(), f"max abs err {err.max().item():.3g}"  # host-ok: test
+
+
+@pytest.mark.parametrize("B,Hq,Hk,D,page,qdtype", SCORE_CASES)
+def test_infllm_scores(B, Hq, Hk, D, page, qdtype):
+    seeded(f"scores B={B} Hq={Hq} Hk={Hk} D={D} page={page} {qdtype}")
+    seq_lens = [random.randint(1, 40 * page) for _ in range(B)]
+    seq_lens[0] = 37 * page + random.randint(1, page - 1)  # several chunks, partial last block
+    if B > 1:
+        seq_lens[1] = random.randint(1, 31)  # no complete compressed key: all -inf
+    if B > 2:
+        seq_lens[2] = 32 + 16 * random.randint(0, 3)  # exactly at a key boundary
+    q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, qdtype, seq_lens, B % 2 == 1)
+    sm = 1.0 / math.sqrt(D)
+    exp = ref.infllm_scores(q, ck, table, sl, page, sm)
+    qd, ckd, td, sld = q.to(DEV), ck.to(DEV), table.to(DEV), sl.to(DEV)
+    poison(((B, Hk, NB), torch.float32), ((B, Hq, NB * (page // 16)), torch.float32))
+    out = torch.ops.sglang_prr_cuda.infllm_scores(qd, ckd, td, sld, page, sm)
+    check_scores(out, exp)
+    assert torch.isfinite(exp).any()
+
+    # the dispatching op reaches the same kernel (bit-identical)
+    via_op = ops.infllm_scores(qd, ckd, td, sld, page, sm)
+    assert torch.equal(via_op, out)
+
+    # negative control: one compressed key aligned with q changes the scores of its block(s)
+    n_ck = (seq_lens[0] - 32) // 16 + 1
+    e = random.randint(1, n_ck)  # entry e of request 0 = key e - 1
+    blk, j = divmod(e, page // 16)
+    ck2 = ck.clone()
+    ck2[int(table[0, blk]), j, 0] = q[0, 0].float() * 3.0
+    out2 = torch.ops.sglang_prr_cuda.infllm_scores(qd, ck2.to(DEV), td, sld, page, sm).cpu()
+    assert not torch.allclose(out2[0, 0], out.cpu()[0, 0], rtol=1e-3, atol=1e-5)
+    check_scores(out2, ref.infllm_scores(q, ck2, table, sl, page, sm))
+
+
+def test_infllm_scores_long_context():
+    """16K tokens at block 16 (1024 entries, 8 chunks of the logits pass) and at block 64."""
+    for page in (16, 64):
+        seeded(f"scores long page={page}")
+        B, Hq, Hk, D = 2, 32, 8, 128
+        seq_lens = [16384 - random.randint(1, 15), random.randint(5000, 9000)]
+        q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, torch.bfloat16, seq_lens, True)
+        sm = 1.0 / math.sqrt(D)
+        out = torch.ops.sglang_prr_cuda.infllm_scores(q.to(DEV), ck.to(DEV), table.to(DEV),
+                                                      sl.to(DEV), page, sm)
+        check_scores(out, ref.infllm_scores(q, ck, table, sl, page, sm))
+
+
+def test_infllm_scores_graph_replay():
+    """Captured in a CUDA graph; replays with new q and changed seq_lens (more and fewer
+    complete keys, one request with none) match the reference each time."""
+    seeded("scores graph")
+    B, Hq, Hk, D, page = 3, 32, 8, 128, 64
+    max_len = 5000
+    q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, torch.bfloat16, [max_len] * B, True)
+    sm = 1.0 / math.sqrt(D)
+    st = {"q": q.to(DEV), "sl": sl.to(DEV)}
+    ckd, td = ck.to(DEV), table.to(DEV)
+    out = ops.infllm_scores(st["q"], ckd, td, st["sl"], page, sm)  # warm-up
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = ops.infllm_scores(st["q"], ckd, td, st["sl"], page, sm)
+    prev = None
+    for it in range(4):
+        lens = torch.tensor([random.randint(1, max_len) for _ in range(B)])
+        lens[0] = max_len - it * 700 - random.randint(0, 63)
+        if it == 3:
+            lens[1] = 20
+        qn = torch.randn(B, Hq, D).to(torch.bfloat16)
+        st["q"].copy_(qn)
+        st["sl"].copy_(lens)
+        out.fill_(float("nan"))
+        g.replay()
+        exp = ref.infllm_scores(qn, ck, table, lens, page, sm)
+        check_scores(out, exp)
+        if prev is not None:  # negative control: the replay did use the new inputs
+            assert not torch.equal(out.cpu(), prev)
+        prev = out.cpu().clone()
+
+
+def test_infllm_fallback_and_errors():
+    """Shapes the kernels do not cover run the reference; the raw op names bad arguments."""
+    seeded("fallback")
+    B, Hq, Hk, D, page = 2, 8, 2, 96, 32  # head dim 96: not instantiated
+    q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, torch.bfloat16, [300, 200], True)
+    out = infllm._infllm_scores(q.to(DEV), ck.to(DEV), table.to(DEV), sl.to(DEV), page, 0.1)
+    check_scores(out, ref.infllm_scores(q, ck, table, sl, page, 0.1))
+    with pytest.raises(RuntimeError, match="head dim 96"):
+        torch.ops.sglang_prr_cuda.infllm_scores(q.to(DEV), ck.to(DEV), table.to(DEV), sl.to(DEV),
+                                                page, 0.1)
+    with pytest.raises(RuntimeError, match="page_size=64"):
+        torch.ops.sglang_prr_cuda.infllm_scores(q.to(DEV), ck.to(DEV), table.to(DEV), sl.to(DEV),
+                                                64, 0.1)
