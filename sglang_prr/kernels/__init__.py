@@ -53,7 +53,6 @@ def load() -> bool:
             from . import build
             path = build.library_path()
             torch.ops.load_library(str(path))
-            _prepare_current()
             _lib_state = True
             logger.info("sglang_prr: SM90 kernels loaded from %s", path)
         except Exception as e:  # noqa: BLE001 - any failure keeps the reference path
@@ -62,19 +61,6 @@ def load() -> bool:
             logger.warning("sglang_prr: SM90 kernels unavailable, using the torch reference "
                            "(%s)", _lib_error.splitlines()[0][:500])
     return _lib_state
-
-
-def _prepare_current() -> None:
-    """Allocate the fused kernels' counters on the current device (host-ok: once, at load)."""
-    if torch.cuda.is_available() and is_sm90(torch.device("cuda")):
-        prepare(torch.device("cuda", torch.cuda.current_device()))
-
-
-def prepare(device: torch.device) -> None:
-    """Allocate the fused kernels' zeroed counters on ``device`` (idempotent). Must happen outside
-    CUDA-graph capture; ``load()`` does it for the current device, and any eager call of a fused
-    op (e.g. SGLang's warm-up before capture) does it for its device."""
-    torch.ops.sglang_prr_cuda.prepare(torch.empty(0, device=device))
 
 
 def load_error() -> Optional[str]:
@@ -101,21 +87,18 @@ def _aligned(*ts: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- implementations
-def _attn_ok(q, k_buf, v_buf, table, idx, cnt) -> bool:
+def _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale):
     B, Hq, D = q.shape
     Hk = k_buf.shape[1]
-    return (active(q.device) and D in ATTN_HEAD_DIMS and Hq % Hk == 0
-            and Hq // Hk <= ATTN_MAX_GROUP and q.dtype in _FLOAT_TYPES
-            and k_buf.dtype in _FLOAT_TYPES and v_buf.dtype == k_buf.dtype
-            and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
-            and all(s % 8 == 0 for s in (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-                                         v_buf.stride(1)))
-            and _aligned(k_buf, v_buf) and idx.dtype == torch.int32 and cnt.dtype == torch.int32
-            and table.dim() == 2 and table.stride(-1) == 1)
-
-
-def _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale):
-    if not _attn_ok(q, k_buf, v_buf, table, idx, cnt):
+    ok = (active(q.device) and D in ATTN_HEAD_DIMS and Hq % Hk == 0
+          and Hq // Hk <= ATTN_MAX_GROUP and q.dtype in _FLOAT_TYPES
+          and k_buf.dtype in _FLOAT_TYPES and v_buf.dtype == k_buf.dtype
+          and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+          and all(s % 8 == 0 for s in (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
+                                       v_buf.stride(1)))
+          and _aligned(k_buf, v_buf) and idx.dtype == torch.int32 and cnt.dtype == torch.int32
+          and table.dim() == 2 and table.stride(-1) == 1)
+    if not ok:
         return ref.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                         sm_scale)
     return torch.ops.sglang_prr_cuda.sparse_attn_partials(
@@ -170,64 +153,6 @@ def _holt_update(level, trend, n_init, scores, nblk, alpha, beta):
                                           beta.float())
 
 
-# Groups (rows) one launch of a fused kernel may have: its counter array's size.
-MAX_GROUPS = 1 << 18
-
-
-def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, o_spec,
-                       lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact):
-    B, Hq, D = q.shape
-    n1 = o_spec.shape[2] if o_spec is not None else 0
-    na = a_idx.shape[-1] if (o_spec is not None and exact) else 0
-    # The merge's shared memory: A's list plus one weight row per warp (4 warps).
-    smem = 4 * ((na + 3) // 4 * 4) + 16 * (idx.shape[2] + n1)
-    ok = (_attn_ok(q, k_buf, v_buf, table, idx, cnt) and idx.shape[2] > 0 and D % 4 == 0
-          and B * k_buf.shape[1] <= MAX_GROUPS and smem <= 160 * 1024
-          and (o_spec is None or (o_spec.dtype == torch.float32 and lse_spec.dtype == torch.float32
-                                  and (not exact or (p_idx.dtype == torch.int32
-                                                     and a_idx.dtype == torch.int32)))))
-    if not ok:
-        return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
-                                     sm_scale, o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb,
-                                     exact)
-    return torch.ops.sglang_prr_cuda.sparse_attn_merge(
-        q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, float(sm_scale), o_spec, lse_spec,
-        p_idx, p_cnt, a_idx, a_cnt, nb, exact)
-
-
-def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out):
-    B, Hq, D = q.shape
-    Hk = kmin.shape[1]
-    ok = (active(q.device) and D % 8 == 0 and Hq % Hk == 0 and (Hq // Hk) * D <= 12 * 1024
-          and q.dtype in _FLOAT_TYPES and kmin.dtype == torch.float32
-          and kmax.dtype == torch.float32 and kmin.is_contiguous() and kmax.is_contiguous()
-          and _aligned(kmin, kmax) and table.dim() == 2 and table.stride(-1) == 1
-          and 0 < table.shape[1] <= TOPK_MAX_BLOCKS and B * Hk <= MAX_GROUPS
-          and (p_idx is None or (p_idx.dtype == torch.int32 and p_cnt.dtype == torch.int32)))
-    if not ok:
-        return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
-                                local_blocks, n_out)
-    return torch.ops.sglang_prr_cuda.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k,
-                                                  sink_blocks, local_blocks, n_out)
-
-
-def _predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks,
-                    local_blocks):
-    ok = (active(level.device) and level.shape[-1] <= TOPK_MAX_BLOCKS
-          and level.dtype == torch.float32 and trend.dtype == torch.float32
-          and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
-          and n_init.dtype in (torch.int32, torch.int64) and level.shape[0] <= MAX_GROUPS
-          and theta.dim() == 2 and theta.shape[1] == 3)
-    if not ok:
-        return ref.predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred,
-                                  sink_blocks, local_blocks)
-    th = theta.float()
-    if th.stride(1) != 1:
-        th = th.contiguous()
-    return torch.ops.sglang_prr_cuda.predict_update(level, trend, n_init, scores, nblk, th,
-                                                    nblk_next, n_pred, sink_blocks, local_blocks)
-
-
 def _merge_ok(o) -> bool:
     return active(o.device) and o.shape[-1] % 4 == 0 and o.shape[-1] <= 512 and o.shape[-2] > 0
 
@@ -269,9 +194,6 @@ IMPLS: Dict[str, Callable] = {
     "prr_merge": _prr_merge,
     "merge_partials": _merge_partials,
     "quest_update": _quest_update,
-    "sparse_attn_merge": _sparse_attn_merge,
-    "quest_select": _quest_select,
-    "predict_update": _predict_update,
 }
 
 from .infllm import IMPLS as _INFLLM; IMPLS.update(_INFLLM)  # noqa: E402,E702
