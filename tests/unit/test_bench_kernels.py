@@ -334,8 +334,15 @@ def test_dry_run_attention_cpu(dry, tmp_path):
     args.batches, args.blocks, args.budgets = [3], [64], [128]
     r = dry.bench_attention(args, dry.CsvWriter(tmp_path / "b.csv", {}), dry.FiState(
         fake, [True], "fa2"))[0]
-    assert r["fi_bsa_relerr"] > 0.05 and "fi_bsa: output differs" in r["note"]
+    assert r["fi_bsa_relerr"] > 0.05 and "fi_bsa_fa2: output differs" in r["note"]
     assert r["fi_decode_relerr"] < 1e-2
+    # both: each backend timed, fi_bsa = the faster
+    fake = _FakeFlashInfer(flashinfer)
+    r = dry.bench_attention(args, dry.CsvWriter(tmp_path / "d.csv", {}), dry.FiState(
+        fake, [True], "both"))[0]
+    assert fake.plans == ["fa3"] * 4 + ["fa2"] * 4  # R = 4 rotating sets, one plan each
+    assert r["fi_bsa_us"] == min(r["fi_bsa_fa3_us"], r["fi_bsa_fa2_us"]) == r["fi_bsa_fa3_us"]
+    assert r["fi_bsa_backend"] == "fa3/fa3" and r["note"] == ""
     # a build failure is not retried at later points
     fake = _FakeFlashInfer(flashinfer, fail_bsa=("fa3", (16, 64), "ninja: build stopped"))
     args.batches, args.blocks, args.budgets = [1], [16, 64], [128]
