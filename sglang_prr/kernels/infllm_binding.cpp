@@ -96,7 +96,9 @@ Tensor infllm_scores(const Tensor& q_in, const Tensor& ck, const Tensor& table,
               "infllm_scores: table must be [B, NB] with a contiguous last dim");
   const Tensor seq_lens = seq_lens_in.contiguous();
   const int64_t NB = table.size(1), pp = page_size / prr::kInfllmStride;
-  const int64_t E = NB * pp, NC = (E + prr::infllm_chunk() - 1) / prr::infllm_chunk();
+  const int64_t E = NB * pp;
+  const int64_t NC = prr::infllm_num_chunks((int)B, (int)Hq, (int)Hk, (int)NB, (int)D,
+                                            (int)page_size);
   auto out = at::empty({B, Hk, NB}, q.options().dtype(at::kFloat));
   auto logits = at::empty({B, Hq, E}, q.options().dtype(at::kFloat));
   auto stats = at::empty({B, Hq, NC, 2}, q.options().dtype(at::kFloat));
@@ -106,7 +108,7 @@ Tensor infllm_scores(const Tensor& q_in, const Tensor& ck, const Tensor& table,
   a.table = table.data_ptr(); a.table64 = infllm_index64(table, "table");
   a.table_stride = table.stride(0);
   a.seq_lens = seq_lens.data_ptr(); a.seq64 = infllm_index64(seq_lens, "seq_lens");
-  a.logits = logits.data_ptr<float>(); a.stats = stats.data_ptr<float>();
+  a.logits = logits.data_ptr<float>(); a.stats = stats.data_ptr<float>(); a.num_chunks = (int)NC;
   a.out = out.data_ptr<float>();
   a.B = (int)B; a.Hq = (int)Hq; a.Hk = (int)Hk; a.NB = (int)NB; a.D = (int)D;
   a.page_size = (int)page_size; a.sm_scale = (float)sm_scale;

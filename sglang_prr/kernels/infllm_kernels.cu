@@ -7,6 +7,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 namespace prr {
 namespace {
@@ -118,46 +120,52 @@ __global__ void __launch_bounds__(kUpdThreads) infllm_update_kernel(InfllmUpdate
 }
 
 // ============================================================================ scores
-// Pass 1 (logits): one CTA per (chunk of kChunk entries, KV head, request). Entry e of a request
-// is slot e % pp of its block e / pp and holds compressed key e - 1; entries 1..n_ck are valid.
-// A compressed-key row (D fp32) is read by L = D/8 lanes (two float4 each) and dotted with the
-// whole GQA group's q (registers, pre-scaled into the log2 domain); the G partial sums are
-// reduced across the L lanes by recursive halving (G - 1 + log2(L/G) shuffles instead of
-// G log2 L). The chunk's logits go to shared memory, then to the workspace, with the chunk's
-// (max, sum of exp2) per query head.
+// Pass 1 (logits): one CTA per (chunk of entries, group of hc KV heads, request). Entry e of a
+// request is slot e % pp of its block e / pp and holds compressed key e - 1; entries 1..n_ck are
+// valid. The hc heads of an entry are hc*D contiguous fp32 (all 8 heads of a Llama-3-8B layer:
+// 4 KB), read by hc*L lanes, L = D/8 per head (two float4 each), so DRAM sees long contiguous
+// runs. Each head row is dotted with its GQA group's q (registers, pre-scaled into the log2
+// domain); the G partial sums are reduced across the L lanes by recursive halving (G - 1 +
+// log2(L/G) shuffles instead of G log2 L). The chunk's logits go to shared memory, then to the
+// workspace, with the chunk's (max, sum of exp2) per query head. The chunk length (32..128
+// entries) is picked from the shapes so that the grid fills the GPU at batch 1.
 // Pass 2 (pool): one CTA per (range of blocks, KV head, request) combines the row's chunk
 // statistics, turns its entries' logits into softmax probabilities summed over the group and
 // max-pools them to blocks (a block takes its own entries and the first entry of the next block,
 // whose key starts in it).
 constexpr int kScoreThreads = 256;
-constexpr int kChunk = 128;
+constexpr int kChunkMax = 128;
+constexpr int kChunkMin = 32;
+constexpr int kMaxQRows = 64;        // hc * GMAX rows of logits kept in shared memory
+constexpr int kTargetCtas = 4 * 132; // grid size the chunk length aims for (H100/H200: 132 SMs)
 constexpr int kPoolThreads = 256;
 
 template <int D, int GMAX, int UNROLL>
-__global__ void __launch_bounds__(kScoreThreads) infllm_logits_kernel(InfllmScoresArgs a) {
-  constexpr int L = D / 8;                 // lanes per entry
-  constexpr int EPP = kScoreThreads / L;   // entries per pass
+__global__ void __launch_bounds__(kScoreThreads)
+infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
+  constexpr int L = D / 8;                 // lanes per head row
   constexpr int SPLIT = L / GMAX;          // lanes per query head after the reduce-scatter
-  static_assert(L >= GMAX && L <= 32, "lanes per entry");
-  static_assert(kChunk % (EPP * UNROLL) == 0, "chunk must be whole passes");
-  __shared__ float s_x[GMAX][kChunk];
-  __shared__ int64_t s_page[kChunk + 1];
+  static_assert(L >= GMAX && L <= 32, "lanes per head row");
+  extern __shared__ int64_t s_dyn[];
+  int64_t* s_page = s_dyn;                                   // [kChunkMax + 1]
+  float* s_x = reinterpret_cast<float*>(s_dyn + kChunkMax + 1);  // [hc * GMAX][kChunkMax]
 
-  const int c = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int c = blockIdx.x, hk0 = blockIdx.y * hc, b = blockIdx.z;
   const int NC = gridDim.x;
   const int G = a.Hq / a.Hk;
   const int pp = a.page_size / kInfllmStride;
   const int64_t E = (int64_t)a.NB * pp;
-  const int64_t row = (int64_t)b * a.Hk + hk;
+  const int64_t qrow0 = (int64_t)b * a.Hq + (int64_t)hk0 * G;  // first query head of the CTA
   const int tid = threadIdx.x;
   float2* stats = reinterpret_cast<float2*>(a.stats);
 
   int64_t nvalid = complete_keys(ld_idx(a.seq_lens, b, a.seq64));
   if (nvalid > E - 1) nvalid = E - 1;
-  const int64_t e0 = (int64_t)c * kChunk;
-  const int64_t e_end = e0 + kChunk < nvalid + 1 ? e0 + kChunk : nvalid + 1;  // exclusive
+  const int64_t e0 = (int64_t)c * chunk;
+  const int64_t e_end = e0 + chunk < nvalid + 1 ? e0 + chunk : nvalid + 1;  // exclusive
   if (e_end <= (e0 > 1 ? e0 : 1)) {  // no valid entry in this chunk
-    if (tid < G) stats[(row * G + tid) * NC + c] = make_float2(-INFINITY, 0.f);
+    for (int t = tid; t < hc * G; t += kScoreThreads)
+      stats[(qrow0 + t) * NC + c] = make_float2(-INFINITY, 0.f);
     return;
   }
   const int64_t pg0 = e0 / pp;
@@ -165,7 +173,10 @@ __global__ void __launch_bounds__(kScoreThreads) infllm_logits_kernel(InfllmScor
   for (int t = tid; t < npg; t += kScoreThreads)
     s_page[t] = ld_idx(a.table, (int64_t)b * a.table_stride + pg0 + t, a.table64);
 
-  const int grp = tid / L, lane_t = tid % L, d0 = lane_t * 8;
+  const int lanes = L * hc;                 // lanes per entry
+  const int epp = kScoreThreads / lanes;    // entries per pass
+  const int ent = tid / lanes, hh = (tid % lanes) / L, lane_t = tid % L, d0 = lane_t * 8;
+  const int hk = hk0 + hh;
   float qf[GMAX][8];
   const float qs = a.sm_scale * kLog2eInf;
 #pragma unroll
@@ -183,12 +194,12 @@ __global__ void __launch_bounds__(kScoreThreads) infllm_logits_kernel(InfllmScor
 
   const int64_t entry_stride = (int64_t)a.Hk * D, page_stride = (int64_t)pp * entry_stride;
   const float* ckb = a.ck + (int64_t)hk * D + d0;
-  for (int64_t base = e0; base < e_end; base += EPP * UNROLL) {
+  for (int64_t base = e0; base < e_end; base += (int64_t)epp * UNROLL) {
     float4 kv[UNROLL][2];
     bool ok[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
-      const int64_t e = base + u * EPP + grp;
+      const int64_t e = base + (int64_t)u * epp + ent;
       ok[u] = e >= 1 && e < e_end;
       if (ok[u]) {
         const float4* p = reinterpret_cast<const float4*>(
@@ -228,30 +239,222 @@ __global__ void __launch_bounds__(kScoreThreads) infllm_logits_kernel(InfllmScor
       }
 #pragma unroll
       for (int o = SPLIT / 2; o > 0; o >>= 1) x[0] += __shfl_xor_sync(0xffffffffu, x[0], o);
-      const int64_t e = base + u * EPP + grp;
+      const int64_t e = base + (int64_t)u * epp + ent;
       const int g = lane_t / SPLIT;
-      if (lane_t % SPLIT == 0 && g < G && e < e_end) s_x[g][e - e0] = ok[u] ? x[0] : -INFINITY;
+      if (lane_t % SPLIT == 0 && g < G && e < e_end)
+        s_x[(hh * GMAX + g) * kChunkMax + (e - e0)] = ok[u] ? x[0] : -INFINITY;
     }
   }
   __syncthreads();
 
   const int n = (int)(e_end - e0);
-  for (int t = tid; t < G * n; t += kScoreThreads) {
-    const int g = t / n, k = t % n;
-    a.logits[(row * G + g) * E + e0 + k] = s_x[g][k];
+  const int rows = hc * G;
+  for (int t = tid; t < rows * n; t += kScoreThreads) {
+    const int r = t / n, k = t % n;
+    a.logits[(qrow0 + r) * E + e0 + k] = s_x[((r / G) * GMAX + r % G) * kChunkMax + k];
   }
   const int warp = tid / 32, lane = tid % 32;
-  for (int g = warp; g < G; g += kScoreThreads / 32) {
+  for (int r = warp; r < rows; r += kScoreThreads / 32) {
+    const float* xs = s_x + ((r / G) * GMAX + r % G) * kChunkMax;
     float m = -INFINITY;
-    for (int k = lane; k < n; k += 32) m = fmaxf(m, s_x[g][k]);
+    for (int k = lane; k < n; k += 32) m = fmaxf(m, xs[k]);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
     float l = 0.f;
     if (m != -INFINITY)
-      for (int k = lane; k < n; k += 32) l += exp2f(s_x[g][k] - m);
+      for (int k = lane; k < n; k += 32) l += exp2f(xs[k] - m);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    if (lane == 0) stats[(row * G + g) * NC + c] = make_float2(m, l);
+    if (lane == 0) stats[(qrow0 + r) * NC + c] = make_float2(m, l);
+  }
+}
+
+// Logits pass, "bulk" variant (used when one CTA covers every KV head and a chunk is whole
+// pages): a page's compressed keys [pp, Hk, D] are one contiguous run (16 KB at block 64 for a
+// Llama-3-8B layer), fetched by the bulk-copy engine (cp.async.bulk, completing on an mbarrier)
+// into a ring of S shared-memory stages that one thread keeps full, so each CTA keeps up to
+// S pages in flight with no registers tied up in loads. Lanes read their 2 x float4 from shared
+// memory at d = 4*lane and D/2 + 4*lane (consecutive 16-byte words: no bank conflicts).
+constexpr int kStageBytes = 64 * 1024;       // shared-memory ring per CTA (default)
+constexpr int kStageBytesMax = 128 * 1024;   // SGLANG_PRR_INFLLM_STAGE_KB may raise it to this
+constexpr int kMaxStages = 16;
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
+}
+__device__ __forceinline__ void mbar_fence_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
+               ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra WAIT_%=;\n"
+      "}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
+}
+__device__ __forceinline__ void ld4_any(const void* base, int64_t off, int dt, float* f) {
+  if (dt == kInfF32) {
+    const float4 x = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(base) + off));
+    f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w;
+  } else if (dt == kInfF16) {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(base) + off));
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+    const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+  } else {
+    const uint2 u = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __nv_bfloat16*>(base) + off));
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+    const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
+  }
+}
+
+template <int D, int GMAX>
+__global__ void __launch_bounds__(kScoreThreads)
+infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
+  constexpr int L = D / 8;
+  constexpr int SPLIT = L / GMAX;
+  static_assert(L >= GMAX && L <= 32, "lanes per head row");
+  extern __shared__ __align__(128) unsigned char s_raw[];
+  uint64_t* bars = reinterpret_cast<uint64_t*>(s_raw);             // [kMaxStages]
+  float* stage = reinterpret_cast<float*>(s_raw + kMaxStages * 8);  // [S][pp * Hk * D]
+  const int pp = a.page_size / kInfllmStride;
+  const int64_t pf = (int64_t)pp * a.Hk * D;                        // floats per page
+  float* s_x = stage + (int64_t)S * pf;                             // [Hk * GMAX][chunk]
+
+  const int c = blockIdx.x, b = blockIdx.z;
+  const int NC = gridDim.x;
+  const int G = a.Hq / a.Hk;
+  const int64_t E = (int64_t)a.NB * pp;
+  const int64_t qrow0 = (int64_t)b * a.Hq;
+  const int tid = threadIdx.x;
+  float2* stats = reinterpret_cast<float2*>(a.stats);
+
+  int64_t nvalid = complete_keys(ld_idx(a.seq_lens, b, a.seq64));
+  if (nvalid > E - 1) nvalid = E - 1;
+  const int64_t e0 = (int64_t)c * chunk;  // a page boundary (chunk % pp == 0)
+  const int64_t e_end = e0 + chunk < nvalid + 1 ? e0 + chunk : nvalid + 1;
+  if (e_end <= (e0 > 1 ? e0 : 1)) {
+    for (int t = tid; t < a.Hq; t += kScoreThreads)
+      stats[(qrow0 + t) * NC + c] = make_float2(-INFINITY, 0.f);
+    return;
+  }
+  const int64_t pg0 = e0 / pp;
+  const int npg = (int)((e_end - 1) / pp - pg0 + 1);
+  const uint32_t page_bytes = (uint32_t)(pf * sizeof(float));
+  const int64_t trow = (int64_t)b * a.table_stride + pg0;
+  if (tid == 0) {
+    for (int i = 0; i < S; ++i) mbar_init(&bars[i], 1);
+    mbar_fence_init();
+  }
+  __syncthreads();
+  if (tid == 0) {
+    const int n0 = npg < S ? npg : S;
+    for (int i = 0; i < n0; ++i) {
+      const int64_t page = ld_idx(a.table, trow + i, a.table64);
+      bulk_load(stage + i * pf, a.ck + page * pf, page_bytes, &bars[i]);
+    }
+  }
+
+  const int lanes = L * a.Hk;               // lanes per entry (all heads)
+  const int epp = kScoreThreads / lanes;    // entries per pass
+  const int ent = tid / lanes, hh = (tid % lanes) / L, lane_t = tid % L;
+  const int da = lane_t * 4, db = D / 2 + lane_t * 4;
+  float qf[GMAX][8];
+  const float qs = a.sm_scale * kLog2eInf;
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    if (g < G) {
+      const int64_t qo = ((int64_t)b * a.Hq + (int64_t)hh * G + g) * D;
+      ld4_any(a.q, qo + da, a.q_dtype, qf[g]);
+      ld4_any(a.q, qo + db, a.q_dtype, qf[g] + 4);
+#pragma unroll
+      for (int t = 0; t < 8; ++t) qf[g][t] *= qs;
+    } else {
+#pragma unroll
+      for (int t = 0; t < 8; ++t) qf[g][t] = 0.f;
+    }
+  }
+
+  for (int i = 0; i < npg; ++i) {
+    const int st = i % S;
+    mbar_wait(&bars[st], (uint32_t)((i / S) & 1));
+    const float* sp = stage + st * pf;
+    for (int j0 = 0; j0 < pp; j0 += epp) {
+      const int j = j0 + ent;
+      const int64_t e = (pg0 + i) * pp + j;
+      const bool ok = j < pp && e >= 1 && e < e_end;
+      float4 k0 = make_float4(0.f, 0.f, 0.f, 0.f), k1 = k0;
+      if (ok) {
+        const float* r = sp + ((int64_t)j * a.Hk + hh) * D;
+        k0 = *reinterpret_cast<const float4*>(r + da);
+        k1 = *reinterpret_cast<const float4*>(r + db);
+      }
+      float x[GMAX];
+#pragma unroll
+      for (int g = 0; g < GMAX; ++g) {
+        float v = qf[g][0] * k0.x;
+        v = fmaf(qf[g][1], k0.y, v);
+        v = fmaf(qf[g][2], k0.z, v);
+        v = fmaf(qf[g][3], k0.w, v);
+        v = fmaf(qf[g][4], k1.x, v);
+        v = fmaf(qf[g][5], k1.y, v);
+        v = fmaf(qf[g][6], k1.z, v);
+        v = fmaf(qf[g][7], k1.w, v);
+        x[g] = v;
+      }
+#pragma unroll
+      for (int h = GMAX / 2, o = L / 2; h >= 1; h >>= 1, o >>= 1) {
+        const bool hi = (lane_t & o) != 0;
+#pragma unroll
+        for (int t = 0; t < h; ++t) {
+          const float send = hi ? x[t] : x[t + h];
+          const float keep = hi ? x[t + h] : x[t];
+          x[t] = keep + __shfl_xor_sync(0xffffffffu, send, o);
+        }
+      }
+#pragma unroll
+      for (int o = SPLIT / 2; o > 0; o >>= 1) x[0] += __shfl_xor_sync(0xffffffffu, x[0], o);
+      const int g = lane_t / SPLIT;
+      if (lane_t % SPLIT == 0 && g < G && j < pp && e < e_end)
+        s_x[(hh * GMAX + g) * chunk + (e - e0)] = ok ? x[0] : -INFINITY;
+    }
+    __syncthreads();  // stage st consumed by every thread
+    if (tid == 0 && i + S < npg) {
+      const int64_t page = ld_idx(a.table, trow + i + S, a.table64);
+      bulk_load(stage + st * pf, a.ck + page * pf, page_bytes, &bars[st]);
+    }
+  }
+
+  const int n = (int)(e_end - e0);
+  for (int t = tid; t < a.Hq * n; t += kScoreThreads) {
+    const int r = t / n, k = t % n;
+    a.logits[(qrow0 + r) * E + e0 + k] = s_x[((r / G) * GMAX + r % G) * chunk + k];
+  }
+  const int warp = tid / 32, lane = tid % 32;
+  for (int r = warp; r < a.Hq; r += kScoreThreads / 32) {
+    const float* xs = s_x + ((r / G) * GMAX + r % G) * chunk;
+    float m = -INFINITY;
+    for (int k = lane; k < n; k += 32) m = fmaxf(m, xs[k]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    float l = 0.f;
+    if (m != -INFINITY)
+      for (int k = lane; k < n; k += 32) l += exp2f(xs[k] - m);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+    if (lane == 0) stats[(qrow0 + r) * NC + c] = make_float2(m, l);
   }
 }
 
@@ -315,18 +518,81 @@ infllm_pool_kernel(InfllmScoresArgs a, int bpc, int NC) {
   }
 }
 
+// Heads per CTA of the logits pass: the largest power of two dividing Hk with hc*L <= threads
+// and hc*GMAX <= kMaxQRows.
+int heads_per_cta(int Hk, int D, int gmax) {
+  int hc = 1;
+  while (Hk % (2 * hc) == 0 && 2 * hc * (D / 8) <= kScoreThreads && 2 * hc * gmax <= kMaxQRows)
+    hc *= 2;
+  return hc;
+}
+int group_max(int G) { return G == 1 ? 1 : G == 2 ? 2 : G <= 4 ? 4 : 8; }
+int chunk_len(int B, int Hk, int64_t E, int hc) {
+  int chunk = kChunkMax;
+  while (chunk > kChunkMin && (E + chunk - 1) / chunk * (Hk / hc) * (int64_t)B < kTargetCtas)
+    chunk /= 2;
+  return chunk;
+}
+
+// 0: pick; 1: always the register variant (timing comparisons only).
+int variant_override() {
+  static const int v = [] {
+    const char* e = std::getenv("SGLANG_PRR_INFLLM_VARIANT");
+    return (e != nullptr && std::strcmp(e, "regs") == 0) ? 1 : 0;
+  }();
+  return v;
+}
+
+// Bytes of the bulk variant's stage ring (SGLANG_PRR_INFLLM_STAGE_KB, for tuning).
+size_t stage_bytes() {
+  static const size_t v = [] {
+    const char* e = std::getenv("SGLANG_PRR_INFLLM_STAGE_KB");
+    const long kb = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
+    return (kb > 0 && kb * 1024 <= kStageBytesMax) ? (size_t)kb * 1024 : (size_t)kStageBytes;
+  }();
+  return v;
+}
+
 template <int D, int GMAX>
-cudaError_t launch_logits(const InfllmScoresArgs& a, dim3 grid, cudaStream_t s) {
-  infllm_logits_kernel<D, GMAX, 4><<<grid, kScoreThreads, 0, s>>>(a);
+cudaError_t launch_logits(const InfllmScoresArgs& a, int NC, int hc, int chunk, cudaStream_t s) {
+  const int pp = a.page_size / kInfllmStride;
+  const size_t page_bytes = (size_t)pp * a.Hk * D * sizeof(float);
+  const size_t ring = stage_bytes();
+  if (hc == a.Hk && chunk % pp == 0 && 2 * page_bytes <= ring && variant_override() == 0) {
+    int S = (int)(ring / page_bytes);
+    if (S > kMaxStages) S = kMaxStages;
+    if (S > chunk / pp) S = chunk / pp;
+    if (S < 2) S = 2;
+    const size_t smem = kMaxStages * 8 + (size_t)S * page_bytes +
+                        (size_t)a.Hk * GMAX * chunk * sizeof(float);
+    auto kern = infllm_logits_bulk_kernel<D, GMAX>;
+    static bool attr_set = false;  // host-side, once per instantiation
+    if (!attr_set) {
+      cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           kMaxStages * 8 + kStageBytesMax + kMaxQRows * kChunkMax * 4);
+      if (e != cudaSuccess) return e;
+      attr_set = true;
+    }
+    kern<<<dim3(NC, 1, a.B), kScoreThreads, smem, s>>>(a, chunk, S);
+    return cudaGetLastError();
+  }
+  const size_t smem = (kChunkMax + 1) * sizeof(int64_t) + (size_t)hc * GMAX * kChunkMax * sizeof(float);
+  auto kern = infllm_logits_kernel<D, GMAX, 4>;
+  if (smem > 48 * 1024) {
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+  }
+  kern<<<dim3(NC, a.Hk / hc, a.B), kScoreThreads, smem, s>>>(a, hc, chunk);
   return cudaGetLastError();
 }
 template <int D>
-cudaError_t launch_logits_g(const InfllmScoresArgs& a, dim3 grid, cudaStream_t s) {
-  const int G = a.Hq / a.Hk;
-  if (G == 1) return launch_logits<D, 1>(a, grid, s);
-  if (G == 2) return launch_logits<D, 2>(a, grid, s);
-  if (G <= 4) return launch_logits<D, 4>(a, grid, s);
-  return launch_logits<D, 8>(a, grid, s);
+cudaError_t launch_logits_g(const InfllmScoresArgs& a, int NC, int hc, int chunk, cudaStream_t s) {
+  switch (group_max(a.Hq / a.Hk)) {
+    case 1: return launch_logits<D, 1>(a, NC, hc, chunk, s);
+    case 2: return launch_logits<D, 2>(a, NC, hc, chunk, s);
+    case 4: return launch_logits<D, 4>(a, NC, hc, chunk, s);
+    default: return launch_logits<D, 8>(a, NC, hc, chunk, s);
+  }
 }
 
 int pool_blocks_per_cta(int pp) { return pp >= kPoolThreads ? 1 : kPoolThreads / pp; }
@@ -347,7 +613,13 @@ cudaError_t launch_infllm_update(const InfllmUpdateArgs& a, cudaStream_t s) {
   return cudaGetLastError();
 }
 
-int infllm_chunk() { return kChunk; }
+int infllm_num_chunks(int B, int Hq, int Hk, int NB, int D, int page_size) {
+  if (Hk <= 0 || page_size < kInfllmStride || D < 8) return 1;
+  const int64_t E = (int64_t)NB * (page_size / kInfllmStride);
+  const int chunk = chunk_len(B, Hk, E, heads_per_cta(Hk, D, group_max(Hq / Hk)));
+  const int64_t nc = (E + chunk - 1) / chunk;
+  return nc > 0 ? (int)nc : 1;
+}
 
 cudaError_t launch_infllm_scores(const InfllmScoresArgs& a, cudaStream_t s) {
   if (a.Hk <= 0 || a.Hq % a.Hk != 0 || a.Hq / a.Hk > kInfllmMaxGroup) return cudaErrorInvalidValue;
@@ -356,15 +628,22 @@ cudaError_t launch_infllm_scores(const InfllmScoresArgs& a, cudaStream_t s) {
   if (a.B == 0 || a.NB == 0) return cudaSuccess;
   const int pp = a.page_size / kInfllmStride;
   const int64_t E = (int64_t)a.NB * pp;
-  const int NC = (int)((E + kChunk - 1) / kChunk);
-  const dim3 grid1(NC, a.Hk, a.B);
+  const int hc = heads_per_cta(a.Hk, a.D, group_max(a.Hq / a.Hk));
+  const int chunk = chunk_len(a.B, a.Hk, E, hc);
+  const int NC = (int)((E + chunk - 1) / chunk);
+  if (NC != a.num_chunks) return cudaErrorInvalidValue;  // workspace sized by infllm_num_chunks
   cudaError_t e;
   switch (a.D) {
-    case 64: e = launch_logits_g<64>(a, grid1, s); break;
-    case 128: e = launch_logits_g<128>(a, grid1, s); break;
-    default: e = launch_logits_g<256>(a, grid1, s); break;
+    case 64: e = launch_logits_g<64>(a, NC, hc, chunk, s); break;
+    case 128: e = launch_logits_g<128>(a, NC, hc, chunk, s); break;
+    default: e = launch_logits_g<256>(a, NC, hc, chunk, s); break;
   }
   if (e != cudaSuccess) return e;
+  static const bool logits_only = [] {  // timing breakdown only (host-side, read once)
+    const char* v = std::getenv("SGLANG_PRR_INFLLM_STAGE");
+    return v != nullptr && std::strcmp(v, "logits") == 0;
+  }();
+  if (logits_only) return cudaSuccess;
   const int bpc = pool_blocks_per_cta(pp);
   const size_t smem = ((size_t)bpc * pp + 1) * sizeof(float);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;  // pages of more than 196K tokens

@@ -32,15 +32,16 @@ struct InfllmScoresArgs {
   const float* ck;                                  // [num_pages, page_size/16, Hk, D] contiguous
   const void* table; bool table64; int64_t table_stride;  // [B, NB]
   const void* seq_lens; bool seq64;                 // [B]
-  float* logits;                                    // workspace [B, Hk, G, NB * page_size/16]
-  float* stats;                                     // workspace [B, Hk, G, num_chunks, 2]
+  float* logits;                                    // workspace [B, Hq, NB * page_size/16]
+  float* stats;                                     // workspace [B, Hq, num_chunks, 2]
+  int num_chunks;                                   // infllm_num_chunks() of these shapes
   float* out;                                       // [B, Hk, NB]
   int B, Hq, Hk, NB, D, page_size;
   float sm_scale;
 };
-// Entries (compressed-key slots) per CTA of the logits pass: the workspace has
-// ceil(NB * page_size/16 / infllm_chunk()) chunks of statistics per (request, query head).
-int infllm_chunk();
+// Chunks of the logits pass per (request, query head), from the shapes only: the workspace
+// holds [B, Hq, num_chunks] (max, sum) pairs.
+int infllm_num_chunks(int B, int Hq, int Hk, int NB, int D, int page_size);
 cudaError_t launch_infllm_scores(const InfllmScoresArgs& a, cudaStream_t s);
 
 }  // namespace prr
