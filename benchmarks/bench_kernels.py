@@ -59,6 +59,8 @@ FI_WORKSPACE = 128 << 20
 FI_CHECK_TOL = 2e-2
 
 
+# Llama-3-8B layer: query heads, KV heads, head dim.
+LAYER = (32, 8, 128)
 # Where the timed tensors live ("cpu" only in the CPU dry run of the tests, with the timing,
 # the kernels and FlashInfer stubbed).
 DEVICE = "cuda"
@@ -215,22 +217,24 @@ def list_slots(table: torch.Tensor, idx: torch.Tensor, cnt: torch.Tensor, page: 
 
 # ----------------------------------------------------------------------------- attention
 class FiState:
-    """FlashInfer handle, and the backends that failed to build (not retried)."""
+    """FlashInfer handle, and the variants whose build failed (not retried)."""
 
     def __init__(self, mod, tensor_cores: Sequence[bool], bsa_backend: str):
         self.mod = mod
         self.tensor_cores = list(tensor_cores)
         self.bsa_backend = bsa_backend
-        self.dead: Dict[str, str] = {}  # variant key -> reason (build failures, failed pages)
+        self.dead: Dict[str, str] = {}  # variant key -> why its build failed
 
-    def failed(self, key: str, page: int, e: BaseException) -> str:
+    def failed(self, key: str, e: BaseException) -> str:
+        """Record a failed point; a failed JIT build is not retried (it would cost minutes per
+        point), other failures are retried at the next point."""
         msg = _short(e)
-        build = any(w in str(e).lower() for w in ("ninja", "compil", "build", "nvcc"))
-        self.dead[key if build else f"{key}@{page}"] = msg
+        if any(w in str(e).lower() for w in ("ninja", "compil", "build", "nvcc")):
+            self.dead[key] = msg
         return msg
 
-    def is_dead(self, key: str, page: int) -> Optional[str]:
-        return self.dead.get(key) or self.dead.get(f"{key}@{page}")
+    def is_dead(self, key: str) -> Optional[str]:
+        return self.dead.get(key)
 
 
 def attention_point(B: int, page: int, budget: int, context: int, Hq=32, Hk=8, D=128,
@@ -263,7 +267,7 @@ def attention_point(B: int, page: int, budget: int, context: int, Hq=32, Hk=8, D
 
 def bench_attention(args, writer, fi: Optional[FiState]):
     from sglang_prr import ops
-    Hq, Hk, D = 32, 8, 128
+    Hq, Hk, D = LAYER
     sm = 1.0 / math.sqrt(D)
     op = cuda_ops()
     rows = []
@@ -332,14 +336,14 @@ def bench_fi_decode_point(fi: FiState, res, notes, B, Hq, Hk, D, page, k, v, set
     best = None
     for tc in fi.tensor_cores:
         key = f"fi_tc{int(tc)}"
-        dead = fi.is_dead(key, page)
+        dead = fi.is_dead(key)
         if dead:
             notes.append(f"{key}: skipped ({dead})")
             continue
         try:
             t, note, out0 = bench_fi_decode(fi, tc, B, Hq, Hk, D, page, k, v, sets, sm, reps)
         except Exception as e:  # noqa: BLE001 - a failed baseline point is recorded, not fatal
-            notes.append(f"{key} failed: {fi.failed(key, page, e)}")
+            notes.append(f"{key} failed: {fi.failed(key, e)}")
             _sync()
             continue
         res[f"{key}_us"] = t[0]
@@ -389,7 +393,7 @@ def bench_fi_bsa_point(fi: FiState, res, notes, B, Hq, Hk, D, page, k, v, sets, 
     for group in groups:
         for backend in group:
             key = f"fi_bsa_{backend}"
-            dead = fi.is_dead(key, page)
+            dead = fi.is_dead(key)
             if dead:
                 notes.append(f"{key}: skipped ({dead})")
                 continue
@@ -397,7 +401,7 @@ def bench_fi_bsa_point(fi: FiState, res, notes, B, Hq, Hk, D, page, k, v, sets, 
                 t, note, out0, used = bench_fi_bsa(fi, backend, B, Hq, Hk, D, page, k, v, sets,
                                                    sm, reps)
             except Exception as e:  # noqa: BLE001 - a failed baseline point is recorded
-                notes.append(f"{key} failed: {fi.failed(key, page, e)}")
+                notes.append(f"{key} failed: {fi.failed(key, e)}")
                 _sync()
                 continue
             err = _relerr(out0, o_chk)
@@ -442,7 +446,7 @@ def bench_selection(args, writer):
     sp = torch.ops.sglang_prr
     fused_ok = op_impl("quest_select") != "absent"
     fused_full_ok = fused_ok and op_impl("predict_update") != "absent"
-    Hq, Hk, D, page = 32, 8, 128, 64
+    (Hq, Hk, D), page = LAYER, 64
     k_blocks, n_pred, sink, local = 2048 // page, 48, 1, 1
     n_out = k_blocks + sink + local
     n_p = n_pred + sink + local
@@ -762,13 +766,13 @@ def main(argv=None):
     if not args.skip_selection:
         sel_rows = bench_selection(args, CsvWriter(sel_csv, meta))
         print(f"selection grid: {len(sel_rows)} points in {time.time() - t1:.0f} s", flush=True)
+    print(f"total {time.time() - t0:.0f} s")
+    print(summary(att_rows, sel_rows), flush=True)
     try:
         for path in plot(args.out, args.tag):
             print(f"wrote {path}")
-    except ImportError as e:  # matplotlib missing on the GPU machine: --plot-only later
-        print(f"no plot ({e}); run --plot-only where matplotlib is installed", file=sys.stderr)
-    print(f"total {time.time() - t0:.0f} s")
-    print(summary(att_rows, sel_rows))
+    except Exception as e:  # noqa: BLE001 - e.g. no matplotlib there: --plot-only later
+        print(f"no plot ({_short(e)}); the CSVs are written, run --plot-only", file=sys.stderr)
 
 
 if __name__ == "__main__":
