@@ -2,6 +2,10 @@
 // Semantics are those of sglang_prr/reference.py (infllm_update, infllm_scores). Plain CUDA: both
 // ops are memory-bound (the scores read every complete compressed key of a request once, fp32).
 // Graph-safe: static launch shapes, device-side counts (seq_lens, positions), no host reads.
+// Tuning switches (host-side, read once; timing comparisons only): SGLANG_PRR_INFLLM_VARIANT=regs
+// (register-load logits pass everywhere), SGLANG_PRR_INFLLM_STAGE_KB (bulk ring size),
+// SGLANG_PRR_INFLLM_STAGE=logits (skip the pool pass: the scores are then not computed).
+// Measurements and versions: benchmarks/NOTES-kernels.md ("InfLLM-v2").
 #include "infllm_kernels.h"
 
 #include <cuda_bf16.h>
