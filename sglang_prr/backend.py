@@ -55,14 +55,14 @@ _N_STATS = 7
 
 
 def _no_repair_impl() -> types.SimpleNamespace:
-    """The ops module with ``set_difference`` returning an empty M (repair skipped)."""
+    """The ops module with a selection that returns an empty M (repair skipped)."""
     ns = types.SimpleNamespace(**{k: getattr(ops, k) for k in dir(ops) if not k.startswith("__")})
 
-    def set_difference(a_idx, a_cnt, p_idx, p_cnt, nb):
-        m_idx, m_cnt = ops.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
-        return torch.full_like(m_idx, -1), torch.zeros_like(m_cnt)
+    def select_fused(*args, **kwargs):
+        scores, a_idx, a_cnt, m_idx, m_cnt = ops.select_fused(*args, **kwargs)
+        return scores, a_idx, a_cnt, torch.full_like(m_idx, -1), torch.zeros_like(m_cnt)
 
-    ns.set_difference = set_difference
+    ns.select_fused = select_fused
     return ns
 
 

@@ -95,6 +95,25 @@ def _(a_idx, a_cnt, p_idx, p_cnt, nb):
     return torch.empty_like(a_idx), torch.empty_like(a_cnt)
 
 
+@_op("quest_select")
+def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
+                 p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,
+                 local_blocks: int, n_out: int
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Quest scores + top-K + ``M = A \\ P`` in one op (one launch on SM90):
+    ``(scores [B, Hk, NB] f32, a_idx, a_cnt, m_idx, m_cnt)``. See ``reference.quest_select``."""
+    return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
+                            local_blocks, n_out)
+
+
+@quest_select.register_fake
+def _(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out):
+    B, Hk, NB = q.shape[0], kmin.shape[1], table.shape[1]
+    lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32), q.new_empty((B, Hk), dtype=torch.int32)]
+    return (q.new_empty((B, Hk, NB), dtype=torch.float32), *lists,
+            torch.empty_like(lists[0]), torch.empty_like(lists[1]))
+
+
 # ----------------------------------------------------------------------------- predictor
 @_op("holt_update", mutates_args=("level", "trend", "n_init"))
 def holt_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor, nblk: Tensor,
@@ -113,6 +132,24 @@ def predict_set(level: Tensor, trend: Tensor, gamma: Tensor, n_init: Tensor, nbl
 
 @predict_set.register_fake
 def _(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks, local_blocks):
+    B, Hk, _ = level.shape
+    n = n_pred + sink_blocks + local_blocks
+    return (level.new_empty((B, Hk, n), dtype=torch.int32),
+            level.new_empty((B, Hk), dtype=torch.int32))
+
+
+@_op("predict_update", mutates_args=("level", "trend", "n_init"))
+def predict_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor, nblk: Tensor,
+                   theta: Tensor, nblk_next: Tensor, n_pred: int, sink_blocks: int,
+                   local_blocks: int) -> Tuple[Tensor, Tensor]:
+    """Holt update (eq 3, in place) + P(t+1) in one op (one launch on SM90); theta ``[B, 3]``.
+    See ``reference.predict_update``."""
+    return ref.predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred,
+                              sink_blocks, local_blocks)
+
+
+@predict_update.register_fake
+def _(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks, local_blocks):
     B, Hk, _ = level.shape
     n = n_pred + sink_blocks + local_blocks
     return (level.new_empty((B, Hk, n), dtype=torch.int32),
@@ -165,6 +202,27 @@ def _(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb, exact):
             o_spec.new_empty((B, Hq), dtype=torch.float32))
 
 
+@_op("sparse_attn_merge")
+def sparse_attn_merge(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, seq_lens: Tensor,
+                      idx: Tensor, cnt: Tensor, page_size: int, sm_scale: float,
+                      o_spec: Optional[Tensor], lse_spec: Optional[Tensor],
+                      p_idx: Optional[Tensor], p_cnt: Optional[Tensor], a_idx: Optional[Tensor],
+                      a_cnt: Optional[Tensor], nb: int, exact: bool) -> Tuple[Tensor, Tensor]:
+    """Attention over the listed blocks merged into one state, optionally with speculative
+    partials (the PRR repair + merge; one launch on SM90): ``(o [B, Hq, D] f32, lse [B, Hq])``.
+    See ``reference.sparse_attn_merge``."""
+    return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale,
+                                 o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact)
+
+
+@sparse_attn_merge.register_fake
+def _(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, o_spec, lse_spec, p_idx,
+      p_cnt, a_idx, a_cnt, nb, exact):
+    B, Hq, D = q.shape
+    return (q.new_empty((B, Hq, D), dtype=torch.float32),
+            q.new_empty((B, Hq), dtype=torch.float32))
+
+
 @_op("merge_partials")
 def merge_partials(o: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
     """Merge all partial states along dim -2: ``(o [..., D] f32, lse [...] f32)``."""
@@ -181,8 +239,18 @@ def _(o, lse):
 def attend_set(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, seq_lens: Tensor,
                idx: Tensor, cnt: Tensor, page_size: int, sm_scale: float) -> Tuple[Tensor, Tensor]:
     """Attention over one block set as a single state ``(o [B, Hq, D], lse [B, Hq])``."""
-    o, lse = sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale)
-    return merge_partials(o, lse)
+    return sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale,
+                             None, None, None, None, None, None, 0, True)
+
+
+def select_fused(method: str, q: Tensor, summary: List[Tensor], table: Tensor, seq_lens: Tensor,
+                 page_size: int, sm_scale: float, k: int, sink_blocks: int, local_blocks: int,
+                 p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Selection with ``M = A \\ P``: one fused op for Quest; InfLLM-v2 composes its scores,
+    top-K and set difference. See ``reference.select_fused``."""
+    return ref.select_fused(method, q, list(summary), table, seq_lens, page_size, sm_scale, k,
+                            sink_blocks, local_blocks, p_idx, p_cnt, impl=_this)
 
 
 num_blocks = ref.num_blocks

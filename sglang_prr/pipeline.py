@@ -1,12 +1,13 @@
 """The PRR decode step of one layer with its two CUDA streams (PRR.md section 7).
 
 ```
-main stream : [spec attention over P] ------join(A, M)-> [repair over M] -> [merge] -join(P)-> [P := P(t+1)]
-side stream :   \\-> [scores, top-K = A, M = A \\ P] -/-> [predictor update, P(t+1)] ---/
+main stream : [spec attention over P] ---join(A, M)-> [repair over M + merge] -join(P)-> [P := P(t+1)]
+side stream :   \\-> [scores, top-K = A, M = A \\ P] -/-> [predictor update, P(t+1)] -/
 ```
 
 The predictor update and P(t+1) are off the critical path: they run on the side stream while the
-main stream repairs and merges, and only the final copy of P(t+1) waits for them.
+main stream repairs and merges, and only the final copy of P(t+1) waits for them. On SM90 each
+bracket is one kernel launch (Quest's selection, the predictor step, the repair with its merge).
 
 ``PRRStep.run`` has the signature and the results of ``ops.prr_decode``; on CUDA the selection
 chain runs on a side stream while the speculative attention runs on the caller's stream, joined
@@ -61,28 +62,26 @@ class PRRStep:
         self.fork.record(main)
         with torch.cuda.stream(self.side):
             self.side.wait_event(self.fork)
-            nblk = ops.num_blocks(seq_lens, page_size)
-            scores = ops.select_blocks(method, q, list(summary), table, seq_lens, page_size,
-                                       sm_scale)
-            a_idx, a_cnt = ops.select_topk(scores, nblk, k, sink_blocks, local_blocks,
-                                           k + sink_blocks + local_blocks)
-            m_idx, m_cnt = ops.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+            # Scores, A and M = A \ P: one launch for Quest.
+            scores, a_idx, a_cnt, m_idx, m_cnt = ops.select_fused(
+                method, q, list(summary), table, seq_lens, page_size, sm_scale, k, sink_blocks,
+                local_blocks, p_idx, p_cnt)
             self.join.record(self.side)
-            # Off the critical path: overlaps the repair and the merge below.
-            ops.holt_update(level, trend, n_init, scores, nblk, theta[:, 0], theta[:, 1])
-            pn_idx, pn_cnt = ops.predict_set(level, trend, theta[:, 2].contiguous(), n_init,
-                                             ops.num_blocks(seq_lens + 1, page_size), n_pred,
-                                             sink_blocks, local_blocks)
+            # Off the critical path: the Holt update and P(t+1) (one launch) overlap the repair.
+            nblk = ops.num_blocks(seq_lens, page_size)
+            pn_idx, pn_cnt = ops.predict_update(level, trend, n_init, scores, nblk, theta,
+                                                ops.num_blocks(seq_lens + 1, page_size), n_pred,
+                                                sink_blocks, local_blocks)
             self.join_p.record(self.side)
         # Reuse: the speculative pass over P runs concurrently with the selection chain.
         o_s, lse_s = ops.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, p_idx, p_cnt,
                                               page_size, sm_scale)
         main.wait_event(self.join)
-        for t in (a_idx, a_cnt, m_idx, m_cnt, scores, nblk):
+        for t in (a_idx, a_cnt, m_idx, m_cnt, scores):
             t.record_stream(main)  # allocated on the side stream, consumed on main
-        o_r, lse_r = ops.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, m_idx, m_cnt,
-                                              page_size, sm_scale)
-        o, _ = ops.prr_merge(o_s, lse_s, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb, exact)
+        # Repair over M and the exact merge with the speculative partials: one launch.
+        o, _ = ops.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, m_idx, m_cnt, page_size,
+                                     sm_scale, o_s, lse_s, p_idx, p_cnt, a_idx, a_cnt, nb, exact)
         # P(t) must not be overwritten before the side stream's predict has read the state and
         # before the merge above has read P(t): join the side stream back (also required to end
         # a graph capture with every forked stream joined).

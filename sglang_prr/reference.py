@@ -277,6 +277,19 @@ def predict_set(level: Tensor, trend: Tensor, gamma: Tensor, n_init: Tensor, nbl
                        sink_blocks, local_blocks)
 
 
+def predict_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor, nblk: Tensor,
+                   theta: Tensor, nblk_next: Tensor, n_pred: int, sink_blocks: int,
+                   local_blocks: int) -> Tuple[Tensor, Tensor]:
+    """The predictor's whole step: eq 3 in place (``holt_update``), then P(t+1) (``predict_set``).
+
+    theta: ``[B, 3]`` (alpha, beta, gamma). Returns ``(idx, cnt)`` of width
+    ``n_pred + sink_blocks + local_blocks``.
+    """
+    holt_update(level, trend, n_init, scores, nblk, theta[:, 0], theta[:, 1])
+    return predict_set(level, trend, theta[:, 2].contiguous(), n_init, nblk_next, n_pred,
+                       sink_blocks, local_blocks)
+
+
 # ----------------------------------------------------------------------------- calibration
 def weighted_hit(scores: Tensor, a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor,
                  middle: Tensor) -> Tensor:
@@ -427,6 +440,25 @@ def attend_set(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, seq_lens:
     return merge_partials(o, lse)
 
 
+def sparse_attn_merge(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, seq_lens: Tensor,
+                      idx: Tensor, cnt: Tensor, page_size: int, sm_scale: float,
+                      o_spec: Optional[Tensor] = None, lse_spec: Optional[Tensor] = None,
+                      p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None,
+                      a_idx: Optional[Tensor] = None, a_cnt: Optional[Tensor] = None,
+                      nb: int = 0, exact: bool = True) -> Tuple[Tensor, Tensor]:
+    """Attention over the listed blocks, merged into one state, with the speculative partials.
+
+    Without ``o_spec``: ``attend_set``. With it: the repair over ``idx`` (= M) merged with the
+    speculative partials as ``prr_merge`` does (exact: only ``P n A`` of them; union: all).
+    Returns ``(o [B, Hq, D] float32, lse [B, Hq])``.
+    """
+    o_r, lse_r = sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
+                                      sm_scale)
+    if o_spec is None:
+        return merge_partials(o_r, lse_r)
+    return prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb, exact)
+
+
 def expand_heads(x: Tensor, group: int) -> Tensor:
     """Per-KV-head ``[B, Hk, ...]`` -> per-query-head ``[B, Hk*group, ...]``."""
     return x.repeat_interleave(group, dim=1)
@@ -463,6 +495,44 @@ def select_blocks(method: str, q: Tensor, summary: Sequence[Tensor], table: Tens
     raise ValueError(f"unknown DSA method {method!r}: expected quest | infllm_v2")
 
 
+def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
+                 p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,
+                 local_blocks: int, n_out: int
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Quest selection of one step: scores, A = top-K + kept blocks, and M = A \\ P.
+
+    ``p_idx``/``p_cnt`` None gives ``M = A``. Returns ``(scores [B, Hk, NB], a_idx, a_cnt,
+    m_idx, m_cnt)`` with lists of width ``n_out``.
+    """
+    scores = quest_scores(q, kmin, kmax, table, nblk)
+    a_idx, a_cnt = select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out)
+    if p_idx is None:
+        return scores, a_idx, a_cnt, a_idx.clone(), a_cnt.clone()
+    m_idx, m_cnt = set_difference(a_idx, a_cnt, p_idx, p_cnt, table.shape[1])
+    return scores, a_idx, a_cnt, m_idx, m_cnt
+
+
+def select_fused(method: str, q: Tensor, summary: Sequence[Tensor], table: Tensor,
+                 seq_lens: Tensor, page_size: int, sm_scale: float, k: int, sink_blocks: int,
+                 local_blocks: int, p_idx: Optional[Tensor] = None,
+                 p_cnt: Optional[Tensor] = None, impl=None
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Selection of one decode step for either method: ``(scores, a_idx, a_cnt, m_idx, m_cnt)``
+    with ``M = A \\ P`` (``M = A`` without P); lists of width ``k + sink + local``."""
+    impl = _this if impl is None else impl
+    n_out = k + sink_blocks + local_blocks
+    nblk = num_blocks(seq_lens, page_size)
+    if method == "quest":
+        return impl.quest_select(q, summary[0], summary[1], table, nblk, p_idx, p_cnt, k,
+                                 sink_blocks, local_blocks, n_out)
+    scores = impl.select_blocks(method, q, summary, table, seq_lens, page_size, sm_scale)
+    a_idx, a_cnt = impl.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out)
+    if p_idx is None:
+        return scores, a_idx, a_cnt, a_idx.clone(), a_cnt.clone()
+    m_idx, m_cnt = impl.set_difference(a_idx, a_cnt, p_idx, p_cnt, table.shape[1])
+    return scores, a_idx, a_cnt, m_idx, m_cnt
+
+
 def dsa_decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor], table: Tensor,
                seq_lens: Tensor, method: str, k: int, sink_blocks: int, local_blocks: int,
                page_size: int, sm_scale: float, impl=None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -472,9 +542,9 @@ def dsa_decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor
     the dispatching path). Returns ``(o [B, Hq, D] float32, scores [B, Hk, NB], a_idx, a_cnt)``.
     """
     impl = _this if impl is None else impl
-    scores = impl.select_blocks(method, q, summary, table, seq_lens, page_size, sm_scale)
-    a_idx, a_cnt = impl.select_topk(scores, num_blocks(seq_lens, page_size), k, sink_blocks,
-                                    local_blocks, k + sink_blocks + local_blocks)
+    scores, a_idx, a_cnt, _, _ = impl.select_fused(method, q, summary, table, seq_lens,
+                                                   page_size, sm_scale, k, sink_blocks,
+                                                   local_blocks)
     o, _ = impl.attend_set(q, k_buf, v_buf, table, seq_lens, a_idx, a_cnt, page_size, sm_scale)
     return o, scores, a_idx, a_cnt
 
@@ -493,23 +563,20 @@ def prr_decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor
     """
     impl = _this if impl is None else impl
     nb = table.shape[1]
-    n_keep = sink_blocks + local_blocks
     # Reuse: speculative pass over P (beside selection, on a second stream, in the CUDA path).
     o_s, lse_s = impl.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, p_idx, p_cnt,
                                            page_size, sm_scale)
-    # Selection, then the predictor update and P(t+1), off the critical path.
-    nblk = num_blocks(seq_lens, page_size)
-    scores = impl.select_blocks(method, q, summary, table, seq_lens, page_size, sm_scale)
-    a_idx, a_cnt = impl.select_topk(scores, nblk, k, sink_blocks, local_blocks, k + n_keep)
-    m_idx, m_cnt = impl.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
-    impl.holt_update(level, trend, n_init, scores, nblk, theta[:, 0], theta[:, 1])
-    pn_idx, pn_cnt = impl.predict_set(level, trend, theta[:, 2].contiguous(), n_init,
-                                      num_blocks(seq_lens + 1, page_size), n_pred, sink_blocks,
-                                      local_blocks)
-    # Repair over M = A \ P, then the merge (exact: only P n A of the speculative partials).
-    o_r, lse_r = impl.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, m_idx, m_cnt,
-                                           page_size, sm_scale)
-    o, _ = impl.prr_merge(o_s, lse_s, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb, exact)
+    # Selection with M = A \ P, then the predictor update and P(t+1), off the critical path.
+    scores, a_idx, a_cnt, m_idx, m_cnt = impl.select_fused(
+        method, q, summary, table, seq_lens, page_size, sm_scale, k, sink_blocks, local_blocks,
+        p_idx, p_cnt)
+    pn_idx, pn_cnt = impl.predict_update(level, trend, n_init, scores,
+                                         num_blocks(seq_lens, page_size), theta,
+                                         num_blocks(seq_lens + 1, page_size), n_pred,
+                                         sink_blocks, local_blocks)
+    # Repair over M = A \ P merged with the speculative partials (exact: only P n A of them).
+    o, _ = impl.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, m_idx, m_cnt, page_size,
+                                  sm_scale, o_s, lse_s, p_idx, p_cnt, a_idx, a_cnt, nb, exact)
     return o, a_idx, a_cnt, m_idx, m_cnt, pn_idx, pn_cnt
 
 

@@ -14,6 +14,7 @@ so the choice is static within a CUDA graph.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from typing import Callable, Dict, Optional
 
@@ -53,6 +54,7 @@ def load() -> bool:
             from . import build
             path = build.library_path()
             torch.ops.load_library(str(path))
+            _prepare_current()
             _lib_state = True
             logger.info("sglang_prr: SM90 kernels loaded from %s", path)
         except Exception as e:  # noqa: BLE001 - any failure keeps the reference path
@@ -61,6 +63,19 @@ def load() -> bool:
             logger.warning("sglang_prr: SM90 kernels unavailable, using the torch reference "
                            "(%s)", _lib_error.splitlines()[0][:500])
     return _lib_state
+
+
+def _prepare_current() -> None:
+    """Allocate the fused kernels' counters on the current device (host-ok: once, at load)."""
+    if torch.cuda.is_available() and is_sm90(torch.device("cuda")):
+        prepare(torch.device("cuda", torch.cuda.current_device()))
+
+
+def prepare(device: torch.device) -> None:
+    """Allocate the fused kernels' zeroed counters on ``device`` (idempotent). Must happen outside
+    CUDA-graph capture; ``load()`` does it for the current device, and any eager call of a fused
+    op (e.g. SGLang's warm-up before capture) does it for its device."""
+    torch.ops.sglang_prr_cuda.prepare(torch.empty(0, device=device))
 
 
 def load_error() -> Optional[str]:
@@ -87,18 +102,21 @@ def _aligned(*ts: torch.Tensor) -> bool:
 
 
 # ----------------------------------------------------------------------------- implementations
-def _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale):
+def _attn_ok(q, k_buf, v_buf, table, idx, cnt) -> bool:
     B, Hq, D = q.shape
     Hk = k_buf.shape[1]
-    ok = (active(q.device) and D in ATTN_HEAD_DIMS and Hq % Hk == 0
-          and Hq // Hk <= ATTN_MAX_GROUP and q.dtype in _FLOAT_TYPES
-          and k_buf.dtype in _FLOAT_TYPES and v_buf.dtype == k_buf.dtype
-          and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
-          and all(s % 8 == 0 for s in (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
-                                       v_buf.stride(1)))
-          and _aligned(k_buf, v_buf) and idx.dtype == torch.int32 and cnt.dtype == torch.int32
-          and table.dim() == 2 and table.stride(-1) == 1)
-    if not ok:
+    return (active(q.device) and D in ATTN_HEAD_DIMS and Hq % Hk == 0
+            and Hq // Hk <= ATTN_MAX_GROUP and q.dtype in _FLOAT_TYPES
+            and k_buf.dtype in _FLOAT_TYPES and v_buf.dtype == k_buf.dtype
+            and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
+            and all(s % 8 == 0 for s in (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
+                                         v_buf.stride(1)))
+            and _aligned(k_buf, v_buf) and idx.dtype == torch.int32 and cnt.dtype == torch.int32
+            and table.dim() == 2 and table.stride(-1) == 1)
+
+
+def _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale):
+    if not _attn_ok(q, k_buf, v_buf, table, idx, cnt):
         return ref.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                         sm_scale)
     return torch.ops.sglang_prr_cuda.sparse_attn_partials(
@@ -153,6 +171,102 @@ def _holt_update(level, trend, n_init, scores, nblk, alpha, beta):
                                           beta.float())
 
 
+# Groups (rows) one launch of a fused kernel may have: its counter array's size.
+MAX_GROUPS = 1 << 18
+# Blocks scored by one CTA of the fused Quest selection (kSelChunk in prr_kernels.cu).
+SELECT_CHUNK = 64
+
+
+def _num_sms(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    n = _sm_count.get(idx)
+    if n is None:
+        n = torch.cuda.get_device_properties(idx).multi_processor_count  # host-ok: property
+        _sm_count[idx] = n
+    return n
+
+
+_sm_count: Dict[int, int] = {}
+
+
+def fused_merge_enabled() -> bool:
+    """``SGLANG_PRR_FUSED_MERGE=1`` makes ``sparse_attn_merge`` one launch (attention whose last
+    CTA per KV head merges). Off by default: on H200 the single-CTA merge tail measured slower
+    than the separate merge kernel (benchmarks/NOTES-kernels.md)."""
+    return os.environ.get("SGLANG_PRR_FUSED_MERGE", "0") == "1"
+
+
+def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, o_spec,
+                       lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact):
+    if not fused_merge_enabled():  # two launches: partials, then the merge kernel
+        o_r, lse_r = _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
+                                           sm_scale)
+        if o_spec is None:
+            return _merge_partials(o_r, lse_r)
+        return _prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb, exact)
+    B, Hq, D = q.shape
+    n1 = o_spec.shape[2] if o_spec is not None else 0
+    na = a_idx.shape[-1] if (o_spec is not None and exact) else 0
+    # The merge's shared memory: A's list plus one weight and one entry row per warp (4 warps).
+    smem = 4 * ((na + 3) // 4 * 4) + 32 * (idx.shape[2] + n1)
+    ok = (_attn_ok(q, k_buf, v_buf, table, idx, cnt) and idx.shape[2] > 0 and D % 4 == 0
+          and B * k_buf.shape[1] <= MAX_GROUPS and smem <= 160 * 1024
+          and (o_spec is None or (o_spec.dtype == torch.float32 and lse_spec.dtype == torch.float32
+                                  and (not exact or (p_idx.dtype == torch.int32
+                                                     and a_idx.dtype == torch.int32)))))
+    if not ok:
+        return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
+                                     sm_scale, o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb,
+                                     exact)
+    return torch.ops.sglang_prr_cuda.sparse_attn_merge(
+        q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, float(sm_scale), o_spec, lse_spec,
+        p_idx, p_cnt, a_idx, a_cnt, nb, exact)
+
+
+def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out):
+    B, Hq, D = q.shape
+    Hk = kmin.shape[1]
+    ok = (active(q.device) and D % 8 == 0 and Hq % Hk == 0 and (Hq // Hk) * D <= 12 * 1024
+          and q.dtype in _FLOAT_TYPES and kmin.dtype == torch.float32
+          and kmax.dtype == torch.float32 and kmin.is_contiguous() and kmax.is_contiguous()
+          and _aligned(kmin, kmax) and table.dim() == 2 and table.stride(-1) == 1
+          and 0 < table.shape[1] <= TOPK_MAX_BLOCKS and B * Hk <= MAX_GROUPS
+          and (p_idx is None or (p_idx.dtype == torch.int32 and p_cnt.dtype == torch.int32)))
+    if not ok:
+        return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
+                                local_blocks, n_out)
+    # One launch pays a memory fence per CTA before its "last of the row" count: a win while the
+    # grid fits in one wave (2 CTAs per SM), a loss beyond (measured on H200 at batch >= 8, 128K),
+    # where the scores + top-K + set-difference kernels run instead. Shapes only: graph-safe.
+    ctas = Hk * B * -(-table.shape[1] // SELECT_CHUNK)
+    if ctas > 2 * _num_sms(q.device):
+        scores = _quest_scores(q, kmin, kmax, table, nblk)
+        a_i, a_c = _select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out)
+        if p_idx is None:
+            return scores, a_i, a_c, a_i.clone(), a_c.clone()
+        m_i, m_c = _set_difference(a_i, a_c, p_idx, p_cnt, table.shape[1])
+        return scores, a_i, a_c, m_i, m_c
+    return torch.ops.sglang_prr_cuda.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k,
+                                                  sink_blocks, local_blocks, n_out)
+
+
+def _predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks,
+                    local_blocks):
+    ok = (active(level.device) and level.shape[-1] <= TOPK_MAX_BLOCKS
+          and level.dtype == torch.float32 and trend.dtype == torch.float32
+          and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
+          and n_init.dtype in (torch.int32, torch.int64) and level.shape[0] <= MAX_GROUPS
+          and theta.dim() == 2 and theta.shape[1] == 3)
+    if not ok:
+        return ref.predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred,
+                                  sink_blocks, local_blocks)
+    th = theta.float()
+    if th.stride(1) != 1:
+        th = th.contiguous()
+    return torch.ops.sglang_prr_cuda.predict_update(level, trend, n_init, scores, nblk, th,
+                                                    nblk_next, n_pred, sink_blocks, local_blocks)
+
+
 def _merge_ok(o) -> bool:
     return active(o.device) and o.shape[-1] % 4 == 0 and o.shape[-1] <= 512 and o.shape[-2] > 0
 
@@ -194,6 +308,9 @@ IMPLS: Dict[str, Callable] = {
     "prr_merge": _prr_merge,
     "merge_partials": _merge_partials,
     "quest_update": _quest_update,
+    "sparse_attn_merge": _sparse_attn_merge,
+    "quest_select": _quest_select,
+    "predict_update": _predict_update,
 }
 
 from .infllm import IMPLS as _INFLLM; IMPLS.update(_INFLLM)  # noqa: E402,E702

@@ -9,6 +9,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <mutex>
 #include <tuple>
 
 #include "prr_kernels.h"
@@ -46,6 +47,80 @@ void check_launch(cudaError_t e, const char* op) {
 
 cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// Zero-initialised int32 counters of the fused kernels ("last CTA of a group finishes"), one
+// array per device and per kind of launch, so that launches of different kinds may run
+// concurrently on two streams (PRR's selection beside its attention). Each group's counter returns
+// to zero at the end of every launch, so the arrays are allocated and zeroed once (outside any
+// graph capture: `prepare` is called when the kernels load) and then reused by every launch and
+// graph replay. Two launches of the same kind must not overlap in time on one device.
+enum CounterKind { kCntAttnMerge = 0, kCntSelect = 1, kCntPredict = 2, kNumCounterKinds = 3 };
+constexpr int64_t kMaxCounterRows = 1 << 18;
+constexpr int kMaxDevices = 64;
+
+int* counters(int kind, int device) {
+  static int* ptrs[kMaxDevices][kNumCounterKinds] = {};
+  static std::mutex mu;
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "sglang_prr_cuda: device index ", device,
+              " out of range [0, ", kMaxDevices, ")");
+  std::lock_guard<std::mutex> lock(mu);
+  if (!ptrs[device][kind]) {
+    void* p = nullptr;
+    const size_t bytes = kMaxCounterRows * sizeof(int);
+    TORCH_CHECK(cudaMalloc(&p, bytes) == cudaSuccess && cudaMemset(p, 0, bytes) == cudaSuccess &&
+                cudaDeviceSynchronize() == cudaSuccess,
+                "sglang_prr_cuda: could not allocate the fused-kernel counters on device ", device,
+                " (call sglang_prr.kernels.prepare(device) before CUDA-graph capture)");
+    ptrs[device][kind] = static_cast<int*>(p);
+  }
+  return ptrs[device][kind];
+}
+
+int* group_counters(const Tensor& like, int kind, int64_t rows, const char* op) {
+  TORCH_CHECK(rows <= kMaxCounterRows, op, ": ", rows, " groups, at most ", kMaxCounterRows,
+              " supported");
+  return counters(kind, like.get_device());
+}
+
+void prepare(const Tensor& like) {
+  check_cuda(like, "like");
+  c10::cuda::CUDAGuard guard(like.device());
+  for (int k = 0; k < kNumCounterKinds; ++k) counters(k, like.get_device());
+}
+
+// Fills the attention arguments shared by sparse_attn_partials and sparse_attn_merge; the
+// partials go to o/lse ([B, Hq, N, D] / [B, Hq, N], allocated here).
+prr::AttnArgs attn_args(const Tensor& q, const Tensor& k_buf, const Tensor& v_buf,
+                        const Tensor& table, const Tensor& sl, const Tensor& idx,
+                        const Tensor& cnt, int64_t page_size, double sm_scale, Tensor& o,
+                        Tensor& lse, const char* op) {
+  TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3, op,
+              ": q must be [B, Hq, D] and k_buf/v_buf [num_slots, Hk, D]");
+  TORCH_CHECK(k_buf.stride(2) == 1 && v_buf.stride(2) == 1, op,
+              ": KV buffers need a contiguous last dim");
+  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), op, ": k_buf is ",
+              k_buf.scalar_type(), " but v_buf is ", v_buf.scalar_type());
+  TORCH_CHECK(idx.scalar_type() == at::kInt && cnt.scalar_type() == at::kInt, op,
+              ": idx/cnt must be int32");
+  TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1, op,
+              ": table must be [B, NB] with a contiguous last dim");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  const int64_t Hk = idx.size(1), N = idx.size(2);
+  o = at::empty({B, Hq, N, D}, q.options().dtype(at::kFloat));
+  lse = at::empty({B, Hq, N}, q.options().dtype(at::kFloat));
+  prr::AttnArgs a{};
+  a.q = q.data_ptr(); a.q_dtype = dtype_code(q);
+  a.k = k_buf.data_ptr(); a.v = v_buf.data_ptr(); a.kv_dtype = dtype_code(k_buf);
+  a.k_stride_slot = k_buf.stride(0); a.k_stride_head = k_buf.stride(1);
+  a.v_stride_slot = v_buf.stride(0); a.v_stride_head = v_buf.stride(1);
+  a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
+  a.seq_lens = sl.data_ptr(); a.seq64 = index64(sl, "seq_lens");
+  a.idx = idx.data_ptr<int32_t>(); a.cnt = cnt.data_ptr<int32_t>();
+  a.o = o.data_ptr<float>(); a.lse = lse.data_ptr<float>();
+  a.B = (int)B; a.Hq = (int)Hq; a.Hk = (int)Hk; a.N = (int)N; a.D = (int)D;
+  a.page_size = (int)page_size; a.sm_scale = (float)sm_scale;
+  return a;
+}
+
 std::tuple<Tensor, Tensor> sparse_attn_partials(const Tensor& q_in, const Tensor& k_buf,
                                                 const Tensor& v_buf, const Tensor& table,
                                                 const Tensor& seq_lens, const Tensor& idx_in,
@@ -53,36 +128,61 @@ std::tuple<Tensor, Tensor> sparse_attn_partials(const Tensor& q_in, const Tensor
                                                 double sm_scale) {
   check_cuda(q_in, "q");
   c10::cuda::CUDAGuard guard(q_in.device());
-  const Tensor q = q_in.contiguous();
-  const Tensor idx = idx_in.contiguous();
-  const Tensor cnt = cnt_in.contiguous();
-  TORCH_CHECK(q.dim() == 3 && k_buf.dim() == 3 && v_buf.dim() == 3, "sparse_attn_partials: "
-              "q must be [B, Hq, D] and k_buf/v_buf [num_slots, Hk, D]");
-  TORCH_CHECK(k_buf.stride(2) == 1 && v_buf.stride(2) == 1,
-              "sparse_attn_partials: KV buffers need a contiguous last dim");
-  TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), "sparse_attn_partials: k_buf is ",
-              k_buf.scalar_type(), " but v_buf is ", v_buf.scalar_type());
-  TORCH_CHECK(idx.scalar_type() == at::kInt && cnt.scalar_type() == at::kInt,
-              "sparse_attn_partials: idx/cnt must be int32");
-  TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1,
-              "sparse_attn_partials: table must be [B, NB] with a contiguous last dim");
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  const int64_t Hk = idx.size(1), N = idx.size(2);
-  auto o = at::empty({B, Hq, N, D}, q.options().dtype(at::kFloat));
-  auto lse = at::empty({B, Hq, N}, q.options().dtype(at::kFloat));
-  prr::AttnArgs a{};
-  a.q = q.data_ptr(); a.q_dtype = dtype_code(q);
-  a.k = k_buf.data_ptr(); a.v = v_buf.data_ptr(); a.kv_dtype = dtype_code(k_buf);
-  a.k_stride_slot = k_buf.stride(0); a.k_stride_head = k_buf.stride(1);
-  a.v_stride_slot = v_buf.stride(0); a.v_stride_head = v_buf.stride(1);
-  a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
+  const Tensor q = q_in.contiguous(), idx = idx_in.contiguous(), cnt = cnt_in.contiguous();
   const Tensor sl = seq_lens.contiguous();
-  a.seq_lens = sl.data_ptr(); a.seq64 = index64(sl, "seq_lens");
-  a.idx = idx.data_ptr<int32_t>(); a.cnt = cnt.data_ptr<int32_t>();
-  a.o = o.data_ptr<float>(); a.lse = lse.data_ptr<float>();
-  a.B = (int)B; a.Hq = (int)Hq; a.Hk = (int)Hk; a.N = (int)N; a.D = (int)D;
-  a.page_size = (int)page_size; a.sm_scale = (float)sm_scale;
+  Tensor o, lse;
+  prr::AttnArgs a = attn_args(q, k_buf, v_buf, table, sl, idx, cnt, page_size, sm_scale, o, lse,
+                              "sparse_attn_partials");
   check_launch(prr::launch_sparse_attn_partials(a, stream()), "sparse_attn_partials");
+  return std::make_tuple(o, lse);
+}
+
+// Attention over idx and the merge of its partials (plus the optional speculative partials,
+// filtered to P n A when exact) in one launch: (o [B, Hq, D] f32, lse [B, Hq] f32).
+std::tuple<Tensor, Tensor> sparse_attn_merge(
+    const Tensor& q_in, const Tensor& k_buf, const Tensor& v_buf, const Tensor& table,
+    const Tensor& seq_lens, const Tensor& idx_in, const Tensor& cnt_in, int64_t page_size,
+    double sm_scale, const c10::optional<Tensor>& o_spec, const c10::optional<Tensor>& lse_spec,
+    const c10::optional<Tensor>& p_idx, const c10::optional<Tensor>& p_cnt,
+    const c10::optional<Tensor>& a_idx, const c10::optional<Tensor>& a_cnt, int64_t nb,
+    bool exact) {
+  check_cuda(q_in, "q");
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const Tensor q = q_in.contiguous(), idx = idx_in.contiguous(), cnt = cnt_in.contiguous();
+  const Tensor sl = seq_lens.contiguous();
+  Tensor o_ws, lse_ws;
+  prr::AttnArgs a = attn_args(q, k_buf, v_buf, table, sl, idx, cnt, page_size, sm_scale, o_ws,
+                              lse_ws, "sparse_attn_merge");
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
+  auto o = at::empty({B, Hq, D}, q.options().dtype(at::kFloat));
+  auto lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
+  a.out_o = o.data_ptr<float>(); a.out_lse = lse.data_ptr<float>();
+  Tensor os, ls, pi, pc, ai, ac;
+  if (o_spec.has_value()) {
+    TORCH_CHECK(lse_spec.has_value(), "sparse_attn_merge: o_spec given without lse_spec");
+    os = o_spec->contiguous(); ls = lse_spec->contiguous();
+    TORCH_CHECK(os.scalar_type() == at::kFloat && ls.scalar_type() == at::kFloat &&
+                os.dim() == 4 && os.size(0) == B && os.size(1) == Hq && os.size(3) == D,
+                "sparse_attn_merge: o_spec must be float32 [B, Hq, N1, D] = [", B, ", ", Hq,
+                ", N1, ", D, "], got ", os.sizes());
+    a.o1 = os.data_ptr<float>(); a.lse1 = ls.data_ptr<float>(); a.N1 = (int)os.size(2);
+    if (exact) {
+      TORCH_CHECK(p_idx.has_value() && p_cnt.has_value() && a_idx.has_value() &&
+                  a_cnt.has_value(), "sparse_attn_merge: exact needs p_idx, p_cnt, a_idx, a_cnt");
+      pi = p_idx->contiguous(); pc = p_cnt->contiguous();
+      ai = a_idx->contiguous(); ac = a_cnt->contiguous();
+      TORCH_CHECK(pi.scalar_type() == at::kInt && pc.scalar_type() == at::kInt &&
+                  ai.scalar_type() == at::kInt && ac.scalar_type() == at::kInt,
+                  "sparse_attn_merge: lists and counts must be int32");
+      TORCH_CHECK(pi.size(-1) == a.N1, "sparse_attn_merge: p_idx has ", pi.size(-1),
+                  " entries but o_spec has ", a.N1);
+      a.p_idx = pi.data_ptr<int32_t>(); a.p_cnt = pc.data_ptr<int32_t>();
+      a.a_idx = ai.data_ptr<int32_t>(); a.a_cnt = ac.data_ptr<int32_t>();
+      a.Na = (int)ai.size(-1);
+    }
+  }
+  a.sem = group_counters(q, kCntAttnMerge, B * a.Hk, "sparse_attn_merge");
+  check_launch(prr::launch_sparse_attn_partials(a, stream()), "sparse_attn_merge");
   return std::make_tuple(o, lse);
 }
 
@@ -257,6 +357,88 @@ std::tuple<Tensor, Tensor> merge_partials(const Tensor& o, const Tensor& lse) {
   return merge_common(o, lse, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0);
 }
 
+// Fused Quest scores + top-K + M = A \ P: (scores, a_idx, a_cnt, m_idx, m_cnt).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select(
+    const Tensor& q_in, const Tensor& kmin, const Tensor& kmax, const Tensor& table,
+    const Tensor& nblk_in, const c10::optional<Tensor>& p_idx_in,
+    const c10::optional<Tensor>& p_cnt_in, int64_t k, int64_t sink, int64_t local,
+    int64_t n_out) {
+  check_cuda(q_in, "q");
+  c10::cuda::CUDAGuard guard(q_in.device());
+  const Tensor q = q_in.contiguous();
+  TORCH_CHECK(kmin.is_contiguous() && kmax.is_contiguous() &&
+              kmin.scalar_type() == at::kFloat && kmax.scalar_type() == at::kFloat,
+              "quest_select: kmin/kmax must be contiguous float32");
+  TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1, "quest_select: table must be [B, NB]");
+  const Tensor nblk = nblk_in.contiguous();
+  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = kmin.size(1),
+                NB = table.size(1);
+  TORCH_CHECK(NB <= prr::max_topk_blocks(), "quest_select: ", NB, " blocks per row, at most ",
+              prr::max_topk_blocks(), " supported");
+  auto scores = at::empty({B, Hk, NB}, q.options().dtype(at::kFloat));
+  auto a_idx = at::empty({B, Hk, n_out}, q.options().dtype(at::kInt));
+  auto a_cnt = at::empty({B, Hk}, q.options().dtype(at::kInt));
+  auto m_idx = at::empty({B, Hk, n_out}, q.options().dtype(at::kInt));
+  auto m_cnt = at::empty({B, Hk}, q.options().dtype(at::kInt));
+  prr::SelectArgs a{};
+  a.q = q.data_ptr(); a.q_dtype = dtype_code(q);
+  a.kmin = kmin.data_ptr<float>(); a.kmax = kmax.data_ptr<float>();
+  a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
+  a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
+  a.scores = scores.data_ptr<float>();
+  Tensor pi, pc;
+  if (p_idx_in.has_value()) {
+    TORCH_CHECK(p_cnt_in.has_value(), "quest_select: p_idx given without p_cnt");
+    pi = p_idx_in->contiguous(); pc = p_cnt_in->contiguous();
+    TORCH_CHECK(pi.scalar_type() == at::kInt && pc.scalar_type() == at::kInt,
+                "quest_select: p_idx/p_cnt must be int32");
+    a.p_idx = pi.data_ptr<int32_t>(); a.p_cnt = pc.data_ptr<int32_t>(); a.Np = (int)pi.size(-1);
+  }
+  a.a_idx = a_idx.data_ptr<int32_t>(); a.a_cnt = a_cnt.data_ptr<int32_t>();
+  a.m_idx = m_idx.data_ptr<int32_t>(); a.m_cnt = m_cnt.data_ptr<int32_t>();
+  a.n_out = (int)n_out;
+  a.sem = group_counters(q, kCntSelect, B * Hk, "quest_select");
+  a.B = (int)B; a.Hq = (int)Hq; a.Hk = (int)Hk; a.NB = (int)NB; a.D = (int)D;
+  a.k = (int)k; a.sink = (int)sink; a.local = (int)local;
+  check_launch(prr::launch_quest_select(a, stream()), "quest_select");
+  return std::make_tuple(scores, a_idx, a_cnt, m_idx, m_cnt);
+}
+
+// Fused Holt update + P(t+1): (p_idx [B, Hk, n_pred + sink + local], p_cnt [B, Hk]).
+std::tuple<Tensor, Tensor> predict_update(Tensor& level, Tensor& trend, Tensor& n_init,
+                                          const Tensor& scores_in, const Tensor& nblk_in,
+                                          const Tensor& theta, const Tensor& nblk_next_in,
+                                          int64_t n_pred, int64_t sink, int64_t local) {
+  check_cuda(level, "level");
+  c10::cuda::CUDAGuard guard(level.device());
+  TORCH_CHECK(level.is_contiguous() && trend.is_contiguous() && n_init.is_contiguous() &&
+              level.scalar_type() == at::kFloat && trend.scalar_type() == at::kFloat,
+              "predict_update: level/trend must be contiguous float32 and n_init contiguous");
+  TORCH_CHECK(theta.scalar_type() == at::kFloat && theta.dim() == 2 && theta.size(1) == 3 &&
+              theta.stride(1) == 1, "predict_update: theta must be float32 [B, 3]");
+  const Tensor scores = scores_in.contiguous().to(at::kFloat);
+  const Tensor nblk = nblk_in.contiguous(), nblk_next = nblk_next_in.contiguous();
+  const int64_t B = level.size(0), Hk = level.size(1), NB = level.size(2);
+  TORCH_CHECK(NB <= prr::max_topk_blocks(), "predict_update: ", NB, " blocks per row, at most ",
+              prr::max_topk_blocks(), " supported");
+  const int64_t n_out = n_pred + sink + local;
+  auto idx = at::empty({B, Hk, n_out}, level.options().dtype(at::kInt));
+  auto cnt = at::empty({B, Hk}, level.options().dtype(at::kInt));
+  prr::PredictArgs a{};
+  a.level = level.data_ptr<float>(); a.trend = trend.data_ptr<float>();
+  a.n_init = n_init.data_ptr(); a.ninit64 = index64(n_init, "n_init");
+  a.scores = scores.data_ptr<float>();
+  a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
+  a.nblk_next = nblk_next.data_ptr(); a.nblk_next64 = index64(nblk_next, "nblk_next");
+  a.theta = theta.data_ptr<float>(); a.theta_stride = theta.stride(0);
+  a.idx = idx.data_ptr<int32_t>(); a.cnt = cnt.data_ptr<int32_t>(); a.n_out = (int)n_out;
+  a.sem = group_counters(level, kCntPredict, B, "predict_update");
+  a.B = (int)B; a.Hk = (int)Hk; a.NB = (int)NB; a.k = (int)n_pred; a.sink = (int)sink;
+  a.local = (int)local;
+  check_launch(prr::launch_predict_update(a, stream()), "predict_update");
+  return std::make_tuple(idx, cnt);
+}
+
 void quest_update(Tensor& kmin, Tensor& kmax, const Tensor& k_in, const Tensor& out_loc_in,
                   const Tensor& positions_in, int64_t page_size) {
   check_cuda(kmin, "kmin");
@@ -295,6 +477,17 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
   m.def("merge_partials(Tensor o, Tensor lse) -> (Tensor, Tensor)");
   m.def("quest_update(Tensor(a!) kmin, Tensor(b!) kmax, Tensor k, Tensor out_loc, "
         "Tensor positions, int page_size) -> ()");
+  m.def("sparse_attn_merge(Tensor q, Tensor k_buf, Tensor v_buf, Tensor table, "
+        "Tensor seq_lens, Tensor idx, Tensor cnt, int page_size, float sm_scale, "
+        "Tensor? o_spec, Tensor? lse_spec, Tensor? p_idx, Tensor? p_cnt, Tensor? a_idx, "
+        "Tensor? a_cnt, int nb, bool exact) -> (Tensor, Tensor)");
+  m.def("quest_select(Tensor q, Tensor kmin, Tensor kmax, Tensor table, Tensor nblk, "
+        "Tensor? p_idx, Tensor? p_cnt, int k, int sink_blocks, int local_blocks, int n_out) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("predict_update(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) n_init, Tensor scores, "
+        "Tensor nblk, Tensor theta, Tensor nblk_next, int n_pred, int sink_blocks, "
+        "int local_blocks) -> (Tensor, Tensor)");
+  m.def("prepare(Tensor like) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {
@@ -307,4 +500,8 @@ TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {
   m.impl("prr_merge", &prr_merge);
   m.impl("merge_partials", &merge_partials);
   m.impl("quest_update", &quest_update);
+  m.impl("sparse_attn_merge", &sparse_attn_merge);
+  m.impl("quest_select", &quest_select);
+  m.impl("predict_update", &predict_update);
+  m.impl("prepare", &prepare);
 }

@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cub/block/block_scan.cuh>
+#include <algorithm>
 #include <cfloat>
 #include <cstdlib>
 #include <cstring>
@@ -18,6 +19,14 @@ namespace {
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory (above the 48 KB default). Host-side;
+// a cheap attribute call, so launchers may call it on every launch that needs it.
+template <typename K>
+cudaError_t set_smem_limit(K* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
 
 __device__ __forceinline__ int64_t ld_index(const void* p, int64_t i, bool is64) {
   return is64 ? __ldg(reinterpret_cast<const long long*>(p) + i)
@@ -78,6 +87,138 @@ __device__ __forceinline__ void cvt8(const Raw8<__nv_bfloat16>& x, float* f) {
   for (int i = 0; i < 4; ++i) { float2 v = __bfloat1622float2(h[i]); f[2 * i] = v.x; f[2 * i + 1] = v.y; }
 }
 
+// "Last CTA of a group finishes" (split reductions without a second launch): every CTA calls it
+// once after writing its results; it returns true in exactly one CTA of the group, after all the
+// others' writes are visible to it (read them with __ldcg: L1 is not coherent). The counter is
+// reset by that CTA, so the next launch or graph replay starts from zero. Contains __syncthreads.
+__device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(counter, 1);
+    s_last = prev == group_size - 1;
+    if (s_last) atomicExch(counter, 0);
+  }
+  __syncthreads();
+  if (s_last) __threadfence();
+  return s_last;
+}
+
+// Fused merge of one (b, hk) group of the attention kernels (AttnArgs::sem set): the last CTA of
+// the group merges, for each of the G query heads (a warp per head), the partials of this launch
+// with the optional first source. The exact filter keeps an entry i of the first source iff
+// i < p_cnt, p_idx >= 0 and p_idx is in A (A is ascending: binary search). The kept entries
+// (finite lse) are compacted first, so padding and filtered entries cost no loads, and their
+// rows are then read 8 at a time (this runs after the group's other CTAs, so its L2 round trips
+// are on the critical path). Arithmetic as merge_kernel. Called by every thread of every CTA (it
+// contains __syncthreads).
+constexpr int kAttnThreads = 128;
+constexpr int kTailLoads = 8;
+
+__device__ void attn_merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem) {
+  const int64_t row = (int64_t)b * a.Hk + hk;
+  if (!last_of_group(a.sem + row, gridDim.x)) return;
+  constexpr int NW = kAttnThreads / 32;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int G = a.Hq / a.Hk, D = a.D, N2 = a.N;
+  const int N1 = a.o1 ? a.N1 : 0, Nt = N1 + N2;
+  int* s_a = reinterpret_cast<int*>(smem);
+  float* s_w = reinterpret_cast<float*>(s_a + ((a.Na + 3) & ~3)) + warp * Nt;
+  int* s_e = reinterpret_cast<int*>(s_w + (NW - warp) * Nt) + warp * Nt;  // kept entry ids
+  const bool filt = N1 > 0 && a.p_idx != nullptr;
+  int ca = 0, n1 = N1;
+  if (filt) {
+    ca = min(a.a_cnt[row], a.Na);
+    for (int i = tid; i < ca; i += kAttnThreads) s_a[i] = a.a_idx[row * a.Na + i];
+    n1 = min(max(a.p_cnt[row], 0), N1);
+  }
+  const int n2 = min(max(a.cnt[row], 0), N2);  // entries past the count are padding (0, -inf)
+  __syncthreads();
+  for (int g = warp; g < G; g += NW) {
+    const int64_t r = (int64_t)b * a.Hq + (int64_t)hk * G + g;
+    int nk = 0;  // kept entries so far (warp-uniform)
+    float mx = -INFINITY;
+    for (int c0 = 0; c0 < n1 + n2; c0 += 32) {
+      const int c = c0 + lane;
+      float v = -INFINITY;
+      int e = 0;
+      if (c < n1) {
+        e = c;
+        v = a.lse1[r * N1 + c];
+        if (filt) {
+          const int x = a.p_idx[row * N1 + c];
+          bool keep = x >= 0;
+          if (keep) {
+            int lo = 0, hi = ca;
+            while (lo < hi) {
+              const int mid = (lo + hi) >> 1;
+              if (s_a[mid] < x) lo = mid + 1; else hi = mid;
+            }
+            keep = lo < ca && s_a[lo] == x;
+          }
+          if (!keep) v = -INFINITY;
+        }
+      } else if (c < n1 + n2) {
+        e = N1 + (c - n1);
+        v = __ldcg(a.lse + r * N2 + (c - n1));
+      }
+      const bool kept = v != -INFINITY;
+      const unsigned m = __ballot_sync(0xffffffffu, kept);
+      if (kept) {
+        const int pos = nk + __popc(m & ((1u << lane) - 1u));
+        s_w[pos] = v;
+        s_e[pos] = e;
+      }
+      nk += __popc(m);
+      mx = fmaxf(mx, v);
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+    const float m_safe = (mx == -INFINITY || mx == INFINITY || mx != mx) ? 0.f : mx;
+    __syncwarp();
+    float ls = 0.f;
+    for (int i = lane; i < nk; i += 32) {
+      const float w = expf(s_w[i] - m_safe);
+      s_w[i] = w;
+      ls += w;
+    }
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, off);
+    __syncwarp();
+    const float inv = 1.f / fmaxf(ls, 1e-30f);
+    for (int c = lane; c < D / 4; c += 32) {
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int i0 = 0; i0 < nk; i0 += kTailLoads) {
+        float4 x[kTailLoads];
+#pragma unroll
+        for (int u = 0; u < kTailLoads; ++u) {
+          const int i = i0 + u;
+          if (i < nk) {
+            const int e = s_e[i];
+            x[u] = e < N1 ? __ldg(reinterpret_cast<const float4*>(a.o1 + (r * N1 + e) * D) + c)
+                          : __ldcg(reinterpret_cast<const float4*>(a.o + (r * N2 + (e - N1)) * D) + c);
+          }
+        }
+#pragma unroll
+        for (int u = 0; u < kTailLoads; ++u) {
+          if (i0 + u >= nk) break;
+          const float w = s_w[i0 + u];
+          float4 y = x[u];
+          y.x = y.x != y.x ? 0.f : y.x; y.y = y.y != y.y ? 0.f : y.y;
+          y.z = y.z != y.z ? 0.f : y.z; y.w = y.w != y.w ? 0.f : y.w;
+          acc.x = fmaf(w, y.x, acc.x); acc.y = fmaf(w, y.y, acc.y);
+          acc.z = fmaf(w, y.z, acc.z); acc.w = fmaf(w, y.w, acc.w);
+        }
+      }
+      acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
+      reinterpret_cast<float4*>(a.out_o + r * D)[c] = acc;
+    }
+    if (lane == 0) a.out_lse[r] = m_safe + logf(ls);
+    __syncwarp();  // s_w / s_e are refilled for the next head of this warp
+  }
+}
+
 // ============================================================================ sparse attention
 // One CTA per (listed block n, KV head hk, request b): the whole GQA group of hk is computed from
 // one load of each K/V row. A token is handled by L = D/8 lanes holding 8 dims each (16-byte
@@ -88,8 +229,6 @@ __device__ __forceinline__ void cvt8(const Raw8<__nv_bfloat16>& x, float* f) {
 // for groups <= 4 (4 CTAs/SM). Variants that packed several small pages per CTA, loaded 8 tokens
 // per pass, or staged K/V in shared memory with cp.async all measured slower on H200 (they cost
 // registers or shared memory and so CTAs per SM): see benchmarks/NOTES-kernels.md.
-constexpr int kAttnThreads = 128;
-
 template <typename T, int D, int GMAX, int UNROLL>
 __global__ void __launch_bounds__(kAttnThreads)
 sparse_attn_kernel(AttnArgs a) {
@@ -98,6 +237,7 @@ sparse_attn_kernel(AttnArgs a) {
   __shared__ float s_acc[NG][GMAX][D];
   __shared__ float s_m[NG][GMAX];
   __shared__ float s_l[NG][GMAX];
+  extern __shared__ __align__(16) unsigned char s_tail[];  // fused merge only
 
   const int n = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int G = a.Hq / a.Hk;
@@ -119,6 +259,7 @@ sparse_attn_kernel(AttnArgs a) {
       a.o[((row0 + g) * a.N + n) * D + d] = 0.f;
     }
     if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
+    if (a.sem) attn_merge_tail(a, b, hk, s_tail);
     return;
   }
 
@@ -228,6 +369,7 @@ sparse_attn_kernel(AttnArgs a) {
     a.o[((row0 + g) * a.N + n) * D + d] = any ? o / lsum : 0.f;
     if (d == 0) a.lse[(row0 + g) * a.N + n] = any ? (M + log2f(lsum)) * kLn2 : -INFINITY;
   }
+  if (a.sem) attn_merge_tail(a, b, hk, s_tail);
 }
 
 // ---------------------------------------------------------------------------- head-split variant
@@ -275,6 +417,7 @@ sparse_attn_hd_kernel(AttnArgs a) {
   if (ntok == 0) {  // padding entry or block past the request: (0, -inf)
     for (int e = tid; e < G * D; e += kAttnThreads) a.o[((row0 + e / D) * a.N + n) * D + e % D] = 0.f;
     if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
+    if (a.sem) attn_merge_tail(a, b, hk, s_raw);
     return;
   }
   const int CTe = a.page_size < CT ? a.page_size : CT;
@@ -391,20 +534,16 @@ sparse_attn_hd_kernel(AttnArgs a) {
     a.o[((row0 + g) * a.N + n) * D + d] = any ? o / lsum : 0.f;
     if (d == 0) a.lse[(row0 + g) * a.N + n] = any ? (M + log2f(lsum)) * kLn2 : -INFINITY;
   }
+  if (a.sem) attn_merge_tail(a, b, hk, s_raw);  // its first barrier orders the s_acc reads
 }
 
 template <typename T, int D, int G>
 cudaError_t attn_hd_launch(const AttnArgs& a, cudaStream_t s) {
   constexpr int CT = kHdChunkBytes / (2 * D * (int)sizeof(T));
-  static bool attr_done = false;  // host-side, once per instantiation
-  if (!attr_done) {
-    cudaError_t e = cudaFuncSetAttribute(sparse_attn_hd_kernel<T, D, G>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         2 * kHdChunkBytes);
-    if (e != cudaSuccess) return e;
-    attr_done = true;
-  }
-  const size_t smem = a.page_size > CT ? 2 * kHdChunkBytes : kHdChunkBytes;
+  size_t smem = a.page_size > CT ? 2 * kHdChunkBytes : kHdChunkBytes;
+  if (a.sem) smem = std::max(smem, attn_merge_smem(a.N, a.N1, a.Na));
+  cudaError_t e = set_smem_limit(sparse_attn_hd_kernel<T, D, G>, smem);
+  if (e != cudaSuccess) return e;
   sparse_attn_hd_kernel<T, D, G><<<dim3(a.N, a.Hk, a.B), kAttnThreads, smem, s>>>(a);
   return cudaGetLastError();
 }
@@ -443,8 +582,20 @@ cudaError_t attn_dispatch_g(const AttnArgs& a, cudaStream_t s) {
   dim3 grid(a.N, a.Hk, a.B);
   // fp32 KV needs twice the registers per loaded row: fewer passes in flight.
   constexpr int U = sizeof(T) == 4 ? 2 : 4;
-  if (G <= 4) sparse_attn_kernel<T, D, 4, U><<<grid, kAttnThreads, 0, s>>>(a);
-  else sparse_attn_kernel<T, D, 8, U><<<grid, kAttnThreads, 0, s>>>(a);
+  const size_t smem = a.sem ? attn_merge_smem(a.N, a.N1, a.Na) : 0;
+  if (G <= 4) {
+    if (smem > 0) {
+      cudaError_t e = set_smem_limit(sparse_attn_kernel<T, D, 4, U>, smem);
+      if (e != cudaSuccess) return e;
+    }
+    sparse_attn_kernel<T, D, 4, U><<<grid, kAttnThreads, smem, s>>>(a);
+  } else {
+    if (smem > 0) {
+      cudaError_t e = set_smem_limit(sparse_attn_kernel<T, D, 8, U>, smem);
+      if (e != cudaSuccess) return e;
+    }
+    sparse_attn_kernel<T, D, 8, U><<<grid, kAttnThreads, smem, s>>>(a);
+  }
   return cudaGetLastError();
 }
 template <typename T>
@@ -537,60 +688,36 @@ __device__ __forceinline__ uint32_t order_key(float s) {
   return (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // >= 0x00800000 for finite s
 }
 
-__global__ void __launch_bounds__(kTopkThreads)
-select_topk_kernel(TopkArgs a) {
-  extern __shared__ uint32_t s_key[];  // [NB]
+// Top-K of one row, by the whole CTA. On entry s_key[0..NB) holds the order keys of the
+// selectable (middle) blocks and 0 elsewhere; on exit s_key[i] is 1 for the chosen blocks (the k
+// best keys, ties to the lower id) and the kept blocks (id < nb, id < keep_lo or id >= keep_hi),
+// 0 otherwise. Contains __syncthreads: every thread of the CTA must call it.
+template <int THREADS>
+__device__ void topk_mask(uint32_t* s_key, int NB, int nb, int k, int keep_lo, int keep_hi) {
   __shared__ uint32_t s_hist[256];
-  __shared__ int s_nmid, s_want, s_total;
+  __shared__ int s_nmid, s_want;
   __shared__ uint32_t s_prefix;
-  using Scan = cub::BlockScan<int, kTopkThreads>;
+  using Scan = cub::BlockScan<int, THREADS>;
   __shared__ typename Scan::TempStorage s_scan;
-
-  const int hk = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x;
-  const int NB = a.NB;
-  const int64_t row = (int64_t)b * a.Hk + hk;
-  int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
-  const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
-  const int keep_lo = a.sink, keep_hi = nb - a.local;  // kept: id < keep_lo or id >= keep_hi
-  int ninit = 0;
-  float gam = 0.f;
-  if (a.trend) {
-    const int64_t x = ld_index(a.n_init, b, a.ninit64);
-    ninit = (int)(x < NB ? x : NB);
-    gam = a.gamma[b * a.gamma_stride];
-  }
-  if (tid == 0) { s_nmid = 0; s_total = 0; }
+  if (tid == 0) s_nmid = 0;
   __syncthreads();
   int my_mid = 0;
-  const float* src = a.scores + row * NB;
-  const float* trd = a.trend ? a.trend + row * NB : nullptr;
-  for (int i = tid; i < NB; i += kTopkThreads) {
-    uint32_t key = 0;
-    if (i < nb && i >= keep_lo && i < keep_hi) {
-      float sc;
-      // Unfused multiply-add, as the reference rounds it (ties decide the selection).
-      if (trd) sc = i < ninit ? __fadd_rn(src[i], __fmul_rn(gam, trd[i])) : -INFINITY;
-      else sc = src[i];
-      key = order_key(sc);
-      ++my_mid;
-    }
-    s_key[i] = key;
-  }
+  for (int i = tid; i < NB; i += THREADS) my_mid += s_key[i] != 0;
   if (my_mid) atomicAdd(&s_nmid, my_mid);
   __syncthreads();
   const int nmid = s_nmid;
   uint32_t T;
   int rem;
-  if (a.k >= nmid) { T = 0; rem = 0; }            // every middle block (keys > 0)
-  else if (a.k <= 0) { T = 0xffffffffu; rem = 0; }  // none
+  if (k >= nmid) { T = 0; rem = 0; }            // every middle block (keys > 0)
+  else if (k <= 0) { T = 0xffffffffu; rem = 0; }  // none
   else {
     uint32_t prefix = 0, mask = 0;
-    int want = a.k;
+    int want = k;
     for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int i = tid; i < 256; i += kTopkThreads) s_hist[i] = 0;
+      for (int i = tid; i < 256; i += THREADS) s_hist[i] = 0;
       __syncthreads();
-      for (int i = tid; i < NB; i += kTopkThreads) {
+      for (int i = tid; i < NB; i += THREADS) {
         const uint32_t key = s_key[i];
         if (key != 0 && (key & mask) == prefix) {
           // Scores share their high bits: aggregate equal bins of a warp into one atomic.
@@ -630,34 +757,234 @@ select_topk_kernel(TopkArgs a) {
     T = prefix;
     rem = want;
   }
-  // Contiguous chunk per thread so that scans follow block-id order.
-  const int C = (NB + kTopkThreads - 1) / kTopkThreads;
+  // Contiguous chunk per thread so that the scan follows block-id order (ties: lowest ids).
+  const int C = (NB + THREADS - 1) / THREADS;
   const int i0 = tid * C, i1 = min(NB, i0 + C);
   int eq = 0;
   for (int i = i0; i < i1; ++i) eq += (s_key[i] == T && s_key[i] != 0);
   int eq_before;
   Scan(s_scan).ExclusiveSum(eq, eq_before);
   __syncthreads();
-  int sel = 0;
   for (int i = i0; i < i1; ++i) {
     const uint32_t key = s_key[i];
     bool chosen = key != 0 && key > T;
     if (key != 0 && key == T) { chosen = eq_before < rem; ++eq_before; }
     const bool keep = i < nb && (i < keep_lo || i >= keep_hi);
-    s_key[i] = (chosen || keep) ? 1u : 0u;  // reuse as the final mask
-    sel += (chosen || keep);
+    s_key[i] = (chosen || keep) ? 1u : 0u;
   }
+  __syncthreads();
+}
+
+// Writes the ids i with (s_key[i] & bits) != 0 as an ascending list, -1 padded to n_out, and its
+// count (clamped to n_out). Contains __syncthreads.
+template <int THREADS>
+__device__ void write_list(const uint32_t* s_key, int NB, uint32_t bits, int32_t* out, int n_out,
+                           int32_t* cnt) {
+  using Scan = cub::BlockScan<int, THREADS>;
+  __shared__ typename Scan::TempStorage s_scan;
+  __shared__ int s_total;
+  const int tid = threadIdx.x;
+  const int C = (NB + THREADS - 1) / THREADS;
+  const int i0 = tid * C, i1 = min(NB, i0 + C);
+  int sel = 0;
+  for (int i = i0; i < i1; ++i) sel += (s_key[i] & bits) != 0;
   int pos;
   Scan(s_scan).ExclusiveSum(sel, pos);
-  if (tid == kTopkThreads - 1) s_total = pos + sel;
+  if (tid == THREADS - 1) s_total = pos + sel;
   __syncthreads();
-  int32_t* out = a.idx + row * a.n_out;
-  for (int i = i0; i < i1 && pos < a.n_out; ++i) {
-    if (s_key[i]) out[pos++] = i;
+  for (int i = i0; i < i1 && pos < n_out; ++i) {
+    if (s_key[i] & bits) out[pos++] = i;
   }
   const int total = s_total;
-  for (int j = total + tid; j < a.n_out; j += kTopkThreads) out[j] = -1;
-  if (tid == 0) a.cnt[row] = total < a.n_out ? total : a.n_out;
+  for (int j = total + tid; j < n_out; j += THREADS) out[j] = -1;
+  if (tid == 0) *cnt = total < n_out ? total : n_out;
+  __syncthreads();
+}
+
+// Order key of a middle block of a row (0 for blocks that are not selectable).
+__device__ __forceinline__ bool is_middle(int i, int nb, int keep_lo, int keep_hi) {
+  return i < nb && i >= keep_lo && i < keep_hi;
+}
+
+__global__ void __launch_bounds__(kTopkThreads)
+select_topk_kernel(TopkArgs a) {
+  extern __shared__ uint32_t s_key[];  // [NB]
+  const int hk = blockIdx.x, b = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int NB = a.NB;
+  const int64_t row = (int64_t)b * a.Hk + hk;
+  int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
+  const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
+  const int keep_lo = a.sink, keep_hi = nb - a.local;  // kept: id < keep_lo or id >= keep_hi
+  int ninit = 0;
+  float gam = 0.f;
+  if (a.trend) {
+    const int64_t x = ld_index(a.n_init, b, a.ninit64);
+    ninit = (int)(x < NB ? x : NB);
+    gam = a.gamma[b * a.gamma_stride];
+  }
+  const float* src = a.scores + row * NB;
+  const float* trd = a.trend ? a.trend + row * NB : nullptr;
+  for (int i = tid; i < NB; i += kTopkThreads) {
+    uint32_t key = 0;
+    if (is_middle(i, nb, keep_lo, keep_hi)) {
+      float sc;
+      // Unfused multiply-add, as the reference rounds it (ties decide the selection).
+      if (trd) sc = i < ninit ? __fadd_rn(src[i], __fmul_rn(gam, trd[i])) : -INFINITY;
+      else sc = src[i];
+      key = order_key(sc);
+    }
+    s_key[i] = key;
+  }
+  topk_mask<kTopkThreads>(s_key, NB, nb, a.k, keep_lo, keep_hi);
+  write_list<kTopkThreads>(s_key, NB, 1u, a.idx + row * a.n_out, a.n_out, a.cnt + row);
+}
+
+// ============================================================================ fused selection
+// Quest scores + top-K (A) + M = A \ P in one launch. Grid (Hk, chunks of kSelChunk blocks, B):
+// every CTA scores its chunk of blocks for one KV head, a warp per block and kSelPerWarp blocks
+// per warp loaded together (the heads of a chunk are neighbours in launch order, so the pieces of
+// each page's [Hk, D] summary rows are read close in time). The last CTA of the row (b, hk) then
+// reads the row's scores back from L2 and runs the top-K and both list writes, so selection costs
+// one launch and one pass over the summaries.
+constexpr int kSelThreads = 512;
+constexpr int kSelWarps = kSelThreads / 32;
+constexpr int kSelPerWarp = 4;
+constexpr int kSelChunk = kSelWarps * kSelPerWarp;
+
+__global__ void __launch_bounds__(kSelThreads)
+quest_select_kernel(SelectArgs a) {
+  extern __shared__ __align__(16) uint32_t s_sel[];  // q group [G, D] floats, then keys [NB]
+  const int hk = blockIdx.x, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int G = a.Hq / a.Hk, D4 = a.D / 4;
+  const int NB = a.NB;
+  const int64_t row = (int64_t)b * a.Hk + hk;
+  const int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
+  const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
+  float* s_q = reinterpret_cast<float*>(s_sel);
+  for (int e = tid * 8; e < G * a.D; e += kSelThreads * 8) {
+    float f[8];
+    load8_any(a.q, ((int64_t)b * a.Hq + (int64_t)hk * G) * a.D + e, a.q_dtype, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s_q[e + i] = f[i];
+  }
+  __syncthreads();
+  const int base = blockIdx.y * kSelChunk + warp;
+  int64_t page[kSelPerWarp];
+  bool valid[kSelPerWarp];
+#pragma unroll
+  for (int j = 0; j < kSelPerWarp; ++j) {
+    const int n = base + j * kSelWarps;
+    valid[j] = n < nb;
+    page[j] = valid[j] ? ld_index(a.table, (int64_t)b * a.table_stride + n, a.table64) : 0;
+  }
+  float acc[kSelPerWarp];
+#pragma unroll
+  for (int j = 0; j < kSelPerWarp; ++j) acc[j] = 0.f;
+  for (int c = lane; c < D4; c += 32) {
+    float4 lo[kSelPerWarp], hi[kSelPerWarp];
+#pragma unroll
+    for (int j = 0; j < kSelPerWarp; ++j) {
+      if (valid[j]) {
+        const int64_t off = (page[j] * a.Hk + hk) * D4 + c;
+        lo[j] = __ldg(reinterpret_cast<const float4*>(a.kmin) + off);
+        hi[j] = __ldg(reinterpret_cast<const float4*>(a.kmax) + off);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const float4 q = reinterpret_cast<const float4*>(s_q + g * a.D)[c];
+#pragma unroll
+      for (int j = 0; j < kSelPerWarp; ++j) {
+        if (!valid[j]) continue;
+        acc[j] += fmaxf(q.x * hi[j].x, q.x * lo[j].x) + fmaxf(q.y * hi[j].y, q.y * lo[j].y) +
+                  fmaxf(q.z * hi[j].z, q.z * lo[j].z) + fmaxf(q.w * hi[j].w, q.w * lo[j].w);
+      }
+    }
+  }
+  float* srow = a.scores + row * NB;
+#pragma unroll
+  for (int j = 0; j < kSelPerWarp; ++j) {
+    float x = acc[j];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    const int n = base + j * kSelWarps;
+    if (lane == 0 && n < NB) srow[n] = valid[j] ? x : -INFINITY;
+  }
+  if (!last_of_group(a.sem + row, gridDim.y)) return;
+
+  uint32_t* s_key = s_sel;  // the q group is no longer needed
+  const int keep_lo = a.sink, keep_hi = nb - a.local;
+  for (int i = tid; i < NB; i += kSelThreads)
+    s_key[i] = is_middle(i, nb, keep_lo, keep_hi) ? order_key(__ldcg(srow + i)) : 0u;
+  topk_mask<kSelThreads>(s_key, NB, nb, a.k, keep_lo, keep_hi);
+  // Mark the selected blocks that P holds (bit 1): M = selected without that bit.
+  if (a.p_idx) {
+    const int pc = min(a.p_cnt[row], a.Np);
+    for (int i = tid; i < pc; i += kSelThreads) {
+      const int x = a.p_idx[row * a.Np + i];
+      if (x >= 0 && x < NB && s_key[x]) s_key[x] = 3u;
+    }
+    __syncthreads();
+  }
+  write_list<kSelThreads>(s_key, NB, 1u, a.a_idx + row * a.n_out, a.n_out, a.a_cnt + row);
+  // M: selected (bit 0) and not in P (bit 1 clear).
+  for (int i = tid; i < NB; i += kSelThreads) s_key[i] = s_key[i] == 1u ? 1u : 0u;
+  __syncthreads();
+  write_list<kSelThreads>(s_key, NB, 1u, a.m_idx + row * a.n_out, a.n_out, a.m_cnt + row);
+}
+
+// ============================================================================ fused predictor
+// Holt update (eq 3) + next-step prediction (eq 2) + top-K of P(t+1) in one launch, one CTA per
+// row (b, hk). n_init[b] is read by all Hk rows of the request and raised by the last of them.
+__global__ void __launch_bounds__(kTopkThreads)
+predict_update_kernel(PredictArgs a) {
+  extern __shared__ uint32_t s_key[];  // [NB]
+  const int hk = blockIdx.x, b = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int NB = a.NB;
+  const int64_t row = (int64_t)b * a.Hk + hk;
+  const int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
+  const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
+  const int64_t nn64 = ld_index(a.nblk_next, b, a.nblk_next64);
+  const int nbn = (int)(nn64 < NB ? (nn64 < 0 ? 0 : nn64) : NB);
+  const int64_t ni64 = ld_index(a.n_init, b, a.ninit64);
+  const int ninit = (int)(ni64 < NB ? ni64 : NB);
+  const int ninit_new = max(ninit, nb);
+  const float al = a.theta[b * a.theta_stride], be = a.theta[b * a.theta_stride + 1];
+  const float gam = a.theta[b * a.theta_stride + 2];
+  float* lv = a.level + row * NB;
+  float* tr = a.trend + row * NB;
+  const float* sc = a.scores + row * NB;
+  const int keep_lo = a.sink, keep_hi = nbn - a.local;
+  for (int i = tid; i < NB; i += kTopkThreads) {
+    float l = 0.f, v = 0.f;
+    if (i < nb) {  // eq 3, rounded op by op like the reference
+      const float s = sc[i];
+      if (i < ninit) {
+        const float l0 = lv[i];
+        v = __fadd_rn(__fmul_rn(be, __fsub_rn(s, l0)), __fmul_rn(__fsub_rn(1.f, be), tr[i]));
+        l = __fadd_rn(__fmul_rn(al, s), __fmul_rn(__fsub_rn(1.f, al), l0));
+      } else {
+        l = s;
+      }
+      lv[i] = l;
+      tr[i] = v;
+    } else if (i < ninit_new) {
+      l = lv[i];
+      v = tr[i];
+    }
+    uint32_t key = 0;
+    if (is_middle(i, nbn, keep_lo, keep_hi))
+      key = order_key(i < ninit_new ? __fadd_rn(l, __fmul_rn(gam, v)) : -INFINITY);
+    s_key[i] = key;
+  }
+  topk_mask<kTopkThreads>(s_key, NB, nbn, a.k, keep_lo, keep_hi);
+  write_list<kTopkThreads>(s_key, NB, 1u, a.idx + row * a.n_out, a.n_out, a.cnt + row);
+  if (last_of_group(a.sem + b, gridDim.x) && tid == 0) {
+    if (a.ninit64) reinterpret_cast<long long*>(a.n_init)[b] = ninit_new;
+    else reinterpret_cast<int*>(a.n_init)[b] = ninit_new;
+  }
 }
 
 // ============================================================================ set difference
@@ -900,11 +1227,8 @@ cudaError_t launch_quest_scores(const QuestArgs& a, cudaStream_t s) {
   if (a.D % 8 != 0 || a.Hq % a.Hk != 0) return cudaErrorInvalidValue;
   if (a.B == 0 || a.NB == 0) return cudaSuccess;
   const size_t smem = (size_t)a.Hq * a.D * sizeof(float);
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(quest_scores_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return e;
-  }
+  cudaError_t e = set_smem_limit(quest_scores_kernel, smem);
+  if (e != cudaSuccess) return e;
   dim3 grid((a.NB + kQuestWarps - 1) / kQuestWarps, a.B);
   quest_scores_kernel<<<grid, kQuestWarps * 32, smem, s>>>(a);
   return cudaGetLastError();
@@ -916,26 +1240,47 @@ cudaError_t launch_select_topk(const TopkArgs& a, cudaStream_t s) {
   if (a.NB > kTopkMaxBlocks) return cudaErrorInvalidValue;
   if (a.B == 0 || a.Hk == 0) return cudaSuccess;
   const size_t smem = (size_t)(a.NB > 0 ? a.NB : 1) * sizeof(uint32_t);
-  static bool attr_set = false;  // host-side, set once per process
-  if (!attr_set) {
-    cudaError_t e = cudaFuncSetAttribute(select_topk_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         kTopkMaxBlocks * (int)sizeof(uint32_t));
-    if (e != cudaSuccess) return e;
-    attr_set = true;
-  }
+  cudaError_t e = set_smem_limit(select_topk_kernel, smem);
+  if (e != cudaSuccess) return e;
   select_topk_kernel<<<dim3(a.Hk, a.B), kTopkThreads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+size_t attn_merge_smem(int N, int N1, int Na) {
+  return (size_t)((Na + 3) / 4 * 4) * sizeof(int) +
+         (size_t)(kAttnThreads / 32) * (N + N1) * (sizeof(float) + sizeof(int));
+}
+
+int max_select_group_dim() { return 48 * 1024 / 4; }
+
+cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
+  if (a.D % 8 != 0 || a.Hq % a.Hk != 0 || a.NB > kTopkMaxBlocks ||
+      (a.Hq / a.Hk) * a.D > max_select_group_dim())
+    return cudaErrorInvalidValue;
+  if (a.B == 0 || a.Hk == 0 || a.NB == 0) return cudaSuccess;
+  const size_t smem = std::max((size_t)a.NB, (size_t)(a.Hq / a.Hk) * a.D) * 4;
+  cudaError_t e = set_smem_limit(quest_select_kernel, smem);
+  if (e != cudaSuccess) return e;
+  dim3 grid(a.Hk, (a.NB + kSelChunk - 1) / kSelChunk, a.B);
+  quest_select_kernel<<<grid, kSelThreads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_predict_update(const PredictArgs& a, cudaStream_t s) {
+  if (a.NB > kTopkMaxBlocks) return cudaErrorInvalidValue;
+  if (a.B == 0 || a.Hk == 0) return cudaSuccess;
+  const size_t smem = (size_t)(a.NB > 0 ? a.NB : 1) * sizeof(uint32_t);
+  cudaError_t e = set_smem_limit(predict_update_kernel, smem);
+  if (e != cudaSuccess) return e;
+  predict_update_kernel<<<dim3(a.Hk, a.B), kTopkThreads, smem, s>>>(a);
   return cudaGetLastError();
 }
 
 cudaError_t launch_set_difference(const SetDiffArgs& a, cudaStream_t s) {
   if (a.rows == 0) return cudaSuccess;
   const size_t smem = (size_t)((a.nb + 31) / 32 + 1) * sizeof(uint32_t);
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(set_difference_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return e;
-  }
+  cudaError_t e = set_smem_limit(set_difference_kernel, smem);
+  if (e != cudaSuccess) return e;
   set_difference_kernel<<<a.rows, kSetThreads, smem, s>>>(a);
   return cudaGetLastError();
 }
@@ -959,11 +1304,8 @@ cudaError_t launch_merge(const MergeArgs& a, cudaStream_t s) {
   if (a.R == 0) return cudaSuccess;
   const int Nt = a.N1 + a.N2;
   const size_t smem = ((size_t)(Nt + 3) / 4 * 4 + kMergeThreads * 4 + (a.p_idx ? a.nb / 32 + 1 : 0)) * 4;
-  if (smem > 48 * 1024) {
-    cudaError_t e = cudaFuncSetAttribute(merge_kernel,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-    if (e != cudaSuccess) return e;
-  }
+  cudaError_t e = set_smem_limit(merge_kernel, smem);
+  if (e != cudaSuccess) return e;
   merge_kernel<<<a.R, kMergeThreads, smem, s>>>(a);
   return cudaGetLastError();
 }

@@ -22,7 +22,17 @@ struct AttnArgs {
   float* o; float* lse;                                      // [B, Hq, N, D], [B, Hq, N]
   int B, Hq, Hk, N, D, page_size;
   float sm_scale;
+  // Fused merge (sem != nullptr): o/lse above are a workspace; the last CTA of each (b, hk)
+  // merges the N partials of its G query heads, plus the optional first source (spec partials
+  // [B, Hq, N1, D] / [B, Hq, N1], filtered to P n A when p_idx is set), into out_o/out_lse.
+  int* sem;                                                  // [B * Hk] zeroed counters
+  const float* o1; const float* lse1; int N1;
+  const int32_t* p_idx; const int32_t* p_cnt;                // [B, Hk, N1], [B, Hk]
+  const int32_t* a_idx; const int32_t* a_cnt; int Na;        // [B, Hk, Na] ascending, [B, Hk]
+  float* out_o; float* out_lse;                              // [B, Hq, D], [B, Hq]
 };
+// Dynamic shared memory the fused merge needs (bytes) for these sizes.
+size_t attn_merge_smem(int N, int N1, int Na);
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s);
 
 struct QuestArgs {
@@ -46,6 +56,33 @@ struct TopkArgs {
 };
 cudaError_t launch_select_topk(const TopkArgs& a, cudaStream_t s);
 int max_topk_blocks();  // largest NB a row of select_topk may have (shared-memory bound)
+
+// Fused Quest selection: scores + top-K (A) + M = A \ P, one launch.
+struct SelectArgs {
+  const void* q; int q_dtype;                  // [B, Hq, D] contiguous
+  const float* kmin; const float* kmax;        // [num_pages, Hk, D] contiguous
+  const void* table; bool table64; int64_t table_stride;  // [B, NB]
+  const void* nblk; bool nblk64;                          // [B]
+  float* scores;                                          // [B, Hk, NB]
+  const int32_t* p_idx; const int32_t* p_cnt; int Np;     // P (nullptr: M = A)
+  int32_t* a_idx; int32_t* a_cnt; int32_t* m_idx; int32_t* m_cnt; int n_out;
+  int* sem;                                               // [B * Hk] zeroed counters
+  int B, Hq, Hk, NB, D, k, sink, local;
+};
+cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s);
+int max_select_group_dim();  // largest G * D of quest_select (shared-memory bound)
+
+// Fused predictor: Holt update (eq 3) + P(t+1) (eq 2 + top-K), one launch.
+struct PredictArgs {
+  float* level; float* trend; void* n_init; bool ninit64;  // [B, Hk, NB], [B]
+  const float* scores;                                     // [B, Hk, NB]
+  const void* nblk; bool nblk64; const void* nblk_next; bool nblk_next64;  // [B]
+  const float* theta; int64_t theta_stride;                // [B, 3] (alpha, beta, gamma)
+  int32_t* idx; int32_t* cnt; int n_out;                   // [B, Hk, n_out], [B, Hk]
+  int* sem;                                                // [B] zeroed counters
+  int B, Hk, NB, k, sink, local;
+};
+cudaError_t launch_predict_update(const PredictArgs& a, cudaStream_t s);
 
 struct SetDiffArgs {
   const int32_t* a_idx; const int32_t* a_cnt; int Na;

@@ -181,8 +181,9 @@ def test_periodic_family_revisits_and_topic_switch_changes_abruptly(seed):
     sw = T.generate("topic_switch", seed=seed, dwell=4.0, n_hot=8, **quiet, **SMALL)
     sets, hk = _sets(sw, 8)
     jumps = [t for t in range(1, SMALL["steps"]) if sets[t * hk] != sets[(t - 1) * hk]]
-    for t in jumps:  # abrupt: at least half of the set changes at once
-        assert len(sets[t * hk] & sets[(t - 1) * hk]) <= 4
+    for t in jumps:  # abrupt: at least half of the 8 hot blocks change at once (the 2 kept
+        # blocks stay; a redraw of 8 of ~88 blocks keeps >= 5 old ones with p ~ 1e-5)
+        assert len(sets[t * hk] & sets[(t - 1) * hk]) <= 2 + 4
     assert 1 <= len(jumps) <= 25  # mean dwell 4 over 40 steps
     # Negative control: retrieval without hops never changes its set.
     rt = T.generate("retrieval", seed=seed, hop=0.0, n_hot=8, **quiet, **SMALL)

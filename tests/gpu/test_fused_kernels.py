@@ -1,0 +1,318 @@
+"""The fused SM90 kernels (one launch each) against the pure-torch reference, on the GPU.
+
+* ``sparse_attn_merge``: attention over a block list and the merge of its partials, optionally with
+  speculative partials filtered to ``P n A`` (the PRR repair + exact merge) or all kept (union);
+* ``quest_select``: Quest scores + top-K (A) + ``M = A \\ P``;
+* ``predict_update``: Holt update + P(t+1).
+
+The kernels finish with "the last CTA of a group merges", through counters that must return to
+zero after every launch: the graph test replays all three with changing counts. Conventions as in
+``test_kernels.py`` (printed seeds, poisoned outputs, the CUDA op called directly, a negative
+control beside each equality). Skipped with a reason without a CUDA SM90 device.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from sglang_prr import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device (SM90 kernels)", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip(f"needs an SM90 GPU, found sm_{''.join(map(str, torch.cuda.get_device_capability()))}",
+                allow_module_level=True)
+
+from sglang_prr import kernels, ops  # noqa: E402
+from test_kernels import (ATTN_CASES, DEV, make_pool, poison, random_lists, rel_err,  # noqa: E402
+                          seeded, _scores_with_ties)
+
+CUDA = torch.ops.sglang_prr_cuda
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _lib():
+    assert kernels.load(), f"kernel library failed to build/load: {kernels.load_error()}"
+    yield
+
+
+def _dev(*ts):
+    return [t.to(DEV) if t is not None else None for t in ts]
+
+
+def _attn_case(B, Hq, Hk, D, page, dtype):
+    seq_lens = [random.randint(1, 9 * page) + random.randint(0, page - 1) for _ in range(B)]
+    seq_lens[0] = max(seq_lens[0], 3 * page + page // 2 + 1)  # a partial last block
+    k_buf, v_buf, table, sl, NB = make_pool(B, Hk, D, page, seq_lens, dtype, table64=(B % 2 == 1))
+    nblk = [(s + page - 1) // page for s in seq_lens]
+    q = torch.randn(B, Hq, D).to(dtype)
+    return q, k_buf, v_buf, table, sl, NB, nblk
+
+
+def _check_state(o, lse, o_ref, lse_ref, tol=3e-5):
+    o, lse = o.cpu(), lse.cpu()
+    assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "unwritten output"
+    fin = torch.isfinite(lse_ref)
+    assert torch.equal(torch.isfinite(lse), fin), "empty rows differ"
+    assert (o[~fin] == 0).all(), "an empty state must be (0, -inf)"
+    e_o, e_l = rel_err(o, o_ref), rel_err(lse[fin], lse_ref[fin])
+    print(f"rel err o={e_o:.2e} lse={e_l:.2e}")
+    assert e_o < tol and e_l < tol
+
+
+@pytest.mark.parametrize("B,Hq,Hk,D,page,dtype", ATTN_CASES)
+def test_sparse_attn_merge_is_attend_set(B, Hq, Hk, D, page, dtype):
+    seeded(f"attn_merge B={B} Hq={Hq} Hk={Hk} D={D} page={page} {dtype}")
+    q, k_buf, v_buf, table, sl, NB, nblk = _attn_case(B, Hq, Hk, D, page, dtype)
+    N = max(nblk) + 3  # K larger than the blocks available
+    idx, cnt = random_lists(B, Hk, N, nblk)
+    cnt[-1, -1] = 0  # an empty row: (0, -inf)
+    idx[-1, -1] = -1
+    sm = 1.0 / math.sqrt(D)
+    o_ref, lse_ref = ref.attend_set(q.float(), k_buf, v_buf, table, sl, idx, cnt, page, sm)
+    poison(((B, Hq, D), torch.float32), ((B, Hq), torch.float32))
+    o, lse = CUDA.sparse_attn_merge(*_dev(q, k_buf, v_buf, table, sl, idx, cnt), page, sm,
+                                    None, None, None, None, None, None, 0, True)
+    _check_state(o, lse, o_ref, lse_ref)
+    # Negative control: one more block in one row changes that row's output.
+    b = 0
+    c = int(cnt[b, 0])  # host-ok: test
+    if c < nblk[b]:
+        extra = sorted(set(range(nblk[b])) - set(idx[b, 0, :c].tolist()))[0]
+        idx2, cnt2 = idx.clone(), cnt.clone()
+        ids = sorted(idx[b, 0, :c].tolist() + [extra])
+        idx2[b, 0, :c + 1] = torch.tensor(ids, dtype=torch.int32)
+        cnt2[b, 0] = c + 1
+        o_bad, _ = ref.attend_set(q.float(), k_buf, v_buf, table, sl, idx2, cnt2, page, sm)
+        assert rel_err(o.cpu()[b, :Hq // Hk], o_bad[b, :Hq // Hk]) > 1e-4
+
+
+@pytest.mark.parametrize("B,Hq,Hk,D,page,dtype", [
+    (1, 32, 8, 128, 64, torch.bfloat16), (3, 8, 8, 128, 16, torch.bfloat16),
+    (17, 32, 8, 128, 32, torch.float16), (3, 64, 8, 128, 128, torch.bfloat16),
+    (3, 16, 4, 64, 64, torch.bfloat16)])
+@pytest.mark.parametrize("exact", [True, False])
+def test_repair_merge_with_arbitrary_prediction(B, Hq, Hk, D, page, dtype, exact):
+    """PRR's repair + merge in one launch, for arbitrary P: exact == attention over A whatever P
+    was; union == attention over P u A."""
+    seeded(f"repair_merge B={B} GQA={Hq // Hk} page={page} exact={exact}")
+    q, k_buf, v_buf, table, sl, NB, nblk = _attn_case(B, Hq, Hk, D, page, dtype)
+    Na = min(nblk) // 2 + 2
+    Np = Na + 3
+    a_idx, a_cnt = random_lists(B, Hk, Na, nblk)
+    p_idx, p_cnt = random_lists(B, Hk, Np, nblk)
+    a_idx[0, 0], a_cnt[0, 0] = p_idx[0, 0, :Na], p_cnt[0, 0].clamp(max=Na)  # a perfect hit row
+    a_idx[0, 0, a_cnt[0, 0]:] = -1
+    a_idx[0, -1], a_cnt[0, -1] = -1, 0  # a row that selected nothing: P \ A = P
+    if p_cnt[0, -1] == 0:
+        p_idx[0, -1, 0], p_cnt[0, -1] = 0, 1
+    m_idx, m_cnt = ref.set_difference(a_idx, a_cnt, p_idx, p_cnt, NB)
+    sm = 1.0 / math.sqrt(D)
+    qd, kd, vd, td, sld = _dev(q, k_buf, v_buf, table, sl)
+    o_s, lse_s = CUDA.sparse_attn_partials(qd, kd, vd, td, sld, *_dev(p_idx, p_cnt), page, sm)
+    o_ref, lse_ref = ref.sparse_attn_merge(q.float(), k_buf, v_buf, table, sl, m_idx, m_cnt, page,
+                                           sm, o_s.cpu(), lse_s.cpu(), p_idx, p_cnt, a_idx, a_cnt,
+                                           NB, exact)
+    poison(((B, Hq, D), torch.float32), ((B, Hq), torch.float32))
+    o, lse = CUDA.sparse_attn_merge(qd, kd, vd, td, sld, *_dev(m_idx, m_cnt), page, sm, o_s,
+                                    lse_s, *_dev(p_idx, p_cnt, a_idx, a_cnt), NB, exact)
+    _check_state(o, lse, o_ref, lse_ref)
+    # The property PRR rests on, straight from the definition (no merge code involved).
+    if exact:
+        o_a, _ = ref.attend_set(q.float(), k_buf, v_buf, table, sl, a_idx, a_cnt, page, sm)
+    else:
+        u = ref.list_to_mask(a_idx, a_cnt, NB) | ref.list_to_mask(p_idx, p_cnt, NB)
+        u_idx, u_cnt = ref.mask_to_list(u, NB)
+        o_a, _ = ref.attend_set(q.float(), k_buf, v_buf, table, sl, u_idx, u_cnt, page, sm)
+    assert rel_err(o, o_a) < 3e-5
+    # Negative control: the other mode differs wherever P \ A is non-empty.
+    o_other, _ = CUDA.sparse_attn_merge(qd, kd, vd, td, sld, *_dev(m_idx, m_cnt), page, sm, o_s,
+                                        lse_s, *_dev(p_idx, p_cnt, a_idx, a_cnt), NB, not exact)
+    extra = (ref.list_to_mask(p_idx, p_cnt, NB) & ~ref.list_to_mask(a_idx, a_cnt, NB)).any(-1)
+    assert extra.any()
+    G = Hq // Hk
+    rows = extra.repeat_interleave(G, dim=1)
+    assert rel_err(o_other.cpu()[rows], o.cpu()[rows]) > 1e-4
+
+
+@pytest.mark.parametrize("B,Hq,Hk,D,NB,k,sink,local", [
+    (1, 32, 8, 128, 2048, 32, 1, 2), (3, 8, 8, 64, 77, 5, 1, 1), (17, 32, 4, 128, 300, 64, 0, 0),
+    (3, 64, 8, 128, 9000, 700, 4, 4), (2, 4, 1, 128, 50, 100, 2, 3), (1, 32, 8, 128, 1, 4, 1, 1)])
+@pytest.mark.parametrize("with_p", [True, False])
+def test_quest_select(B, Hq, Hk, D, NB, k, sink, local, with_p):
+    seeded(f"quest_select B={B} NB={NB} k={k} p={with_p}")
+    P = NB * B + 5
+    kmin = torch.randn(P, Hk, D)
+    kmax = kmin + torch.rand(P, Hk, D)
+    table = torch.randint(1, P, (B, NB))
+    nblk = torch.randint(0, NB + 1, (B,))
+    nblk[0] = NB
+    q = torch.randn(B, Hq, D, dtype=torch.bfloat16)
+    n_out = k + sink + local
+    p_idx, p_cnt = random_lists(B, Hk, n_out + 4, nblk.tolist()) if with_p else (None, None)
+    poison(((B, Hk, NB), torch.float32), ((B, Hk, n_out), torch.int32), ((B, Hk), torch.int32))
+    s, a_idx, a_cnt, m_idx, m_cnt = [x.cpu() for x in CUDA.quest_select(
+        *_dev(q, kmin, kmax, table, nblk.int(), p_idx, p_cnt), k, sink, local, n_out)]
+    s_ref = ref.quest_scores(q, kmin, kmax, table, nblk)
+    fin = torch.isfinite(s_ref)
+    assert torch.equal(torch.isfinite(s), fin)
+    assert rel_err(s[fin], s_ref[fin]) < 1e-5
+    # A and M bit for bit from the kernel's own scores (ties are ulp-sensitive).
+    ai, ac = ref.select_topk(s, nblk, k, sink, local, n_out)
+    assert torch.equal(a_cnt, ac) and torch.equal(a_idx, ai)
+    if with_p:
+        mi, mc = ref.set_difference(a_idx, a_cnt, p_idx, p_cnt, NB)
+    else:
+        mi, mc = ai, ac
+    assert torch.equal(m_cnt, mc) and torch.equal(m_idx, mi)
+    # Negative controls: M differs from A when P hits; a smaller k changes A when it can.
+    if with_p and (mc < ac).any():
+        assert not torch.equal(m_idx, a_idx)
+    if 1 < k < NB - sink - local - 1:
+        ai2, _ = ref.select_topk(s, nblk, k - 1, sink, local, n_out)
+        assert not torch.equal(a_idx, ai2)
+
+
+@pytest.mark.parametrize("B,Hk,NB,n_pred,sink,local,idt", [
+    (1, 8, 2048, 48, 1, 2, torch.int64), (3, 4, 61, 7, 1, 1, torch.int32),
+    (17, 2, 500, 40, 0, 2, torch.int64), (2, 8, 9000, 600, 4, 4, torch.int32)])
+def test_predict_update(B, Hk, NB, n_pred, sink, local, idt):
+    seeded(f"predict_update B={B} NB={NB}")
+    level = torch.randn(B, Hk, NB)
+    trend = torch.randn(B, Hk, NB) * 0.1
+    n_init = torch.randint(0, NB, (B,)).to(idt)
+    n_init[0] = 0  # a fresh request
+    scores = _scores_with_ties(B, Hk, NB).nan_to_num(0.0).clamp(-1e30, 1e30)
+    nblk = torch.minimum(n_init.long() + torch.randint(0, 3, (B,)), torch.tensor(NB))
+    nblk[0] = NB // 2 + 1
+    nxt = torch.minimum(nblk + 1, torch.tensor(NB))
+    theta = torch.rand(B, 3)
+    l_ref, t_ref, n_ref = level.clone(), trend.clone(), n_init.clone()
+    pi_ref, pc_ref = ref.predict_update(l_ref, t_ref, n_ref, scores, nblk, theta, nxt, n_pred,
+                                        sink, local)
+    l_d, t_d, n_d = _dev(level, trend, n_init)
+    poison(((B, Hk, n_pred + sink + local), torch.int32), ((B, Hk), torch.int32))
+    pi, pc = CUDA.predict_update(l_d, t_d, n_d, *_dev(scores, nblk, theta, nxt), n_pred, sink,
+                                 local)
+    assert torch.equal(n_d.cpu(), n_ref)
+    assert torch.equal(l_d.cpu(), l_ref), "level must match the reference bit for bit"
+    assert torch.equal(t_d.cpu(), t_ref), "trend must match the reference bit for bit"
+    assert torch.equal(pc.cpu(), pc_ref) and torch.equal(pi.cpu(), pi_ref)
+    # Negative control: the prediction depends on the scores it learns from.
+    l2, t2, n2 = level.clone(), trend.clone(), n_init.clone()
+    pi2, _ = ref.predict_update(l2, t2, n2, scores + 5 * torch.randn_like(scores), nblk, theta,
+                                nxt, n_pred, sink, local)
+    assert not torch.equal(pi2, pi_ref)
+
+
+def test_fused_kernels_in_one_graph_replayed_with_new_counts():
+    """All three fused kernels captured in one CUDA graph and replayed with new inputs, counts
+    (empty rows included) and lengths: every replay matches the reference, so the group counters
+    return to zero after each launch."""
+    seeded("fused graph")
+    B, Hq, Hk, D, page, dtype = 3, 32, 8, 128, 32, torch.bfloat16
+    k_top, sink, local, n_pred = 6, 1, 1, 9
+    max_len = 40 * page
+    k_buf, v_buf, table, _, NB = make_pool(B, Hk, D, page, [max_len] * B, dtype, extra_pages=4)
+    num_pages = k_buf.shape[0] // page
+    kf = k_buf.float().view(num_pages, page, Hk, D)
+    kmin, kmax = kf.amin(1), kf.amax(1)
+    sm = 1.0 / math.sqrt(D)
+    n_a, n_p = k_top + sink + local, n_pred + sink + local
+    st = dict(q=torch.randn(B, Hq, D, dtype=dtype), sl=torch.tensor([max_len] * B),
+              p_idx=torch.full((B, Hk, n_p), -1, dtype=torch.int32),
+              p_cnt=torch.zeros(B, Hk, dtype=torch.int32),
+              level=torch.zeros(B, Hk, NB), trend=torch.zeros(B, Hk, NB),
+              n_init=torch.zeros(B, dtype=torch.int64), theta=torch.rand(B, 3))
+    d = {key: v.to(DEV) for key, v in st.items()}
+    kd, vd, td, kmind, kmaxd = _dev(k_buf, v_buf, table, kmin, kmax)
+
+    def step():
+        nblk = ref.num_blocks(d["sl"], page)
+        o_s, lse_s = ops.sparse_attn_partials(d["q"], kd, vd, td, d["sl"], d["p_idx"], d["p_cnt"],
+                                              page, sm)
+        # The fused CUDA ops themselves (ops.* may pick the unfused kernels by shape).
+        s, ai, ac, mi, mc = CUDA.quest_select(d["q"], kmind, kmaxd, td, nblk, d["p_idx"],
+                                              d["p_cnt"], k_top, sink, local, n_a)
+        pi, pc = CUDA.predict_update(d["level"], d["trend"], d["n_init"], s, nblk, d["theta"],
+                                     ref.num_blocks(d["sl"] + 1, page), n_pred, sink, local)
+        o, lse = CUDA.sparse_attn_merge(d["q"], kd, vd, td, d["sl"], mi, mc, page, sm, o_s, lse_s,
+                                        d["p_idx"], d["p_cnt"], ai, ac, NB, True)
+        return o, s, ai, ac, mi, mc, pi, pc
+
+    s0 = torch.cuda.Stream()
+    s0.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s0):
+        step()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(s0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = step()
+    for it in range(5):
+        q = torch.randn(B, Hq, D, dtype=dtype)
+        sl = torch.tensor([max_len - it * 37, 1 + it * 5, page * (3 + it) + 1])
+        p_idx, p_cnt = random_lists(B, Hk, n_p, ref.num_blocks(sl, page).tolist())
+        p_cnt[1] = 0  # empty predictions for one request
+        p_idx[1] = -1
+        for key, v in (("q", q), ("sl", sl), ("p_idx", p_idx), ("p_cnt", p_cnt)):
+            d[key].copy_(v)
+        lv, tr, ni = d["level"].cpu(), d["trend"].cpu(), d["n_init"].cpu()
+        g.replay()
+        torch.cuda.synchronize()
+        o, s, ai, ac, mi, mc, pi, pc = [x.cpu() for x in out]
+        nblk = ref.num_blocks(sl, page)
+        ai_r, ac_r = ref.select_topk(s, nblk, k_top, sink, local, n_a)
+        assert torch.equal(ai, ai_r) and torch.equal(ac, ac_r), f"replay {it}: A"
+        mi_r, mc_r = ref.set_difference(ai, ac, p_idx, p_cnt, NB)
+        assert torch.equal(mi, mi_r) and torch.equal(mc, mc_r), f"replay {it}: M"
+        pi_r, pc_r = ref.predict_update(lv, tr, ni, s, nblk, st["theta"], ref.num_blocks(sl + 1, page),
+                                        n_pred, sink, local)
+        assert torch.equal(pi, pi_r) and torch.equal(pc, pc_r), f"replay {it}: P(t+1)"
+        assert torch.equal(d["n_init"].cpu(), ni), f"replay {it}: n_init"
+        assert torch.equal(d["level"].cpu(), lv) and torch.equal(d["trend"].cpu(), tr)
+        o_a, _ = ref.attend_set(q.float(), k_buf, v_buf, table, sl, ai, ac, page, sm)
+        assert rel_err(o, o_a) < 3e-5, f"replay {it}: output"
+        if mc.sum() > 0:  # negative control: attention over P alone is not the answer
+            o_p, _ = ref.attend_set(q.float(), k_buf, v_buf, table, sl, p_idx, p_cnt, page, sm)
+            assert rel_err(o, o_p) > 1e-3
+
+
+def test_ops_dispatch_fused_and_unfused_paths_agree(monkeypatch):
+    """ops.sparse_attn_merge / ops.quest_select give the same results through the fused single
+    launch and the unfused kernels they choose between by shape or by SGLANG_PRR_FUSED_MERGE."""
+    seeded("dispatch")
+    B, Hq, Hk, D, page = 3, 32, 8, 128, 64
+    q, k_buf, v_buf, table, sl, NB, nblk = _attn_case(B, Hq, Hk, D, page, torch.bfloat16)
+    idx, cnt = random_lists(B, Hk, 9, nblk)
+    args = _dev(q, k_buf, v_buf, table, sl, idx, cnt)
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("SGLANG_PRR_FUSED_MERGE", flag)
+        outs.append([x.cpu() for x in ops.attend_set(*args, page, 0.09)])
+    assert torch.allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-6)
+    o_ref, _ = ref.attend_set(q.float(), k_buf, v_buf, table, sl, idx, cnt, page, 0.09)
+    assert rel_err(outs[0][0], o_ref) < 3e-5
+    o_bad, _ = ref.attend_set(q.float(), k_buf, v_buf, table, sl, idx, cnt, page, 0.2)
+    assert rel_err(outs[1][0], o_bad) > 1e-3  # negative control: another softmax scale
+    # selection: a grid past one wave takes the unfused kernels; both match the reference rules
+    Bq, NBq = 33, 4096
+    P = 3 * NBq
+    kmin = torch.randn(P, Hk, D, device=DEV)
+    kmax = kmin + torch.rand(P, Hk, D, device=DEV)
+    tab = torch.randint(1, P, (Bq, NBq), device=DEV)
+    nb_ = torch.full((Bq,), NBq, device=DEV)
+    qq = torch.randn(Bq, Hq, D, device=DEV, dtype=torch.bfloat16)
+    big = ops.quest_select(qq, kmin, kmax, tab, nb_, None, None, 16, 1, 1, 18)
+    one = [CUDA.quest_select(qq[i:i + 1], kmin, kmax, tab[i:i + 1], nb_[i:i + 1], None, None, 16,
+                             1, 1, 18) for i in (0, Bq - 1)]
+    for j, i in enumerate((0, Bq - 1)):
+        assert torch.allclose(big[0][i], one[j][0][0], rtol=1e-5, atol=1e-4)
+        ai, ac = ref.select_topk(big[0][i:i + 1].cpu(), nb_[:1].cpu(), 16, 1, 1, 18)
+        assert torch.equal(big[1][i:i + 1].cpu(), ai) and torch.equal(big[2][i:i + 1].cpu(), ac)
