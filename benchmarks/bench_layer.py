@@ -12,7 +12,8 @@ the hit rate |P n A| / |A| measured during the replays is reported beside the ti
 Variants: dense = FlashInfer paged decode over every page (skipped when FlashInfer is missing);
 serial = selection then attention over A on one stream; prr = ``pipeline.PRRStep`` (speculative
 attention over P beside selection, then repair over M and the exact merge). Stage rows time the
-selection chain, the speculative pass and the repair alone.
+selection (scores, A, M), the predictor step, the speculative pass, the repair, the merge and the
+repair with its merge (one op) alone. ``SGLANG_PRR_FUSED_MERGE=1`` makes that op one launch.
 """
 
 from __future__ import annotations
@@ -214,9 +215,15 @@ def main(argv=None):
             # Stages alone, for the timeline.
             nblk = ops.num_blocks(env["seq"], a.page)
             res["stage: selection"] = time_graph(
-                lambda q: ops.select_topk(ops.quest_scores(q, env["kmin"], env["kmax"],
-                                                           env["table"], nblk),
-                                          nblk, k, 1, 1, k + 2), q_buf, env["qs"], dev, a.iters)
+                lambda q: ops.select_fused("quest", q, summ, env["table"], env["seq"], a.page,
+                                           scale, k, 1, 1, p_idx, p_cnt)[1],
+                q_buf, env["qs"], dev, a.iters)
+            scores = ops.quest_scores(q_buf, env["kmin"], env["kmax"], env["table"], nblk)
+            lv, tr, ni = level.clone(), trend.clone(), n_init.clone()
+            nblk_next = ops.num_blocks(env["seq"] + 1, a.page)
+            res["stage: predictor"] = time_graph(
+                lambda q: ops.predict_update(lv, tr, ni, scores, nblk, theta, nblk_next, n_pred,
+                                             1, 1)[0], q_buf, env["qs"], dev, a.iters)
             res["stage: spec attention"] = time_graph(
                 lambda q: ops.sparse_attn_partials(q, env["k_buf"], env["v_buf"], env["table"],
                                                    env["seq"], p_idx, p_cnt, a.page, scale),
@@ -236,6 +243,11 @@ def main(argv=None):
                                                 env["seq"], m_idx, m_cnt, a.page, scale)
             res["stage: merge"] = time_graph(
                 lambda q: ops.prr_merge(o_s, l_s, p_idx, p_cnt, a_idx, a_cnt, o_r, l_r, nb, True),
+                q_buf, env["qs"], dev, a.iters)
+            res["stage: repair + merge"] = time_graph(
+                lambda q: ops.sparse_attn_merge(q, env["k_buf"], env["v_buf"], env["table"],
+                                                env["seq"], m_idx, m_cnt, a.page, scale, o_s, l_s,
+                                                p_idx, p_cnt, a_idx, a_cnt, nb, True),
                 q_buf, env["qs"], dev, a.iters)
             for name, (med, p10, p90) in res.items():
                 rows.append(dict(device=str(dev), ctx=ctx, batch=batch, page=a.page,
