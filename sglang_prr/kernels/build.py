@@ -9,8 +9,8 @@ another with the same torch. Environment:
 * ``CUTLASS_INCLUDE_DIR``: CUTLASS/CuTe headers (default: the ``nvidia-cutlass`` wheel's).
 * ``SGLANG_PRR_NVCC``: the nvcc to use (default: ``$CUDA_HOME/bin/nvcc`` or ``nvcc`` on PATH).
 * ``SGLANG_PRR_DEBUG=1``: add ``-lineinfo`` and keep host assertions (debug builds only).
-* ``SGLANG_PRR_BUILD_JOBS``: parallel compiler processes (default: number of CPUs, at most 2
-  translation units are built anyway).
+* ``SGLANG_PRR_BUILD_JOBS``: parallel compiler processes (default: number of CPUs; there are
+  four translation units, two CUDA and two host).
 """
 
 from __future__ import annotations

@@ -1,0 +1,50 @@
+"""CPU checks of benchmarks/bench_overlap.py: the plot of a run's CSV and the clear exit without a
+GPU (the timing itself needs two CUDA streams and runs on the GPU machine)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import os
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PATH = os.path.join(HERE, "..", "..", "benchmarks", "bench_overlap.py")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("bench_overlap", PATH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_plot_only_draws_the_csv(tmp_path):
+    mod = _load()
+    path = tmp_path / "overlap.csv"
+    rows = [dict(gpu="x", date="d", ctx=c, batch=b, page=64, top_k_tokens=2048, budget=1.5,
+                 spec=12.0, selection=15.0, serial=27.0, two_stream=20.0, fork_join_only=0.5,
+                 overlap=0.58) for c in (32768, 131072) for b in (1, 8)]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    mod.main(["--plot-only", str(path)])
+    png = tmp_path / "overlap.png"
+    assert png.exists() and png.stat().st_size > 1000
+    # negative control: a CSV without the timing columns is refused
+    bad = tmp_path / "bad.csv"
+    bad.write_text("ctx,batch\n1,1\n")
+    with pytest.raises(KeyError):
+        mod.main(["--plot-only", str(bad)])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message shown without a GPU")
+def test_without_cuda_exits_with_a_clear_message(tmp_path):
+    mod = _load()
+    with pytest.raises(SystemExit) as e:
+        mod.main(["--out", str(tmp_path / "x.csv")])
+    assert "needs a CUDA GPU" in str(e.value)
+    assert not (tmp_path / "x.csv").exists()
