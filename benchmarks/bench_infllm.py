@@ -20,7 +20,6 @@ import argparse
 import csv
 import math
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -31,38 +30,10 @@ sys.path.insert(0, str(ROOT))
 
 from sglang_prr import reference as ref  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_kernels import time_graph  # noqa: E402  (the same graph-replay timing)
+
 ROTATE_BYTES = 256 << 20
-
-
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(p / 100 * (len(xs) - 1)))))]
-
-
-def time_graph(calls, reps):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000.0 / len(calls))
-    del g
-    return statistics.median(ts), pct(ts, 10), pct(ts, 90)
 
 
 def load_lib():

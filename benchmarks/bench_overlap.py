@@ -17,7 +17,6 @@ import argparse
 import csv
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -27,30 +26,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from sglang_prr import ops  # noqa: E402
 from sglang_prr.synthetic import paged_kv  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_kernels  # noqa: E402  (its graph-replay timing)
+
 VARIANTS = ("spec", "selection", "serial", "two_stream", "fork_join_only")
 
 
 def time_graph(fn, reps: int, inner: int) -> float:
-    """Median per-call µs of ``inner`` calls captured in one CUDA graph, over ``reps`` replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(inner):
-            fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / inner)
-    return statistics.median(ts)
+    """Median per-call µs of ``inner`` calls of ``fn`` captured in one CUDA graph."""
+    return bench_kernels.time_graph([fn] * inner, reps)[0]
 
 
 def measure(batch: int, ctx: int, page: int, top_k: int, budget: float, reps: int, inner: int,

@@ -77,7 +77,7 @@ class PRRStep:
         o_s, lse_s = ops.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, p_idx, p_cnt,
                                               page_size, sm_scale)
         main.wait_event(self.join)
-        for t in (a_idx, a_cnt, m_idx, m_cnt, scores):
+        for t in (a_idx, a_cnt, m_idx, m_cnt):
             t.record_stream(main)  # allocated on the side stream, consumed on main
         # Repair over M and the exact merge with the speculative partials: one launch.
         o, _ = ops.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, m_idx, m_cnt, page_size,

@@ -445,18 +445,19 @@ def sparse_attn_merge(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, se
                       o_spec: Optional[Tensor] = None, lse_spec: Optional[Tensor] = None,
                       p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None,
                       a_idx: Optional[Tensor] = None, a_cnt: Optional[Tensor] = None,
-                      nb: int = 0, exact: bool = True) -> Tuple[Tensor, Tensor]:
+                      nb: int = 0, exact: bool = True, impl=None) -> Tuple[Tensor, Tensor]:
     """Attention over the listed blocks, merged into one state, with the speculative partials.
 
     Without ``o_spec``: ``attend_set``. With it: the repair over ``idx`` (= M) merged with the
     speculative partials as ``prr_merge`` does (exact: only ``P n A`` of them; union: all).
-    Returns ``(o [B, Hq, D] float32, lse [B, Hq])``.
+    Returns ``(o [B, Hq, D] float32, lse [B, Hq])``. ``impl`` as in ``dsa_decode``.
     """
-    o_r, lse_r = sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
-                                      sm_scale)
+    impl = _this if impl is None else impl
+    o_r, lse_r = impl.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
+                                           sm_scale)
     if o_spec is None:
-        return merge_partials(o_r, lse_r)
-    return prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb, exact)
+        return impl.merge_partials(o_r, lse_r)
+    return impl.prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb, exact)
 
 
 def expand_heads(x: Tensor, group: int) -> Tensor:
@@ -495,21 +496,32 @@ def select_blocks(method: str, q: Tensor, summary: Sequence[Tensor], table: Tens
     raise ValueError(f"unknown DSA method {method!r}: expected quest | infllm_v2")
 
 
+def select_from_scores(scores: Tensor, nblk: Tensor, nb: int, p_idx: Optional[Tensor],
+                       p_cnt: Optional[Tensor], k: int, sink_blocks: int, local_blocks: int,
+                       n_out: int, impl=None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A = top-K + kept blocks from ``scores``, and ``M = A \\ P`` (``M = A`` without P):
+    ``(scores, a_idx, a_cnt, m_idx, m_cnt)``. ``impl`` as in ``dsa_decode``."""
+    impl = _this if impl is None else impl
+    a_idx, a_cnt = impl.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out)
+    if p_idx is None:
+        return scores, a_idx, a_cnt, a_idx.clone(), a_cnt.clone()
+    m_idx, m_cnt = impl.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+    return scores, a_idx, a_cnt, m_idx, m_cnt
+
+
 def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
                  p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,
-                 local_blocks: int, n_out: int
+                 local_blocks: int, n_out: int, impl=None
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Quest selection of one step: scores, A = top-K + kept blocks, and M = A \\ P.
 
     ``p_idx``/``p_cnt`` None gives ``M = A``. Returns ``(scores [B, Hk, NB], a_idx, a_cnt,
-    m_idx, m_cnt)`` with lists of width ``n_out``.
+    m_idx, m_cnt)`` with lists of width ``n_out``. ``impl`` as in ``dsa_decode``.
     """
-    scores = quest_scores(q, kmin, kmax, table, nblk)
-    a_idx, a_cnt = select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out)
-    if p_idx is None:
-        return scores, a_idx, a_cnt, a_idx.clone(), a_cnt.clone()
-    m_idx, m_cnt = set_difference(a_idx, a_cnt, p_idx, p_cnt, table.shape[1])
-    return scores, a_idx, a_cnt, m_idx, m_cnt
+    impl = _this if impl is None else impl
+    return select_from_scores(impl.quest_scores(q, kmin, kmax, table, nblk), nblk,
+                              table.shape[1], p_idx, p_cnt, k, sink_blocks, local_blocks, n_out,
+                              impl)
 
 
 def select_fused(method: str, q: Tensor, summary: Sequence[Tensor], table: Tensor,
@@ -526,11 +538,8 @@ def select_fused(method: str, q: Tensor, summary: Sequence[Tensor], table: Tenso
         return impl.quest_select(q, summary[0], summary[1], table, nblk, p_idx, p_cnt, k,
                                  sink_blocks, local_blocks, n_out)
     scores = impl.select_blocks(method, q, summary, table, seq_lens, page_size, sm_scale)
-    a_idx, a_cnt = impl.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out)
-    if p_idx is None:
-        return scores, a_idx, a_cnt, a_idx.clone(), a_cnt.clone()
-    m_idx, m_cnt = impl.set_difference(a_idx, a_cnt, p_idx, p_cnt, table.shape[1])
-    return scores, a_idx, a_cnt, m_idx, m_cnt
+    return select_from_scores(scores, nblk, table.shape[1], p_idx, p_cnt, k, sink_blocks,
+                              local_blocks, n_out, impl)
 
 
 def dsa_decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor], table: Tensor,

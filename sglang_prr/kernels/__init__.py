@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import types
 from typing import Callable, Dict, Optional
 
 import torch
@@ -199,11 +200,9 @@ def fused_merge_enabled() -> bool:
 def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, o_spec,
                        lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact):
     if not fused_merge_enabled():  # two launches: partials, then the merge kernel
-        o_r, lse_r = _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
-                                           sm_scale)
-        if o_spec is None:
-            return _merge_partials(o_r, lse_r)
-        return _prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb, exact)
+        return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
+                                     sm_scale, o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb,
+                                     exact, impl=_UNFUSED)
     B, Hq, D = q.shape
     n1 = o_spec.shape[2] if o_spec is not None else 0
     na = a_idx.shape[-1] if (o_spec is not None and exact) else 0
@@ -240,12 +239,8 @@ def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, loca
     # where the scores + top-K + set-difference kernels run instead. Shapes only: graph-safe.
     ctas = Hk * B * -(-table.shape[1] // SELECT_CHUNK)
     if ctas > 2 * _num_sms(q.device):
-        scores = _quest_scores(q, kmin, kmax, table, nblk)
-        a_i, a_c = _select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out)
-        if p_idx is None:
-            return scores, a_i, a_c, a_i.clone(), a_c.clone()
-        m_i, m_c = _set_difference(a_i, a_c, p_idx, p_cnt, table.shape[1])
-        return scores, a_i, a_c, m_i, m_c
+        return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
+                                local_blocks, n_out, impl=_UNFUSED)
     return torch.ops.sglang_prr_cuda.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k,
                                                   sink_blocks, local_blocks, n_out)
 
@@ -297,6 +292,13 @@ def _quest_update(kmin, kmax, k, out_loc, positions, page_size):
         return
     torch.ops.sglang_prr_cuda.quest_update(kmin, kmax, k, out_loc, positions, page_size)
 
+
+# The single-op CUDA implementations the fused ops fall back to, as an ``impl`` for the
+# reference compositions (``reference.quest_select`` / ``sparse_attn_merge``).
+_UNFUSED = types.SimpleNamespace(
+    quest_scores=_quest_scores, select_topk=_select_topk, set_difference=_set_difference,
+    sparse_attn_partials=_sparse_attn_partials, merge_partials=_merge_partials,
+    prr_merge=_prr_merge)
 
 IMPLS: Dict[str, Callable] = {
     "sparse_attn_partials": _sparse_attn_partials,
