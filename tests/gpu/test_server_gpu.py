@@ -15,7 +15,6 @@ import math
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from ports import free_port
 
 pytestmark = pytest.mark.gpu
 
@@ -63,12 +63,6 @@ def _model_dir(root: Path) -> str:
     return str(out)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url, payload, timeout=120):
     req = urllib.request.Request(url, data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
@@ -83,7 +77,7 @@ def _get(url, timeout=60):
 
 class Server:
     def __init__(self, model: str, extra, log: Path):
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log
         cmd = [sys.executable, "-m", "sglang_prr.launch_server", "--model-path", model,

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import requests
+from ports import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 600
@@ -49,19 +49,13 @@ CONFIGS = {
 }
 
 
-def _free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < 60000:
-            return port
+BIND_RETRIES = 2
 
 
 class Server:
     def __init__(self, name, args, env, explicit_model, model_path, logdir):
         self.name = name
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(logdir) / f"server-{name}.log"
         cmd = [sys.executable, "-m", "sglang_prr.launch_server", "--port", str(self.port)] + args
@@ -73,11 +67,29 @@ class Server:
         e.pop("SGLANG_PRR_STATS_FILE", None)
         e.update(env)
         self.cmd = cmd
-        self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=e,
-                                     cwd=str(REPO), start_new_session=True)
+        self.env = e
         self.ready = False
         self.model = model_path
+        self.retries = BIND_RETRIES
+        self._start()
+
+    def _start(self, mode="w"):
+        self._log = open(self.log_path, mode)
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
+                                     env=self.env, cwd=str(REPO), start_new_session=True)
+
+    def _restart_on_new_port(self) -> bool:
+        """Start again on another port if the last start lost a bind race; False otherwise."""
+        self._log.close()
+        if self.retries == 0 or "already in use" not in self.log_path.read_text():
+            return False
+        self.retries -= 1
+        i = self.cmd.index("--port") + 1
+        self.port = free_port()
+        self.cmd[i] = str(self.port)
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._start(mode="a")  # keep the failed start's log above the retry's
+        return True
 
     def wait(self):
         if self.ready:
@@ -85,6 +97,9 @@ class Server:
         deadline = time.time() + START_TIMEOUT_S
         while time.time() < deadline:
             if self.proc.poll() is not None:
+                if self._restart_on_new_port():
+                    deadline = time.time() + START_TIMEOUT_S
+                    continue
                 raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}:\n"
                                    + self.log_path.read_text()[-4000:])
             try:
