@@ -26,6 +26,7 @@ over the sampled queries with theta* and predicts P for the first decode step.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -49,9 +50,10 @@ ENV_SKIP_REPAIR = "SGLANG_PRR_DEBUG_SKIP_REPAIR"
 # On a GPU the statistics file is refreshed at most this often (a device->host copy).
 STATS_FLUSH_SECONDS_GPU = 1.0
 
-# Statistic slots accumulated on the device (float64).
-_S_STEPS, _S_ROWS, _S_HIT, _S_A, _S_M, _S_P, _S_DENSE = range(7)
-_N_STATS = 7
+# Statistic slots accumulated on the device (float64): |A|, |M|, |P| summed over the sparse rows'
+# KV heads and the layer-steps. The row counts are host counts (``_Stats.count_batch``).
+_S_A, _S_M, _S_P = range(3)
+_N_STATS = 3
 
 
 def _no_repair_impl() -> types.SimpleNamespace:
@@ -85,6 +87,11 @@ class _Stats:
         self.acc = torch.zeros(_N_STATS, dtype=torch.float64, device=device)
         self.cfg = cfg
         self.decode_batches = 0
+        # Host counts, from the batch's host lengths (no device work in the decode step): layer-
+        # steps of the sparse path, (row, KV head) pairs it served, rows it left to dense.
+        self.decode_steps = 0
+        self.sparse_rows = 0
+        self.dense_rows = 0
         self.extend_batches = 0
         self.calibrations = 0
         self.theta_counts: Dict[str, int] = {}
@@ -96,21 +103,33 @@ class _Stats:
 
     def snapshot(self) -> Dict[str, Any]:
         a = self.acc.tolist()  # host-ok: called from init_forward_metadata, outside decode
-        rows = max(a[_S_ROWS], 1.0)
+        rows = max(self.sparse_rows, 1)
         return {
             "decode_batches": self.decode_batches,
-            "decode_steps": int(a[_S_STEPS]),
-            "sparse_rows": int(a[_S_ROWS]),
-            "dense_rows": int(a[_S_DENSE]),
-            "hit_rate": (a[_S_HIT] / a[_S_A]) if a[_S_A] > 0 else None,
-            "mean_selected_blocks": a[_S_A] / rows if a[_S_ROWS] else None,
-            "mean_repair_blocks": a[_S_M] / rows if a[_S_ROWS] else None,
+            "decode_steps": self.decode_steps,
+            "sparse_rows": self.sparse_rows,
+            "dense_rows": self.dense_rows,
+            "hit_rate": ((a[_S_A] - a[_S_M]) / a[_S_A]) if a[_S_A] > 0 else None,
+            "mean_selected_blocks": a[_S_A] / rows if self.sparse_rows else None,
+            "mean_repair_blocks": a[_S_M] / rows if self.sparse_rows else None,
             "delta": (a[_S_P] / a[_S_A]) if a[_S_A] > 0 else None,
             "extend_batches": self.extend_batches,
             "calibrations": self.calibrations,
             "theta_chosen": dict(self.theta_counts),
             "time": time.time(),
         }
+
+    def count_batch(self, lens_cpu, real_rows: int, min_context: int, sparse_layers: int,
+                    num_kv_heads: int) -> None:
+        """Host counts of one decode batch: its first ``real_rows`` host lengths (the rest is
+        CUDA-graph padding) split at ``min_context`` like the decode step splits them."""
+        lens = lens_cpu[:real_rows]
+        n_sparse = int((lens >= min_context).sum())
+        if n_sparse == 0:  # eager decode skips the sparse path; a graph runs it, counting nothing
+            return
+        self.decode_steps += sparse_layers
+        self.sparse_rows += sparse_layers * n_sparse * num_kv_heads
+        self.dense_rows += sparse_layers * (real_rows - n_sparse)
 
     def maybe_flush(self, force: bool = False) -> None:
         now = time.time()
@@ -222,6 +241,7 @@ class PRRBackend:
         self.k_blocks = cfg.top_k_blocks
         self.n_pred = cfg.predicted_blocks
         self.dense_layers = set(cfg.dense_layers)
+        self.sparse_layers = sum(1 for i in range(self.num_layers) if i not in self.dense_layers)
         self.exact = cfg.mode == "exact"
         self.impl = _no_repair_impl() if os.environ.get(ENV_SKIP_REPAIR) == "1" else ops
         self.step = None
@@ -303,16 +323,63 @@ class PRRBackend:
             self._ext_plan = None
         elif mode.is_decode():
             self.stats.decode_batches += 1
+            lens = getattr(fb, "seq_lens_cpu", None)
+            if lens is not None:
+                real = len(lens) - int(getattr(fb, "num_padding", 0) or 0)
+                self.stats.count_batch(lens, real, self.cfg.min_context, self.sparse_layers,
+                                       self.num_kv_heads)
         self.stats.maybe_flush()
 
     def init_forward_metadata(self, fb):
         self._before_forward(fb)
-        return self.inner.init_forward_metadata(fb)
+        return self.inner.init_forward_metadata(self._dense_batch(fb))
 
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False):
         if not in_capture:
             self._before_forward(fb)
+            fb = self._dense_batch(fb)
         return self.inner.init_forward_metadata_out_graph(fb, in_capture=in_capture)
+
+    # ------------------------------------------------------------------ per-forward views
+    def _per_forward(self, fb) -> Dict[str, Any]:
+        """Values shared by every layer of one forward (block table, row masks, the dense view),
+        computed by the first layer that needs them and kept on the batch object. Under CUDA-graph
+        capture the first layer's ops are captured once and every later layer reads their output,
+        so a decode step pays for them once, not once per layer."""
+        key = (id(fb.seq_lens), id(fb.req_pool_indices))
+        cache = getattr(fb, "_prr_cache", None)
+        if cache is None or cache.get("key") != key:
+            cache = {"key": key}
+            try:
+                fb._prr_cache = cache
+            except AttributeError:  # a batch type without attributes: recompute per layer
+                pass
+        return cache
+
+    def _dense_batch(self, fb):
+        """``fb`` as the inner backend's dense decode sees it: rows that take the sparse path
+        (``seq_lens >= min_context``) attend over one token there, and ``forward_decode`` drops
+        that output. Under CUDA graphs both passes are captured, so without this the dense pass
+        would read every row's whole context in every layer. ``fb`` itself when nothing changes:
+        other modes, PRR inactive, whole dense layers (``--prr-dense-layers`` needs every row's
+        dense attention), or no host lengths (deciding on the host would need a sync)."""
+        lens_cpu = getattr(fb, "seq_lens_cpu", None)
+        if (not self.active or self.dense_layers or lens_cpu is None
+                or not fb.forward_mode.is_decode()):
+            return fb
+        mc = self.cfg.min_context
+        if not bool((lens_cpu >= mc).any()):
+            return fb
+        cache = self._per_forward(fb)
+        if "dense_fb" not in cache:
+            view = copy.copy(fb)
+            view._prr_cache = None
+            view.seq_lens = torch.where(fb.seq_lens >= mc, torch.ones_like(fb.seq_lens),
+                                        fb.seq_lens)
+            view.seq_lens_cpu = torch.where(lens_cpu >= mc, torch.ones_like(lens_cpu), lens_cpu)
+            view.seq_lens_sum = int(view.seq_lens_cpu.sum())
+            cache["dense_fb"] = view
+        return cache["dense_fb"]
 
     def init_forward_metadata_in_graph(self, fb):
         return self.inner.init_forward_metadata_in_graph(fb)
@@ -452,17 +519,22 @@ class PRRBackend:
             need_dense = need_sparse = True
         o_dense = None
         if need_dense:
-            o_dense = self.inner.forward_decode(q, k, v, layer, fb, save_kv_cache=False,
-                                                **kwargs).reshape(B, Hq * Dv)
+            o_dense = self.inner.forward_decode(q, k, v, layer, self._dense_batch(fb),
+                                                save_kv_cache=False, **kwargs).reshape(B, Hq * Dv)
         if not need_sparse:
             return o_dense
         # 3. Sparse pass.
         q3 = q.reshape(B, Hq, D)
         k_buf = self.kv_pool.get_key_buffer(l)
         v_buf = self.kv_pool.get_value_buffer(l)
-        table = ops.block_table(self.req_pool.req_to_token, fb.req_pool_indices, self.page)
+        pf = self._per_forward(fb)
+        if "table" not in pf:  # the same for every layer of the forward
+            pf["table"] = ops.block_table(self.req_pool.req_to_token, fb.req_pool_indices,
+                                          self.page)
+            pf["sparse_row"] = seq_lens >= cfg.min_context  # [B]
+            pf["w"] = pf["sparse_row"].to(torch.float64)
+        table, sparse_row = pf["table"], pf["sparse_row"]
         summary = self._summary(l)
-        sparse_row = seq_lens >= cfg.min_context  # [B]
         if cfg.serial:
             o, scores, a_idx, a_cnt = ops.dsa_decode(
                 q3, k_buf, v_buf, summary, table, seq_lens, cfg.method, self.k_blocks,
@@ -493,15 +565,10 @@ class PRRBackend:
             st.n_init[l].index_copy_(0, rows, n_init)
             st.p_idx[l].index_copy_(0, rows, pn_idx)
             st.p_cnt[l].index_copy_(0, rows, pn_cnt)
-        # Statistics, on the device.
-        w = sparse_row.to(torch.float64)  # [B]
-        a_sum = (a_cnt.double().sum(-1) * w).sum()
-        m_sum = (m_cnt.double().sum(-1) * w).sum()
-        p_sum = (p_cnt.double().sum(-1) * w).sum()
-        n_rows = w.sum() * a_cnt.shape[1]
-        upd = torch.stack([torch.ones((), dtype=torch.float64, device=w.device), n_rows,
-                           a_sum - m_sum, a_sum, m_sum, p_sum, (1 - w).sum()])
-        self.stats.acc += upd
+        # Statistics, on the device: |A|, |M|, |P| of the sparse rows, three launches per layer
+        # (the row counts are host counts, see _Stats.count_batch).
+        cnt = torch.stack([a_cnt, m_cnt, p_cnt]).sum(-1, dtype=torch.float64)  # [3, B]
+        self.stats.acc.add_(torch.mv(cnt, pf["w"]))
         if self.tracer is not None and self.tracer.wants(l):
             if scores is None:
                 scores = ops.select_blocks(cfg.method, q3, summary, table, seq_lens, self.page,

@@ -134,5 +134,22 @@ def _build(path: Path) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def shaped_model_dir(out: Path, **config) -> str:
+    """A model folder with the demo's offline tokenizer and a Llama ``config.json`` of another
+    shape (``config`` overrides the demo's, e.g. ``num_hidden_layers=32``), for SGLang's
+    ``--load-format dummy`` (random weights: no checkpoint is written). Shapes PRR must be timed or
+    tested on, without a model hub."""
+    src = Path(demo_model_path())
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if "token" in f.name or f.name.endswith(".jinja"):
+            shutil.copy(f, out / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.update(config)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return str(out)
+
+
 if __name__ == "__main__":
     print(demo_model_path())

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import random
-import shutil
 import subprocess
 import sys
 import time
@@ -49,18 +48,10 @@ FLAGS = ["--load-format", "dummy", "--prr-block-size", "64", "--prr-top-k", "8",
 
 def _model_dir(root: Path) -> str:
     """A Llama config with a PRR-relevant attention shape and the demo's offline tokenizer."""
-    src = Path(demo.demo_model_path())
-    out = root / "llama-gqa4-d128"
-    out.mkdir()
-    for f in src.iterdir():
-        if "token" in f.name or f.name.endswith(".jinja"):
-            shutil.copy(f, out / f.name)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(hidden_size=1024, num_attention_heads=8, num_key_value_heads=2, head_dim=128,
-               num_hidden_layers=4, intermediate_size=2048, max_position_embeddings=32768,
-               torch_dtype="bfloat16")
-    (out / "config.json").write_text(json.dumps(cfg))
-    return str(out)
+    return demo.shaped_model_dir(
+        root / "llama-gqa4-d128", hidden_size=1024, num_attention_heads=8, num_key_value_heads=2,
+        head_dim=128, num_hidden_layers=4, intermediate_size=2048,
+        max_position_embeddings=32768, torch_dtype="bfloat16")
 
 
 def _post(url, payload, timeout=120):

@@ -221,3 +221,78 @@ def test_trace_recording(tmp_path):
     loaded = traces.load_traces(str(tmp_path / "tr"))
     assert sorted(t.rid for t in loaded) == ["req-a", "req-b"]
     assert all(t.steps == 3 for t in loaded)  # bounded by trace_max_steps
+
+
+def _spy_inner(backend, seen):
+    """Record the sequence lengths the inner backend's dense decode is asked to attend over."""
+    inner_fwd = backend.inner.forward_decode
+
+    def spy(q, k, v, layer, fb, *args, **kwargs):
+        seen.append(fb.seq_lens.clone())
+        return inner_fwd(q, k, v, layer, fb, *args, **kwargs)
+
+    backend.inner.forward_decode = spy
+
+
+@pytest.mark.parametrize("graph_like", [False, True])
+def test_dense_pass_only_reads_short_rows(graph_like, monkeypatch):
+    """Mixed batch (rows below and above min_context): the dense pass attends over one token for
+    the sparse rows (in eager decode and in the both-passes path a CUDA graph captures), the short
+    rows still get exactly the dense output, the long row the sparse one; host/device stats count
+    the rows like the step splits them."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    base = dict(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40, calib_queries=4)
+    cfgs = {"prr": PRRConfig(**base), "serial": PRRConfig(serial=True, **base)}
+    worlds = {n: World(2, 4, 2, cfgs["prr"], seed) for n in ("prr", "serial", "dense")}
+    backs = {n: (_backends(worlds[n], {n: cfgs[n]})[n] if n != "dense"
+                 else _backends(worlds[n], {})["dense"]) for n in worlds}
+    seen = []
+    _spy_inner(backs["prr"], seen)
+    rows, prompt = [1, 2, 3], [30, 150, 35]  # rows 1 and 3 stay below min_context
+    for name, w in worlds.items():
+        fb, q, k, v = w.batch(rows, prompt)
+        _forward(backs[name], w, fb, q, k, v)
+    if graph_like:  # the decode path under capture: both passes, no host decision
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    steps = 3
+    for _ in range(steps):
+        outs = {}
+        for name, w in worlds.items():
+            fb, q, k, v = w.batch(rows, [1, 1, 1])
+            if name == "prr":
+                fb_prr = (fb, q, k, v)
+            outs[name] = _forward(backs[name], w, fb, q, k, v)  # [layers, B, Hq*D]
+        short, long_ = [0, 2], [1]
+        assert torch.equal(outs["prr"][:, short], outs["dense"][:, short])
+        assert (outs["prr"][:, long_] - outs["serial"][:, long_]).abs().max() < 1e-5
+        # Negative control: the long row's sparse output is not its dense output.
+        assert (outs["prr"][:, long_] - outs["dense"][:, long_]).abs().max() > 1e-3
+    lens = seen[-1]
+    assert lens[1].item() == 1, lens                      # the sparse row: one token
+    assert lens[0].item() == 30 + steps and lens[2].item() == 35 + steps, lens  # full lengths
+    # Negative control: clamping a short row too would change its dense output.
+    fb, q, k, v = fb_prr
+    all_one = SimpleNamespace(**{**vars(fb), "seq_lens": torch.ones_like(fb.seq_lens)})
+    bad = backs["prr"].inner.forward_decode(q, k, v, worlds["prr"].layer(0), all_one,
+                                            save_kv_cache=False)
+    assert (bad.reshape(3, -1)[0] - outs["dense"][0, 0]).abs().max() > 1e-3
+    st = backs["prr"].stats.snapshot()
+    L, Hk = 2, 2
+    assert st["decode_steps"] == steps * L, st
+    assert st["sparse_rows"] == steps * L * 1 * Hk, st
+    assert st["dense_rows"] == steps * L * 2, st
+    # The long row has 10 blocks >= K + sink + local = 4, so |A| = 4 for every head; the short
+    # rows (2-3 blocks) must not leak into the sums.
+    assert st["mean_selected_blocks"] == 4.0, st
+
+
+def test_stats_count_real_rows_only():
+    """CUDA-graph padding rows (at the end, fill length) count as neither sparse nor dense."""
+    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40).validate()
+    st = bk._Stats("cpu", cfg, SimpleNamespace(enable_metrics=False))
+    st.count_batch(torch.tensor([100, 20, 50, 1, 1]), 3, 40, sparse_layers=5, num_kv_heads=2)
+    assert (st.decode_steps, st.sparse_rows, st.dense_rows) == (5, 5 * 2 * 2, 5 * 1)
+    st.count_batch(torch.tensor([10, 20, 1]), 2, 40, sparse_layers=5, num_kv_heads=2)
+    assert (st.decode_steps, st.sparse_rows, st.dense_rows) == (5, 20, 5)  # no sparse row
