@@ -12,7 +12,7 @@ each streamed chunk, not its text: random weights often decode to empty strings,
 than the number of prefill chunks, most gaps are decode steps of the whole batch. TPOT and TTFT
 are reported beside it, and the hit rate from ``/prr/stats``.
 
-    python benchmarks/bench_serving.py                       # CUDA -> results/serving_h200.csv
+    python benchmarks/bench_serving.py --csv benchmarks/results/serving_h200.csv   # CUDA
     python benchmarks/bench_serving.py --variants prr --contexts 32768 --batches 8
     python benchmarks/bench_serving.py --plot-only benchmarks/results/serving_h200.csv
 

@@ -341,19 +341,27 @@ class PRRBackend:
         return self.inner.init_forward_metadata_out_graph(fb, in_capture=in_capture)
 
     # ------------------------------------------------------------------ per-forward views
-    def _per_forward(self, fb) -> Dict[str, Any]:
-        """Values shared by every layer of one forward (block table, row masks, the dense view),
-        computed by the first layer that needs them and kept on the batch object. Under CUDA-graph
-        capture the first layer's ops are captured once and every later layer reads their output,
-        so a decode step pays for them once, not once per layer."""
+    def _per_forward(self, fb, layer_id: Optional[int] = None) -> Dict[str, Any]:
+        """Values shared by every layer of one forward pass (block table, row masks, the dense
+        view), computed by the first layer that needs them and kept on the batch object, so a
+        decode step pays for them once, not once per layer (under CUDA-graph capture the first
+        layer's ops are captured and the later layers read their outputs).
+
+        A pass ends when the layer ids stop increasing: SGLang runs the same batch object
+        through the model several times (warm-up runs, then the capture), and a capture must
+        record these ops itself, not read tensors an earlier eager run left behind (the replay
+        refills the batch's static buffers, the table would go stale)."""
         key = (id(fb.seq_lens), id(fb.req_pool_indices))
         cache = getattr(fb, "_prr_cache", None)
-        if cache is None or cache.get("key") != key:
+        if (cache is None or cache.get("key") != key
+                or (layer_id is not None and layer_id <= cache.get("layer", -1))):
             cache = {"key": key}
             try:
                 fb._prr_cache = cache
             except AttributeError:  # a batch type without attributes: recompute per layer
                 pass
+        if layer_id is not None:
+            cache["layer"] = layer_id
         return cache
 
     def _dense_batch(self, fb):
@@ -503,6 +511,7 @@ class PRRBackend:
         cfg, l = self.cfg, layer.layer_id
         Hq, D, Dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
         B = q.shape[0] if q.dim() == 2 else q.reshape(-1, Hq * D).shape[0]
+        pf = self._per_forward(fb, l)  # first: a new pass of the same batch starts afresh
         # 1. KV write (the inner backend's store), then the summary of the new token.
         if save_kv_cache and k is not None and v is not None:
             self.kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
@@ -527,7 +536,6 @@ class PRRBackend:
         q3 = q.reshape(B, Hq, D)
         k_buf = self.kv_pool.get_key_buffer(l)
         v_buf = self.kv_pool.get_value_buffer(l)
-        pf = self._per_forward(fb)
         if "table" not in pf:  # the same for every layer of the forward
             pf["table"] = ops.block_table(self.req_pool.req_to_token, fb.req_pool_indices,
                                           self.page)

@@ -296,3 +296,40 @@ def test_stats_count_real_rows_only():
     assert (st.decode_steps, st.sparse_rows, st.dense_rows) == (5, 5 * 2 * 2, 5 * 1)
     st.count_batch(torch.tensor([10, 20, 1]), 2, 40, sparse_layers=5, num_kv_heads=2)
     assert (st.decode_steps, st.sparse_rows, st.dense_rows) == (5, 20, 5)  # no sparse row
+
+
+def _rerun_permuted(backend, w, fb, q, k, v, perm):
+    """Run the same batch object again with its tensors refilled in place in another row order
+    (what a CUDA-graph replay does to the captured batch's static buffers)."""
+    for name in ("req_pool_indices", "seq_lens", "seq_lens_cpu", "out_cache_loc", "positions"):
+        t = getattr(fb, name)
+        t.copy_(t[perm])
+    return _forward(backend, w, fb, q[perm], k[perm], v[perm])
+
+
+@pytest.mark.parametrize("stale", [False, True])
+def test_per_forward_values_follow_a_refilled_batch(stale, monkeypatch):
+    """The per-forward block table and row masks are recomputed when the same batch object runs
+    through the layers again (SGLang's warm-up runs before a capture); with a cache that
+    survived the rerun (the negative control) the rows would read each other's pages."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed} stale={stale}")
+    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40,
+                    calib_queries=4).validate()
+    w = World(2, 4, 2, cfg, seed)
+    b = _backends(w, {"prr": cfg})["prr"]
+    fb, q, k, v = w.batch([1, 2], [90, 150])
+    _forward(b, w, fb, q, k, v)
+    fb, q, k, v = w.batch([1, 2], [1, 1])
+    out1 = _forward(b, w, fb, q, k, v)
+    if stale:
+        orig = bk.PRRBackend._per_forward
+        monkeypatch.setattr(bk.PRRBackend, "_per_forward",
+                            lambda self, f, layer_id=None: orig(self, f, None))
+    perm = torch.tensor([1, 0])
+    out2 = _rerun_permuted(b, w, fb, q, k, v, perm)
+    gap = (out2 - out1[:, perm]).abs().max().item()
+    if stale:
+        assert gap > 1e-3, f"a stale table went unnoticed (seed {seed})"
+    else:
+        assert gap < 1e-5, f"rerun of a refilled batch: {gap} (seed {seed})"
