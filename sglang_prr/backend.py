@@ -316,6 +316,9 @@ class PRRBackend:
         """Host bookkeeping at the start of a forward (never inside a captured graph)."""
         if not self.active:
             return
+        # Flush first: the snapshot then holds whole forwards only (this batch's host row counts
+        # join the device sums of its layers, which have not run yet).
+        self.stats.maybe_flush()
         mode = fb.forward_mode
         if mode.is_extend():
             self.state.apply_resets()
@@ -328,7 +331,6 @@ class PRRBackend:
                 real = len(lens) - int(getattr(fb, "num_padding", 0) or 0)
                 self.stats.count_batch(lens, real, self.cfg.min_context, self.sparse_layers,
                                        self.num_kv_heads)
-        self.stats.maybe_flush()
 
     def init_forward_metadata(self, fb):
         self._before_forward(fb)
