@@ -55,6 +55,11 @@ STATS_FLUSH_SECONDS_GPU = 1.0
 _S_A, _S_M, _S_P = range(3)
 _N_STATS = 3
 
+# Predictor-state tensors of PRRState in the order the decode step takes them, and those it
+# writes back.
+_STATE = ("p_idx", "p_cnt", "level", "trend", "n_init", "theta")
+_STATE_WRITTEN = ("p_idx", "p_cnt", "level", "trend", "n_init")
+
 
 def _no_repair_impl() -> types.SimpleNamespace:
     """The ops module with a selection that returns an empty M (repair skipped)."""
@@ -242,6 +247,7 @@ class PRRBackend:
         self.n_pred = cfg.predicted_blocks
         self.dense_layers = set(cfg.dense_layers)
         self.sparse_layers = sum(1 for i in range(self.num_layers) if i not in self.dense_layers)
+        self._last_state_layer = self._last_sparse_layer()
         self.exact = cfg.mode == "exact"
         self.impl = _no_repair_impl() if os.environ.get(ENV_SKIP_REPAIR) == "1" else ops
         self.step = None
@@ -283,6 +289,17 @@ class PRRBackend:
         if getattr(mc, "attention_arch", None) is not None and "MLA" in str(mc.attention_arch):
             return "MLA models are not supported"
         return None
+
+    def _last_sparse_layer(self) -> Optional[int]:
+        """The last layer whose decode runs PRR, when this process runs every layer (then the
+        predictor state is gathered once per forward and scattered back after that layer);
+        None with pipeline parallelism or no sparse layer (per-layer gathers and scatters)."""
+        start = getattr(self.kv_pool, "start_layer", 0) or 0
+        end = getattr(self.kv_pool, "end_layer", None)
+        if start != 0 or end not in (None, self.num_layers - 1):
+            return None
+        ids = [i for i in range(self.num_layers) if i not in self.dense_layers]
+        return ids[-1] if ids else None
 
     def _make_tracer(self):
         if not self.cfg.trace_path:
@@ -505,6 +522,43 @@ class PRRBackend:
             st.p_idx[l, row] = p_idx[0]
             st.p_cnt[l, row] = p_cnt[0]
 
+    # ------------------------------------------------------------------ predictor state
+    def _load_state(self, pf, l: int, rows: torch.Tensor, nb: int):
+        """Layer ``l``'s predictor state of the batch's rows: ``p_idx, p_cnt, level, trend,
+        n_init, theta``, each ``[B, ...]`` contiguous (the step updates level/trend/n_init in
+        place). Batched mode: the first sparse layer of the pass gathers every layer's state at
+        once (``[L, B, ...]``, six launches per forward instead of six per layer) and this returns
+        slices of it; ``_store_state`` scatters it back after the last layer."""
+        st = self.state
+        if self._last_state_layer is not None and nb == st.nb:
+            g = pf.get("state")
+            if g is None:
+                g = pf["state"] = {n: getattr(st, n).index_select(1, rows) for n in _STATE}
+            return tuple(g[n][l] for n in _STATE)
+        return (st.p_idx[l][rows], st.p_cnt[l][rows],
+                st.level[l][rows][..., :nb].contiguous(), st.trend[l][rows][..., :nb].contiguous(),
+                st.n_init[l][rows], st.theta[l][rows])
+
+    def _store_state(self, pf, l: int, rows: torch.Tensor, nb: int, level, trend, n_init,
+                     pn_idx, pn_cnt) -> None:
+        """Write layer ``l``'s updated state back (see ``_load_state``)."""
+        st = self.state
+        g = pf.get("state")
+        if g is not None:
+            g["p_idx"][l].copy_(pn_idx)
+            g["p_cnt"][l].copy_(pn_cnt)
+            if l == self._last_state_layer:  # level, trend, n_init were updated in place
+                for n in _STATE_WRITTEN:
+                    getattr(st, n).index_copy_(1, rows, g[n])
+            return
+        st.level[l].index_copy_(0, rows, torch.nn.functional.pad(
+            level, (0, st.nb - nb)) if nb < st.nb else level)
+        st.trend[l].index_copy_(0, rows, torch.nn.functional.pad(
+            trend, (0, st.nb - nb)) if nb < st.nb else trend)
+        st.n_init[l].index_copy_(0, rows, n_init)
+        st.p_idx[l].index_copy_(0, rows, pn_idx)
+        st.p_cnt[l].index_copy_(0, rows, pn_cnt)
+
     # ------------------------------------------------------------------ decode
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
         if not self._applies(layer):
@@ -552,13 +606,9 @@ class PRRBackend:
             m_cnt, p_cnt = a_cnt, torch.zeros_like(a_cnt)
         else:
             scores = None
-            st, rows = self.state, fb.req_pool_indices.long()
+            rows = fb.req_pool_indices.long()
             nb = table.shape[1]
-            p_idx, p_cnt = st.p_idx[l][rows], st.p_cnt[l][rows]
-            level = st.level[l][rows][..., :nb].contiguous()
-            trend = st.trend[l][rows][..., :nb].contiguous()
-            n_init = st.n_init[l][rows]
-            theta = st.theta[l][rows]
+            p_idx, p_cnt, level, trend, n_init, theta = self._load_state(pf, l, rows, nb)
             args = (q3, k_buf, v_buf, summary, table, seq_lens, p_idx, p_cnt, level, trend,
                     n_init, theta, cfg.method, self.k_blocks, self.n_pred, cfg.sink_blocks,
                     cfg.local_blocks, self.page, layer.scaling)
@@ -568,13 +618,7 @@ class PRRBackend:
                 out = ref.prr_decode(*args, exact=self.exact, impl=self.impl)
             o, a_idx, a_cnt, m_idx, m_cnt, pn_idx, pn_cnt = out
             # Dense rows keep their state untouched except the predictor, which keeps learning.
-            st.level[l].index_copy_(0, rows, torch.nn.functional.pad(
-                level, (0, st.nb - nb)) if nb < st.nb else level)
-            st.trend[l].index_copy_(0, rows, torch.nn.functional.pad(
-                trend, (0, st.nb - nb)) if nb < st.nb else trend)
-            st.n_init[l].index_copy_(0, rows, n_init)
-            st.p_idx[l].index_copy_(0, rows, pn_idx)
-            st.p_cnt[l].index_copy_(0, rows, pn_cnt)
+            self._store_state(pf, l, rows, nb, level, trend, n_init, pn_idx, pn_cnt)
         # Statistics, on the device: |A|, |M|, |P| of the sparse rows, three launches per layer
         # (the row counts are host counts, see _Stats.count_batch).
         cnt = torch.stack([a_cnt, m_cnt, p_cnt]).sum(-1, dtype=torch.float64)  # [3, B]

@@ -333,3 +333,36 @@ def test_per_forward_values_follow_a_refilled_batch(stale, monkeypatch):
         assert gap > 1e-3, f"a stale table went unnoticed (seed {seed})"
     else:
         assert gap < 1e-5, f"rerun of a refilled batch: {gap} (seed {seed})"
+
+
+@pytest.mark.parametrize("method", ["quest", "infllm_v2"])
+def test_state_gathered_once_per_forward_equals_per_layer(method):
+    """The predictor state gathered for all layers at the first layer and scattered back after
+    the last one ends every step exactly where per-layer gathers and scatters end it (outputs,
+    level, trend, n_init, P); negative control: without the final scatter the state differs."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed} method={method}")
+    base = dict(method=method, block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40,
+                calib_queries=4)
+    cfg = PRRConfig(**base).validate()
+    modes = ("batched", "per_layer", "no_scatter")
+    worlds = {m: World(3, 4, 2, cfg, seed) for m in modes}
+    backs = {m: _backends(worlds[m], {"prr": cfg})["prr"] for m in modes}
+    assert backs["batched"]._last_state_layer == 2
+    backs["per_layer"]._last_state_layer = None
+    backs["no_scatter"]._last_state_layer = 99  # batched, but the scatter never runs
+    rows, prompt = [1, 2, 3], [70, 150, 30]  # row 3 stays dense (its predictor still learns)
+    steps = [prompt] + [[1, 1, 1]] * 6
+    outs = {}
+    for new in steps:
+        for m, w in worlds.items():
+            fb, q, k, v = w.batch(rows, new)
+            outs[m] = _forward(backs[m], w, fb, q, k, v)
+        assert torch.equal(outs["batched"], outs["per_layer"])
+    names = ("level", "trend", "n_init", "p_idx", "p_cnt")
+    # Bitwise, NaN == NaN: InfLLM-v2's trend holds NaN where a block's first score was -inf.
+    same = lambda a, b: torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+    for n in names:
+        assert same(getattr(backs["batched"].state, n), getattr(backs["per_layer"].state, n)), n
+    assert not all(same(getattr(backs["no_scatter"].state, n),
+                        getattr(backs["per_layer"].state, n)) for n in names)
