@@ -296,7 +296,8 @@ class PRRBackend:
         None with pipeline parallelism or no sparse layer (per-layer gathers and scatters)."""
         start = getattr(self.kv_pool, "start_layer", 0) or 0
         end = getattr(self.kv_pool, "end_layer", None)
-        if start != 0 or end not in (None, self.num_layers - 1):
+        n = getattr(self.kv_pool, "layer_num", None)  # KV layers; differs with extra layers
+        if start != 0 or end not in (None, self.num_layers - 1) or n not in (None, self.num_layers):
             return None
         ids = [i for i in range(self.num_layers) if i not in self.dense_layers]
         return ids[-1] if ids else None
