@@ -492,7 +492,7 @@ def bench_selection(args, writer):
             def fused(s, full):
                 q, table, st = s
                 scores = sp.quest_select(q, kmin, kmax, table, nblk, st["p_idx"], st["p_cnt"],
-                                         k_blocks, sink, local, n_out)[0]
+                                         k_blocks, sink, local, n_out, None, None, None)[0]
                 if full:
                     sp.predict_update(st["level"], st["trend"], st["n_init"], scores, nblk,
                                       st["theta"], nblk_next, n_pred, sink, local)

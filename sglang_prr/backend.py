@@ -5,17 +5,17 @@ Decode, per layer (``forward_decode``):
 1. write the new K/V into SGLang's pool (the same ``set_kv_buffer`` the inner backend uses),
    then fold the new key into its page's block summary (``ops.quest_update`` /
    ``ops.infllm_update``);
-2. rows below ``min_context`` tokens, layers in ``dense_layers``: the inner backend's dense
-   attention;
-3. other rows: serial DSA (``ops.dsa_decode``, with ``--prr-serial``) or PRR
-   (``ops.prr_decode``: predict -> speculative attention -> selection -> repair -> merge), with
-   the predictor state of the batch's request slots gathered from and scattered back to
-   ``PRRState``.
+2. layers in ``dense_layers``: the inner backend's dense attention;
+3. every other layer: ``step.DecodeStep.run``, serial DSA (``--prr-serial``) or PRR, on the
+   request pool's predictor state in place. Rows shorter than ``min_context`` take the same
+   kernels with every block selected, so the inner backend never attends in these layers (it is
+   planned with one-token rows, see ``_dense_batch``).
 
-Nothing in the decode path reads a device value on the host: shapes are static (block lists are
-``-1`` padded with device-side counts) and the statistics accumulate on the device. The only
-host decision uses ``forward_batch.seq_lens_cpu``, a host tensor SGLang already holds, to skip
-the dense or the sparse pass when no row needs it (under graph capture both run).
+The per-forward values (block table, block counts, dense rows) are planned once per forward in
+SGLang's ``init_forward_metadata_in_graph`` hook (recorded into decode CUDA graphs) or, eagerly,
+in ``init_forward_metadata``. Nothing in the decode path reads a device value on the host: shapes
+are static (block lists are ``-1`` padded with device-side counts) and the statistics are
+counted on the device by the selection kernel.
 
 Extend (``forward_extend``): the inner backend's attention, then the summaries of the new
 tokens, then calibration on ``calib_queries`` queries sampled evenly from each request's chunk:
@@ -32,7 +32,6 @@ import logging
 import os
 import sys
 import time
-import types
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -41,6 +40,7 @@ from . import ops
 from . import reference as ref
 from .config import PRRConfig
 from .state import PRRState
+from .step import DecodeStep
 
 logger = logging.getLogger("sglang_prr")
 
@@ -50,27 +50,10 @@ ENV_SKIP_REPAIR = "SGLANG_PRR_DEBUG_SKIP_REPAIR"
 # On a GPU the statistics file is refreshed at most this often (a device->host copy).
 STATS_FLUSH_SECONDS_GPU = 1.0
 
-# Statistic slots accumulated on the device (float64): |A|, |M|, |P| summed over the sparse rows'
-# KV heads and the layer-steps. The row counts are host counts (``_Stats.count_batch``).
-_S_A, _S_M, _S_P = range(3)
-_N_STATS = 3
-
-# Predictor-state tensors of PRRState in the order the decode step takes them, and those it
-# writes back.
-_STATE = ("p_idx", "p_cnt", "level", "trend", "n_init", "theta")
-_STATE_WRITTEN = ("p_idx", "p_cnt", "level", "trend", "n_init")
-
-
-def _no_repair_impl() -> types.SimpleNamespace:
-    """The ops module with a selection that returns an empty M (repair skipped)."""
-    ns = types.SimpleNamespace(**{k: getattr(ops, k) for k in dir(ops) if not k.startswith("__")})
-
-    def select_fused(*args, **kwargs):
-        scores, a_idx, a_cnt, m_idx, m_cnt = ops.select_fused(*args, **kwargs)
-        return scores, a_idx, a_cnt, torch.full_like(m_idx, -1), torch.zeros_like(m_cnt)
-
-    ns.select_fused = select_fused
-    return ns
+# Device counters of the selection kernel (int64): |A|, |M|, |P| summed over the sparse
+# (request, KV head) rows of every layer-step, and the number of such rows.
+_S_A, _S_M, _S_P, _S_ROWS = range(4)
+_N_STATS = 4
 
 
 def wrap_backend(inner, runner, name: str):
@@ -86,16 +69,18 @@ def wrap_backend(inner, runner, name: str):
 
 
 class _Stats:
-    """Device-side accumulators, copied to the host only outside the decode step."""
+    """Counters: the device's are drained to the host only outside the decode step."""
 
     def __init__(self, device, cfg: PRRConfig, server_args):
-        self.acc = torch.zeros(_N_STATS, dtype=torch.float64, device=device)
+        # Written by the selection kernel; drained (read, then zeroed) at each flush, so the
+        # int64 sums never come near overflow and the host keeps exact Python ints.
+        self.counters = torch.zeros(_N_STATS, dtype=torch.int64, device=device)
+        self.totals = [0] * _N_STATS
         self.cfg = cfg
         self.decode_batches = 0
         # Host counts, from the batch's host lengths (no device work in the decode step): layer-
-        # steps of the sparse path, (row, KV head) pairs it served, rows it left to dense.
+        # steps of the sparse path, rows shorter than min_context (all blocks attended).
         self.decode_steps = 0
-        self.sparse_rows = 0
         self.dense_rows = 0
         self.extend_batches = 0
         self.calibrations = 0
@@ -106,34 +91,42 @@ class _Stats:
         self._enable_metrics = bool(getattr(server_args, "enable_metrics", False))
         self._on_gpu = torch.device(device).type == "cuda"
 
+    def drain(self) -> None:
+        """Move the device counters to the host totals (host-ok: called from
+        init_forward_metadata, outside decode; the read waits for the steps already queued)."""
+        for i, x in enumerate(self.counters.tolist()):
+            self.totals[i] += int(x)
+        self.counters.zero_()
+
     def snapshot(self) -> Dict[str, Any]:
-        a = self.acc.tolist()  # host-ok: called from init_forward_metadata, outside decode
-        rows = max(self.sparse_rows, 1)
+        self.drain()
+        a = self.totals
+        rows = a[_S_ROWS]
+        # Serial DSA predicts nothing: its hit rate and budget are not applicable (None).
+        prr = not self.cfg.serial and a[_S_A] > 0
         return {
             "decode_batches": self.decode_batches,
             "decode_steps": self.decode_steps,
-            "sparse_rows": self.sparse_rows,
+            "sparse_rows": rows,
             "dense_rows": self.dense_rows,
-            "hit_rate": ((a[_S_A] - a[_S_M]) / a[_S_A]) if a[_S_A] > 0 else None,
-            "mean_selected_blocks": a[_S_A] / rows if self.sparse_rows else None,
-            "mean_repair_blocks": a[_S_M] / rows if self.sparse_rows else None,
-            "delta": (a[_S_P] / a[_S_A]) if a[_S_A] > 0 else None,
+            "hit_rate": ((a[_S_A] - a[_S_M]) / a[_S_A]) if prr else None,
+            "mean_selected_blocks": a[_S_A] / rows if rows else None,
+            "mean_repair_blocks": a[_S_M] / rows if rows and not self.cfg.serial else None,
+            "delta": (a[_S_P] / a[_S_A]) if prr else None,
             "extend_batches": self.extend_batches,
             "calibrations": self.calibrations,
             "theta_chosen": dict(self.theta_counts),
             "time": time.time(),
         }
 
-    def count_batch(self, lens_cpu, real_rows: int, min_context: int, sparse_layers: int,
-                    num_kv_heads: int) -> None:
+    def count_batch(self, lens_cpu, real_rows: int, min_context: int, sparse_layers: int) -> None:
         """Host counts of one decode batch: its first ``real_rows`` host lengths (the rest is
         CUDA-graph padding) split at ``min_context`` like the decode step splits them."""
         lens = lens_cpu[:real_rows]
         n_sparse = int((lens >= min_context).sum())
-        if n_sparse == 0:  # eager decode skips the sparse path; a graph runs it, counting nothing
+        if n_sparse == 0:
             return
         self.decode_steps += sparse_layers
-        self.sparse_rows += sparse_layers * n_sparse * num_kv_heads
         self.dense_rows += sparse_layers * (real_rows - n_sparse)
 
     def maybe_flush(self, force: bool = False) -> None:
@@ -247,14 +240,9 @@ class PRRBackend:
         self.n_pred = cfg.predicted_blocks
         self.dense_layers = set(cfg.dense_layers)
         self.sparse_layers = sum(1 for i in range(self.num_layers) if i not in self.dense_layers)
-        self._last_state_layer = self._last_sparse_layer()
-        self.exact = cfg.mode == "exact"
-        self.impl = _no_repair_impl() if os.environ.get(ENV_SKIP_REPAIR) == "1" else ops
-        self.step = None
-        if self.impl is ops:
-            from .pipeline import prr_step
-
-            self.step = prr_step(self.device)
+        # The side stream of PRR joins the main one after this layer (None: after every layer).
+        self._join_layer = self._last_sparse_layer()
+        self.step = _decode_step(runner, cfg, self.device)
         if self.device.type == "cuda":
             # Build/load the SM90 kernels now, not in the first decode step or a graph capture
             # (falls back to the reference with one warning on other GPUs or a failed build).
@@ -291,9 +279,9 @@ class PRRBackend:
         return None
 
     def _last_sparse_layer(self) -> Optional[int]:
-        """The last layer whose decode runs PRR, when this process runs every layer (then the
-        predictor state is gathered once per forward and scattered back after that layer);
-        None with pipeline parallelism or no sparse layer (per-layer gathers and scatters)."""
+        """The last layer whose decode runs PRR, when this process runs every layer (then PRR's
+        side stream joins once per forward, after that layer); None with pipeline parallelism or
+        no sparse layer (it joins after every layer)."""
         start = getattr(self.kv_pool, "start_layer", 0) or 0
         end = getattr(self.kv_pool, "end_layer", None)
         n = getattr(self.kv_pool, "layer_num", None)  # KV layers; differs with extra layers
@@ -347,12 +335,25 @@ class PRRBackend:
             lens = getattr(fb, "seq_lens_cpu", None)
             if lens is not None:
                 real = len(lens) - int(getattr(fb, "num_padding", 0) or 0)
-                self.stats.count_batch(lens, real, self.cfg.min_context, self.sparse_layers,
-                                       self.num_kv_heads)
+                self.stats.count_batch(lens, real, self.cfg.min_context, self.sparse_layers)
 
     def init_forward_metadata(self, fb):
         self._before_forward(fb)
-        return self.inner.init_forward_metadata(self._dense_batch(fb))
+        out = self.inner.init_forward_metadata(self._dense_batch(fb))
+        self._plan_decode(fb)
+        return out
+
+    def init_forward_metadata_in_graph(self, fb):
+        # Recorded into decode CUDA graphs: the capture records the plan's launches itself.
+        out = self.inner.init_forward_metadata_in_graph(fb)
+        self._plan_decode(fb)
+        return out
+
+    def _plan_decode(self, fb) -> None:
+        """The per-forward values of the decode step, kept on the batch for its layers."""
+        if self.active and fb.forward_mode.is_decode():
+            fb._prr_batch = self.step.plan(self.req_pool.req_to_token, fb.req_pool_indices,
+                                           fb.seq_lens)
 
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False):
         if not in_capture:
@@ -360,57 +361,21 @@ class PRRBackend:
             fb = self._dense_batch(fb)
         return self.inner.init_forward_metadata_out_graph(fb, in_capture=in_capture)
 
-    # ------------------------------------------------------------------ per-forward views
-    def _per_forward(self, fb, layer_id: Optional[int] = None) -> Dict[str, Any]:
-        """Values shared by every layer of one forward pass (block table, row masks, the dense
-        view), computed by the first layer that needs them and kept on the batch object, so a
-        decode step pays for them once, not once per layer (under CUDA-graph capture the first
-        layer's ops are captured and the later layers read their outputs).
-
-        A pass ends when the layer ids stop increasing: SGLang runs the same batch object
-        through the model several times (warm-up runs, then the capture), and a capture must
-        record these ops itself, not read tensors an earlier eager run left behind (the replay
-        refills the batch's static buffers, the table would go stale)."""
-        key = (id(fb.seq_lens), id(fb.req_pool_indices))
-        cache = getattr(fb, "_prr_cache", None)
-        if (cache is None or cache.get("key") != key
-                or (layer_id is not None and layer_id <= cache.get("layer", -1))):
-            cache = {"key": key}
-            try:
-                fb._prr_cache = cache
-            except AttributeError:  # a batch type without attributes: recompute per layer
-                pass
-        if layer_id is not None:
-            cache["layer"] = layer_id
-        return cache
-
     def _dense_batch(self, fb):
-        """``fb`` as the inner backend's dense decode sees it: rows that take the sparse path
-        (``seq_lens >= min_context``) attend over one token there, and ``forward_decode`` drops
-        that output. Under CUDA graphs both passes are captured, so without this the dense pass
-        would read every row's whole context in every layer. ``fb`` itself when nothing changes:
-        other modes, PRR inactive, whole dense layers (``--prr-dense-layers`` needs every row's
-        dense attention), or no host lengths (deciding on the host would need a sync)."""
+        """``fb`` as the inner backend plans it for a decode step: every row attends over one
+        token, since no layer asks the inner backend to attend (``DecodeStep`` serves every row,
+        short ones included), so FlashInfer's planning stays cheap at long context. ``fb``
+        itself when the inner backend does attend: other modes, PRR inactive, whole dense layers
+        (``--prr-dense-layers`` needs every row's dense attention), no host lengths."""
         lens_cpu = getattr(fb, "seq_lens_cpu", None)
         if (not self.active or self.dense_layers or lens_cpu is None
                 or not fb.forward_mode.is_decode()):
             return fb
-        mc = self.cfg.min_context
-        if not bool((lens_cpu >= mc).any()):
-            return fb
-        cache = self._per_forward(fb)
-        if "dense_fb" not in cache:
-            view = copy.copy(fb)
-            view._prr_cache = None
-            view.seq_lens = torch.where(fb.seq_lens >= mc, torch.ones_like(fb.seq_lens),
-                                        fb.seq_lens)
-            view.seq_lens_cpu = torch.where(lens_cpu >= mc, torch.ones_like(lens_cpu), lens_cpu)
-            view.seq_lens_sum = int(view.seq_lens_cpu.sum())
-            cache["dense_fb"] = view
-        return cache["dense_fb"]
-
-    def init_forward_metadata_in_graph(self, fb):
-        return self.inner.init_forward_metadata_in_graph(fb)
+        view = copy.copy(fb)
+        view.seq_lens = torch.ones_like(fb.seq_lens)
+        view.seq_lens_cpu = torch.ones_like(lens_cpu)
+        view.seq_lens_sum = int(view.seq_lens_cpu.sum())
+        return view
 
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         mode = forward_batch.forward_mode
@@ -428,8 +393,9 @@ class PRRBackend:
         loc = fb.out_cache_loc
         pos = fb.positions
         if self.cfg.method == "quest":
+            # Decode writes one token per request, each into its own last page: one launch.
             ops.quest_update(self.kmin[layer_id], self.kmax[layer_id], k.reshape(-1, Hk, D), loc,
-                             pos, self.page)
+                             pos, self.page, one_per_page=fb.forward_mode.is_decode())
         else:
             req_idx = self._token_req_idx(fb)
             ops.infllm_update(self.ck[layer_id], self.kv_pool.get_key_buffer(layer_id),
@@ -523,43 +489,6 @@ class PRRBackend:
             st.p_idx[l, row] = p_idx[0]
             st.p_cnt[l, row] = p_cnt[0]
 
-    # ------------------------------------------------------------------ predictor state
-    def _load_state(self, pf, l: int, rows: torch.Tensor, nb: int):
-        """Layer ``l``'s predictor state of the batch's rows: ``p_idx, p_cnt, level, trend,
-        n_init, theta``, each ``[B, ...]`` contiguous (the step updates level/trend/n_init in
-        place). Batched mode: the first sparse layer of the pass gathers every layer's state at
-        once (``[L, B, ...]``, six launches per forward instead of six per layer) and this returns
-        slices of it; ``_store_state`` scatters it back after the last layer."""
-        st = self.state
-        if self._last_state_layer is not None and nb == st.nb:
-            g = pf.get("state")
-            if g is None:
-                g = pf["state"] = {n: getattr(st, n).index_select(1, rows) for n in _STATE}
-            return tuple(g[n][l] for n in _STATE)
-        return (st.p_idx[l][rows], st.p_cnt[l][rows],
-                st.level[l][rows][..., :nb].contiguous(), st.trend[l][rows][..., :nb].contiguous(),
-                st.n_init[l][rows], st.theta[l][rows])
-
-    def _store_state(self, pf, l: int, rows: torch.Tensor, nb: int, level, trend, n_init,
-                     pn_idx, pn_cnt) -> None:
-        """Write layer ``l``'s updated state back (see ``_load_state``)."""
-        st = self.state
-        g = pf.get("state")
-        if g is not None:
-            g["p_idx"][l].copy_(pn_idx)
-            g["p_cnt"][l].copy_(pn_cnt)
-            if l == self._last_state_layer:  # level, trend, n_init were updated in place
-                for n in _STATE_WRITTEN:
-                    getattr(st, n).index_copy_(1, rows, g[n])
-            return
-        st.level[l].index_copy_(0, rows, torch.nn.functional.pad(
-            level, (0, st.nb - nb)) if nb < st.nb else level)
-        st.trend[l].index_copy_(0, rows, torch.nn.functional.pad(
-            trend, (0, st.nb - nb)) if nb < st.nb else trend)
-        st.n_init[l].index_copy_(0, rows, n_init)
-        st.p_idx[l].index_copy_(0, rows, pn_idx)
-        st.p_cnt[l].index_copy_(0, rows, pn_cnt)
-
     # ------------------------------------------------------------------ decode
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
         if not self._applies(layer):
@@ -567,70 +496,42 @@ class PRRBackend:
                                              **kwargs)
         cfg, l = self.cfg, layer.layer_id
         Hq, D, Dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
-        B = q.shape[0] if q.dim() == 2 else q.reshape(-1, Hq * D).shape[0]
-        pf = self._per_forward(fb, l)  # first: a new pass of the same batch starts afresh
+        B = fb.seq_lens.shape[0]
         # 1. KV write (the inner backend's store), then the summary of the new token.
         if save_kv_cache and k is not None and v is not None:
             self.kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
         if k is not None:
             self._update_summaries(l, k, fb)
-        seq_lens = fb.seq_lens
-        # 2. Which passes are needed: seq_lens_cpu is already on the host (no sync).
-        lens_cpu = getattr(fb, "seq_lens_cpu", None)
-        capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        if lens_cpu is not None and not capturing:
-            need_dense = bool((lens_cpu < cfg.min_context).any())
-            need_sparse = bool((lens_cpu >= cfg.min_context).any())
-        else:
-            need_dense = need_sparse = True
-        o_dense = None
-        if need_dense:
-            o_dense = self.inner.forward_decode(q, k, v, layer, self._dense_batch(fb),
-                                                save_kv_cache=False, **kwargs).reshape(B, Hq * Dv)
-        if not need_sparse:
-            return o_dense
-        # 3. Sparse pass.
-        q3 = q.reshape(B, Hq, D)
-        k_buf = self.kv_pool.get_key_buffer(l)
-        v_buf = self.kv_pool.get_value_buffer(l)
-        if "table" not in pf:  # the same for every layer of the forward
-            pf["table"] = ops.block_table(self.req_pool.req_to_token, fb.req_pool_indices,
-                                          self.page)
-            pf["sparse_row"] = seq_lens >= cfg.min_context  # [B]
-            pf["w"] = pf["sparse_row"].to(torch.float64)
-        table, sparse_row = pf["table"], pf["sparse_row"]
+        # 2. The sparse step, for every row (short rows attend every block).
+        batch = getattr(fb, "_prr_batch", None)
+        if batch is None:  # a path that skipped the metadata hooks: plan here (eager only)
+            self._plan_decode(fb)
+            batch = fb._prr_batch
+        q3 = q.reshape(B, Hq, D)  # a view: rows may be strided (the fused qkv), heads packed
         summary = self._summary(l)
-        if cfg.serial:
-            o, scores, a_idx, a_cnt = ops.dsa_decode(
-                q3, k_buf, v_buf, summary, table, seq_lens, cfg.method, self.k_blocks,
-                cfg.sink_blocks, cfg.local_blocks, self.page, layer.scaling)
-            m_cnt, p_cnt = a_cnt, torch.zeros_like(a_cnt)
-        else:
-            scores = None
-            rows = fb.req_pool_indices.long()
-            nb = table.shape[1]
-            p_idx, p_cnt, level, trend, n_init, theta = self._load_state(pf, l, rows, nb)
-            args = (q3, k_buf, v_buf, summary, table, seq_lens, p_idx, p_cnt, level, trend,
-                    n_init, theta, cfg.method, self.k_blocks, self.n_pred, cfg.sink_blocks,
-                    cfg.local_blocks, self.page, layer.scaling)
-            if self.step is not None:  # two-stream pipeline on CUDA, ops.prr_decode on CPU
-                out = self.step.run(*args, exact=self.exact, update_p=False)
-            else:
-                out = ref.prr_decode(*args, exact=self.exact, impl=self.impl)
-            o, a_idx, a_cnt, m_idx, m_cnt, pn_idx, pn_cnt = out
-            # Dense rows keep their state untouched except the predictor, which keeps learning.
-            self._store_state(pf, l, rows, nb, level, trend, n_init, pn_idx, pn_cnt)
-        # Statistics, on the device: |A|, |M|, |P| of the sparse rows, three launches per layer
-        # (the row counts are host counts, see _Stats.count_batch).
-        cnt = torch.stack([a_cnt, m_cnt, p_cnt]).sum(-1, dtype=torch.float64)  # [3, B]
-        self.stats.acc.add_(torch.mv(cnt, pf["w"]))
+        o = self.step.run(q3, self.kv_pool.get_key_buffer(l), self.kv_pool.get_value_buffer(l),
+                          summary, batch, None if cfg.serial else self.state.layer(l),
+                          self.stats.counters, layer.scaling, q.dtype,
+                          join=self._join_layer in (None, l))
         if self.tracer is not None and self.tracer.wants(l):
-            if scores is None:
-                scores = ops.select_blocks(cfg.method, q3, summary, table, seq_lens, self.page,
-                                           layer.scaling)
+            scores = ops.select_blocks(cfg.method, q3, summary, batch.table, batch.seq_lens,
+                                       self.page, layer.scaling)
             rids = list(getattr(fb, "rids", None) or [str(i) for i in range(B)])
-            self.tracer.record(l, rids, scores, ref.num_blocks(seq_lens, self.page))
-        o = o.to(q.dtype).reshape(B, Hq * Dv)
-        if o_dense is not None:
-            o = torch.where(sparse_row.unsqueeze(-1), o, o_dense)
-        return o
+            self.tracer.record(l, rids, scores, batch.nblk)
+        return o.reshape(B, Hq * Dv)
+
+
+def _decode_step(runner, cfg: PRRConfig, device: torch.device) -> DecodeStep:
+    """The runner's ``DecodeStep`` (one per model runner: its side stream and events are shared
+    by the runner's backends, whose layers run in order)."""
+    step = getattr(runner, "_prr_step", None)
+    if step is None:
+        step = DecodeStep(cfg.method, cfg.top_k_blocks, cfg.predicted_blocks, cfg.sink_blocks,
+                          cfg.local_blocks, cfg.block_size, cfg.min_context,
+                          exact=cfg.mode == "exact", serial=cfg.serial, device=device,
+                          skip_repair=os.environ.get(ENV_SKIP_REPAIR) == "1")
+        try:
+            runner._prr_step = step
+        except AttributeError:
+            pass
+    return step

@@ -31,10 +31,11 @@ def _op(name: str, mutates_args=()):
 # ----------------------------------------------------------------------------- summaries
 @_op("quest_update", mutates_args=("kmin", "kmax"))
 def quest_update(kmin: Tensor, kmax: Tensor, k: Tensor, out_loc: Tensor, positions: Tensor,
-                 page_size: int) -> None:
+                 page_size: int, one_per_page: bool = False) -> None:
     """Fold new keys ``k: [N, Hk, D]`` at slots ``out_loc: [N]`` / positions ``[N]`` into the
-    per-page ``kmin``/``kmax: [num_pages, Hk, D]`` float32 (in place)."""
-    ref.quest_update(kmin, kmax, k, out_loc, positions, page_size)
+    per-page ``kmin``/``kmax: [num_pages, Hk, D]`` float32 (in place). ``one_per_page``: no two
+    tokens share a page (decode), one launch instead of two."""
+    ref.quest_update(kmin, kmax, k, out_loc, positions, page_size, one_per_page)
 
 
 @_op("infllm_update", mutates_args=("ck",))
@@ -71,13 +72,14 @@ def _(q, ck, table, seq_lens, page_size, sm_scale):
 
 @_op("select_topk")
 def select_topk(scores: Tensor, nblk: Tensor, k: int, sink_blocks: int, local_blocks: int,
-                n_out: int) -> Tuple[Tensor, Tensor]:
-    """Kept blocks + top-k middle blocks: ``(idx [B, Hk, n_out] int32, cnt [B, Hk] int32)``."""
-    return ref.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out)
+                n_out: int, dense_row: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """Kept blocks + top-k middle blocks: ``(idx [B, Hk, n_out] int32, cnt [B, Hk] int32)``;
+    rows with ``dense_row: [B]`` set select every block."""
+    return ref.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row)
 
 
 @select_topk.register_fake
-def _(scores, nblk, k, sink_blocks, local_blocks, n_out):
+def _(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row=None):
     B, Hk, _ = scores.shape
     return (scores.new_empty((B, Hk, n_out), dtype=torch.int32),
             scores.new_empty((B, Hk), dtype=torch.int32))
@@ -95,23 +97,37 @@ def _(a_idx, a_cnt, p_idx, p_cnt, nb):
     return torch.empty_like(a_idx), torch.empty_like(a_cnt)
 
 
-@_op("quest_select")
-def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
-                 p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,
-                 local_blocks: int, n_out: int
-                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """Quest scores + top-K + ``M = A \\ P`` in one op (one launch on SM90):
-    ``(scores [B, Hk, NB] f32, a_idx, a_cnt, m_idx, m_cnt)``. See ``reference.quest_select``."""
+@_op("quest_select", mutates_args=("stats",))
+def _quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
+                  p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,
+                  local_blocks: int, n_out: int, p_rows: Optional[Tensor],
+                  dense_row: Optional[Tensor], stats: Optional[Tensor]
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
-                            local_blocks, n_out)
+                            local_blocks, n_out, p_rows, dense_row, stats)
 
 
-@quest_select.register_fake
-def _(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out):
+@_quest_select.register_fake
+def _(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out, p_rows,
+      dense_row, stats):
     B, Hk, NB = q.shape[0], kmin.shape[1], table.shape[1]
     lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32), q.new_empty((B, Hk), dtype=torch.int32)]
     return (q.new_empty((B, Hk, NB), dtype=torch.float32), *lists,
             torch.empty_like(lists[0]), torch.empty_like(lists[1]))
+
+
+def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
+                 p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,
+                 local_blocks: int, n_out: int, p_rows: Optional[Tensor] = None,
+                 dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Quest scores + top-K + ``M = A \\ P`` in one op (one launch on SM90):
+    ``(scores [B, Hk, NB] f32, a_idx, a_cnt, m_idx, m_cnt)``; P read from pool rows ``p_rows``,
+    dense rows, and the statistics counters as in ``reference.quest_select``. (A plain function
+    over the op: torch 2.11 cannot omit a mutable optional argument of a custom op, so every
+    argument is passed.)"""
+    return _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks,
+                         n_out, p_rows, dense_row, stats)
 
 
 # ----------------------------------------------------------------------------- predictor
@@ -156,6 +172,18 @@ def _(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks,
             level.new_empty((B, Hk), dtype=torch.int32))
 
 
+@_op("predict_update_rows", mutates_args=("level", "trend", "n_init", "p_idx", "p_cnt"))
+def predict_update_rows(level: Tensor, trend: Tensor, n_init: Tensor, p_idx: Tensor,
+                        p_cnt: Tensor, theta: Tensor, rows: Tensor, scores: Tensor, nblk: Tensor,
+                        nblk_next: Tensor, n_pred: int, sink_blocks: int,
+                        local_blocks: int) -> None:
+    """``predict_update`` on the request pool's state in place (one launch on SM90, no gather or
+    scatter): batch entry ``b`` updates pool row ``rows[b]``. See
+    ``reference.predict_update_rows``."""
+    ref.predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
+                            nblk_next, n_pred, sink_blocks, local_blocks)
+
+
 @_op("calibrate")
 def calibrate(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: int,
               local_blocks: int, alphas: Tensor, betas: Tensor, gammas: Tensor) -> Tensor:
@@ -172,14 +200,16 @@ def _(scores, nblk, k, n_pred, sink_blocks, local_blocks, alphas, betas, gammas)
 @_op("sparse_attn_partials")
 def sparse_attn_partials(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor,
                          seq_lens: Tensor, idx: Tensor, cnt: Tensor, page_size: int,
-                         sm_scale: float) -> Tuple[Tensor, Tensor]:
-    """Per-block partials ``(o [B, Hq, N, D] f32, lse [B, Hq, N] f32)`` over the listed blocks."""
+                         sm_scale: float, idx_rows: Optional[Tensor] = None
+                         ) -> Tuple[Tensor, Tensor]:
+    """Per-block partials ``(o [B, Hq, N, D] f32, lse [B, Hq, N] f32)`` over the listed blocks
+    (rows ``idx_rows`` of pool-wide lists when given)."""
     return ref.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
-                                    sm_scale)
+                                    sm_scale, idx_rows)
 
 
 @sparse_attn_partials.register_fake
-def _(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale):
+def _(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, idx_rows=None):
     B, Hq, D = q.shape
     N = idx.shape[2]
     return (q.new_empty((B, Hq, N, D), dtype=torch.float32),
@@ -207,19 +237,22 @@ def sparse_attn_merge(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, se
                       idx: Tensor, cnt: Tensor, page_size: int, sm_scale: float,
                       o_spec: Optional[Tensor], lse_spec: Optional[Tensor],
                       p_idx: Optional[Tensor], p_cnt: Optional[Tensor], a_idx: Optional[Tensor],
-                      a_cnt: Optional[Tensor], nb: int, exact: bool) -> Tuple[Tensor, Tensor]:
+                      a_cnt: Optional[Tensor], nb: int, exact: bool,
+                      p_rows: Optional[Tensor] = None, out_dtype: Optional[torch.dtype] = None
+                      ) -> Tuple[Tensor, Tensor]:
     """Attention over the listed blocks merged into one state, optionally with speculative
-    partials (the PRR repair + merge; one launch on SM90): ``(o [B, Hq, D] f32, lse [B, Hq])``.
-    See ``reference.sparse_attn_merge``."""
+    partials (the PRR repair + merge; one launch on SM90): ``(o [B, Hq, D] out_dtype (default
+    f32), lse [B, Hq] f32)``. See ``reference.sparse_attn_merge``."""
     return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale,
-                                 o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact)
+                                 o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact, p_rows,
+                                 out_dtype)
 
 
 @sparse_attn_merge.register_fake
 def _(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, o_spec, lse_spec, p_idx,
-      p_cnt, a_idx, a_cnt, nb, exact):
+      p_cnt, a_idx, a_cnt, nb, exact, p_rows=None, out_dtype=None):
     B, Hq, D = q.shape
-    return (q.new_empty((B, Hq, D), dtype=torch.float32),
+    return (q.new_empty((B, Hq, D), dtype=out_dtype or torch.float32),
             q.new_empty((B, Hq), dtype=torch.float32))
 
 
@@ -245,12 +278,13 @@ def attend_set(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, seq_lens:
 
 def select_fused(method: str, q: Tensor, summary: List[Tensor], table: Tensor, seq_lens: Tensor,
                  page_size: int, sm_scale: float, k: int, sink_blocks: int, local_blocks: int,
-                 p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None
+                 p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None, **kwargs
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Selection with ``M = A \\ P``: one fused op for Quest; InfLLM-v2 composes its scores,
-    top-K and set difference. See ``reference.select_fused``."""
+    top-K and set difference. See ``reference.select_fused`` (``nblk``, ``n_out``, ``p_rows``,
+    ``dense_row``, ``stats`` pass through)."""
     return ref.select_fused(method, q, list(summary), table, seq_lens, page_size, sm_scale, k,
-                            sink_blocks, local_blocks, p_idx, p_cnt, impl=_this)
+                            sink_blocks, local_blocks, p_idx, p_cnt, impl=_this, **kwargs)
 
 
 num_blocks = ref.num_blocks

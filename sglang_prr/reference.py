@@ -110,13 +110,15 @@ def kept_mask(nblk: Tensor, nb: int, sink_blocks: int, local_blocks: int) -> Tup
 
 # ----------------------------------------------------------------------------- Quest summaries
 def quest_update(kmin: Tensor, kmax: Tensor, k: Tensor, out_loc: Tensor, positions: Tensor,
-                 page_size: int) -> None:
+                 page_size: int, one_per_page: bool = False) -> None:
     """Fold newly written keys into the per-page key min/max, in place.
 
     kmin, kmax: ``[num_pages, Hk, D]`` float32 summaries, indexed by page.
     k: ``[N, Hk, D]`` the new keys; out_loc: ``[N]`` their slots; positions: ``[N]`` their
     positions in their requests. A page is reset when the token at its first position is
     written (so a reused page forgets its previous owner); tokens of one call may share pages.
+    ``one_per_page`` promises that they do not (decode): the result is the same, and the kernel
+    then needs one launch instead of two.
     """
     page = out_loc.long() // page_size
     first = (positions.long() % page_size) == 0
@@ -209,11 +211,14 @@ def infllm_scores(q: Tensor, ck: Tensor, table: Tensor, seq_lens: Tensor, page_s
 
 # ----------------------------------------------------------------------------- selection
 def select_topk(scores: Tensor, nblk: Tensor, k: int, sink_blocks: int, local_blocks: int,
-                n_out: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+                n_out: Optional[int] = None, dense_row: Optional[Tensor] = None
+                ) -> Tuple[Tensor, Tensor]:
     """The selected set: kept sink/local blocks plus the top-``k`` middle blocks by score.
 
     scores: ``[B, Hk, NB]``; nblk: ``[B]``. Ties go to the lower block id (stable sort), and a
     middle block is selectable whatever its score (``-inf`` and NaN rank last).
+    dense_row: optional ``[B]`` bool; such rows select every block (DSA with K >= all blocks is
+    dense attention), which is how rows shorter than ``--prr-min-context`` decode.
     Returns ``(idx [B, Hk, n_out] int32 ascending, -1 padded; cnt [B, Hk] int32)`` with
     ``n_out = k + sink_blocks + local_blocks`` by default.
     """
@@ -224,7 +229,10 @@ def select_topk(scores: Tensor, nblk: Tensor, k: int, sink_blocks: int, local_bl
     key = torch.where(middle.unsqueeze(1), s, torch.full_like(s, NEG_INF))
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices  # [B, Hk, NB]
     n_mid = middle.sum(-1, keepdim=True)  # [B, 1]
-    take = torch.arange(nb, device=scores.device) < torch.clamp(n_mid, max=k)  # [B, NB] by rank
+    k_row = torch.full_like(n_mid, k)
+    if dense_row is not None:
+        k_row = torch.where(dense_row.view(-1, 1), n_mid, k_row)
+    take = torch.arange(nb, device=scores.device) < torch.minimum(n_mid, k_row)  # [B, NB] by rank
     chosen = torch.zeros_like(key, dtype=torch.bool)
     chosen.scatter_(-1, order, take.unsqueeze(1).expand(B, Hk, nb))
     mask = chosen | keep.unsqueeze(1)
@@ -288,6 +296,26 @@ def predict_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor,
     holt_update(level, trend, n_init, scores, nblk, theta[:, 0], theta[:, 1])
     return predict_set(level, trend, theta[:, 2].contiguous(), n_init, nblk_next, n_pred,
                        sink_blocks, local_blocks)
+
+
+def predict_update_rows(level: Tensor, trend: Tensor, n_init: Tensor, p_idx: Tensor,
+                        p_cnt: Tensor, theta: Tensor, rows: Tensor, scores: Tensor, nblk: Tensor,
+                        nblk_next: Tensor, n_pred: int, sink_blocks: int,
+                        local_blocks: int) -> None:
+    """``predict_update`` on the request pool's state, in place: batch entry ``b`` updates row
+    ``rows[b]`` of level/trend ``[R, Hk, NB]``, n_init ``[R]``, theta ``[R, 3]`` and writes P(t+1)
+    into p_idx ``[R, Hk, n_pred + sink + local]`` / p_cnt ``[R, Hk]``. scores: ``[B, Hk, NB]``;
+    nblk/nblk_next/rows: ``[B]``. Rows must be distinct, except SGLang's padding row 0, whose
+    state no request reads."""
+    r = rows.long()
+    lv, tr, ni = level[r], trend[r], n_init[r]
+    idx, cnt = predict_update(lv, tr, ni, scores, nblk, theta[r], nblk_next, n_pred, sink_blocks,
+                              local_blocks)
+    level.index_copy_(0, r, lv)
+    trend.index_copy_(0, r, tr)
+    n_init.index_copy_(0, r, ni)
+    p_idx.index_copy_(0, r, idx)
+    p_cnt.index_copy_(0, r, cnt)
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -374,15 +402,19 @@ def _gather_blocks(buf: Tensor, table: Tensor, idx: Tensor, page_size: int) -> T
 
 
 def sparse_attn_partials(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, seq_lens: Tensor,
-                         idx: Tensor, cnt: Tensor, page_size: int, sm_scale: float
-                         ) -> Tuple[Tensor, Tensor]:
+                         idx: Tensor, cnt: Tensor, page_size: int, sm_scale: float,
+                         idx_rows: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Attention of one decode query per request over each listed block separately.
 
     q: ``[B, Hq, D]``; k_buf, v_buf: ``[num_slots, Hk, D]``; table: ``[B, NB]`` page ids;
     seq_lens: ``[B]`` (tokens at or past it are masked); idx/cnt: block list ``[B, Hk, N]`` and
-    counts ``[B, Hk]``. Returns per-block partials ``o: [B, Hq, N, D]`` float32 (normalised within
-    the block) and ``lse: [B, Hq, N]`` float32; padding entries are ``(0, -inf)``.
+    counts ``[B, Hk]``; with ``idx_rows: [B]`` they are the rows ``idx_rows[b]`` of pool-wide lists
+    ``[R, Hk, N]`` / ``[R, Hk]`` (the predictor state read in place). Returns per-block partials
+    ``o: [B, Hq, N, D]`` float32 (normalised within the block) and ``lse: [B, Hq, N]`` float32;
+    padding entries are ``(0, -inf)``.
     """
+    if idx_rows is not None:
+        idx, cnt = idx[idx_rows.long()], cnt[idx_rows.long()]
     B, Hq, D = q.shape
     Hk, N = idx.shape[1], idx.shape[2]
     G = Hq // Hk
@@ -445,19 +477,29 @@ def sparse_attn_merge(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, se
                       o_spec: Optional[Tensor] = None, lse_spec: Optional[Tensor] = None,
                       p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None,
                       a_idx: Optional[Tensor] = None, a_cnt: Optional[Tensor] = None,
-                      nb: int = 0, exact: bool = True, impl=None) -> Tuple[Tensor, Tensor]:
+                      nb: int = 0, exact: bool = True, p_rows: Optional[Tensor] = None,
+                      out_dtype: Optional[torch.dtype] = None, impl=None
+                      ) -> Tuple[Tensor, Tensor]:
     """Attention over the listed blocks, merged into one state, with the speculative partials.
 
     Without ``o_spec``: ``attend_set``. With it: the repair over ``idx`` (= M) merged with the
-    speculative partials as ``prr_merge`` does (exact: only ``P n A`` of them; union: all).
-    Returns ``(o [B, Hq, D] float32, lse [B, Hq])``. ``impl`` as in ``dsa_decode``.
+    speculative partials as ``prr_merge`` does (exact: only ``P n A`` of them; union: all);
+    ``p_rows: [B]`` reads P from rows of pool-wide lists, as ``idx_rows`` of
+    ``sparse_attn_partials``. Returns ``(o [B, Hq, D], lse [B, Hq] float32)`` with ``o`` in
+    ``out_dtype`` (float32 by default; the model's dtype saves the decode step a cast).
+    ``impl`` as in ``dsa_decode``.
     """
     impl = _this if impl is None else impl
     o_r, lse_r = impl.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                            sm_scale)
     if o_spec is None:
-        return impl.merge_partials(o_r, lse_r)
-    return impl.prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb, exact)
+        o, lse = impl.merge_partials(o_r, lse_r)
+    else:
+        if p_rows is not None and p_idx is not None:
+            p_idx, p_cnt = p_idx[p_rows.long()], p_cnt[p_rows.long()]
+        o, lse = impl.prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb,
+                                exact)
+    return (o if out_dtype is None else o.to(out_dtype)), lse
 
 
 def expand_heads(x: Tensor, group: int) -> Tensor:
@@ -496,50 +538,79 @@ def select_blocks(method: str, q: Tensor, summary: Sequence[Tensor], table: Tens
     raise ValueError(f"unknown DSA method {method!r}: expected quest | infllm_v2")
 
 
+def accumulate_stats(stats: Tensor, a_cnt: Tensor, m_cnt: Tensor, p_cnt: Optional[Tensor],
+                     dense_row: Optional[Tensor]) -> None:
+    """PRR's counters, in place: ``stats: [4] int64 += (sum |A|, sum |M|, sum |P|, rows)`` over
+    the (request, KV head) rows of the step that are not dense rows. Counts ``[B, Hk]``."""
+    w = torch.ones(a_cnt.shape[0], dtype=torch.int64, device=a_cnt.device)
+    if dense_row is not None:
+        w = (~dense_row).to(torch.int64)
+    w = w.view(-1, 1)
+    p = torch.zeros_like(a_cnt) if p_cnt is None else p_cnt.clamp(min=0)
+    stats += torch.stack([(a_cnt.long() * w).sum(), (m_cnt.long() * w).sum(),
+                          (p.long() * w).sum(), (w * torch.ones_like(a_cnt)).sum()]).to(stats.dtype)
+
+
 def select_from_scores(scores: Tensor, nblk: Tensor, nb: int, p_idx: Optional[Tensor],
                        p_cnt: Optional[Tensor], k: int, sink_blocks: int, local_blocks: int,
-                       n_out: int, impl=None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       n_out: int, p_rows: Optional[Tensor] = None,
+                       dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None,
+                       impl=None) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """A = top-K + kept blocks from ``scores``, and ``M = A \\ P`` (``M = A`` without P):
-    ``(scores, a_idx, a_cnt, m_idx, m_cnt)``. ``impl`` as in ``dsa_decode``."""
+    ``(scores, a_idx, a_cnt, m_idx, m_cnt)``. ``p_rows``, ``dense_row`` and ``stats`` as in
+    ``quest_select``. ``impl`` as in ``dsa_decode``."""
     impl = _this if impl is None else impl
-    a_idx, a_cnt = impl.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out)
+    a_idx, a_cnt = impl.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row)
     if p_idx is None:
-        return scores, a_idx, a_cnt, a_idx.clone(), a_cnt.clone()
-    m_idx, m_cnt = impl.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+        m_idx, m_cnt = a_idx.clone(), a_cnt.clone()
+    else:
+        if p_rows is not None:
+            p_idx, p_cnt = p_idx[p_rows.long()], p_cnt[p_rows.long()]
+        m_idx, m_cnt = impl.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+    if stats is not None:
+        accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
     return scores, a_idx, a_cnt, m_idx, m_cnt
 
 
 def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
                  p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,
-                 local_blocks: int, n_out: int, impl=None
+                 local_blocks: int, n_out: int, p_rows: Optional[Tensor] = None,
+                 dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None, impl=None
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Quest selection of one step: scores, A = top-K + kept blocks, and M = A \\ P.
 
-    ``p_idx``/``p_cnt`` None gives ``M = A``. Returns ``(scores [B, Hk, NB], a_idx, a_cnt,
-    m_idx, m_cnt)`` with lists of width ``n_out``. ``impl`` as in ``dsa_decode``.
+    ``p_idx``/``p_cnt`` None gives ``M = A``; with ``p_rows: [B]`` they are rows of the pool-wide
+    prediction ``[R, Hk, Np]`` / ``[R, Hk]``. ``dense_row: [B]`` bool selects every block of those
+    rows (``select_topk``); ``stats: [4]`` int64, if given, accumulates ``accumulate_stats``.
+    Returns ``(scores [B, Hk, NB], a_idx, a_cnt, m_idx, m_cnt)`` with lists of width ``n_out``.
+    ``impl`` as in ``dsa_decode``.
     """
     impl = _this if impl is None else impl
     return select_from_scores(impl.quest_scores(q, kmin, kmax, table, nblk), nblk,
                               table.shape[1], p_idx, p_cnt, k, sink_blocks, local_blocks, n_out,
-                              impl)
+                              p_rows, dense_row, stats, impl)
 
 
 def select_fused(method: str, q: Tensor, summary: Sequence[Tensor], table: Tensor,
                  seq_lens: Tensor, page_size: int, sm_scale: float, k: int, sink_blocks: int,
                  local_blocks: int, p_idx: Optional[Tensor] = None,
-                 p_cnt: Optional[Tensor] = None, impl=None
+                 p_cnt: Optional[Tensor] = None, impl=None, nblk: Optional[Tensor] = None,
+                 n_out: Optional[int] = None, p_rows: Optional[Tensor] = None,
+                 dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Selection of one decode step for either method: ``(scores, a_idx, a_cnt, m_idx, m_cnt)``
-    with ``M = A \\ P`` (``M = A`` without P); lists of width ``k + sink + local``."""
+    with ``M = A \\ P`` (``M = A`` without P); lists of width ``n_out`` (default
+    ``k + sink + local``). ``nblk`` (default from ``seq_lens``), ``p_rows``, ``dense_row`` and
+    ``stats`` as in ``quest_select``."""
     impl = _this if impl is None else impl
-    n_out = k + sink_blocks + local_blocks
-    nblk = num_blocks(seq_lens, page_size)
+    n_out = k + sink_blocks + local_blocks if n_out is None else n_out
+    nblk = num_blocks(seq_lens, page_size) if nblk is None else nblk
     if method == "quest":
         return impl.quest_select(q, summary[0], summary[1], table, nblk, p_idx, p_cnt, k,
-                                 sink_blocks, local_blocks, n_out)
+                                 sink_blocks, local_blocks, n_out, p_rows, dense_row, stats)
     scores = impl.select_blocks(method, q, summary, table, seq_lens, page_size, sm_scale)
     return select_from_scores(scores, nblk, table.shape[1], p_idx, p_cnt, k, sink_blocks,
-                              local_blocks, n_out, impl)
+                              local_blocks, n_out, p_rows, dense_row, stats, impl)
 
 
 def dsa_decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor], table: Tensor,

@@ -21,6 +21,7 @@ from typing import List, Sequence
 import torch
 
 from .config import INFLLM_STRIDE, PRRConfig
+from .step import LayerState
 
 _LISTENERS: "weakref.WeakSet[PRRState]" = weakref.WeakSet()
 
@@ -95,6 +96,12 @@ class PRRState:
         return sum(t.numel() * t.element_size() for t in (
             self.level, self.trend, self.n_init, self.theta, self.p_idx, self.p_cnt,
             self.h_sum, self.h_cnt))
+
+    def layer(self, l: int):
+        """Layer ``l``'s state as the decode step reads and writes it, in place (``LayerState``
+        views, rows indexed by request slot)."""
+        return LayerState(self.p_idx[l], self.p_cnt[l], self.level[l], self.trend[l],
+                          self.n_init[l], self.theta[l])
 
     def mark_new(self, rows: Sequence[int]) -> None:
         self._pending.update(int(r) for r in rows)

@@ -116,12 +116,13 @@ def _attn_ok(q, k_buf, v_buf, table, idx, cnt) -> bool:
             and table.dim() == 2 and table.stride(-1) == 1)
 
 
-def _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale):
+def _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale,
+                          idx_rows=None):
     if not _attn_ok(q, k_buf, v_buf, table, idx, cnt):
         return ref.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
-                                        sm_scale)
+                                        sm_scale, idx_rows)
     return torch.ops.sglang_prr_cuda.sparse_attn_partials(
-        q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, float(sm_scale))
+        q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, float(sm_scale), idx_rows)
 
 
 def _quest_scores(q, kmin, kmax, table, nblk):
@@ -135,11 +136,11 @@ def _quest_scores(q, kmin, kmax, table, nblk):
     return torch.ops.sglang_prr_cuda.quest_scores(q, kmin, kmax, table, nblk)
 
 
-def _select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out):
+def _select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row=None):
     if not (active(scores.device) and scores.shape[-1] <= TOPK_MAX_BLOCKS):
-        return ref.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out)
+        return ref.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row)
     return torch.ops.sglang_prr_cuda.select_topk(scores.float().contiguous(), nblk, k,
-                                                 sink_blocks, local_blocks, n_out)
+                                                 sink_blocks, local_blocks, n_out, dense_row)
 
 
 def _predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks, local_blocks):
@@ -174,35 +175,24 @@ def _holt_update(level, trend, n_init, scores, nblk, alpha, beta):
 
 # Groups (rows) one launch of a fused kernel may have: its counter array's size.
 MAX_GROUPS = 1 << 18
-# Blocks scored by one CTA of the fused Quest selection (kSelChunk in prr_kernels.cu).
-SELECT_CHUNK = 64
-
-
-def _num_sms(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    n = _sm_count.get(idx)
-    if n is None:
-        n = torch.cuda.get_device_properties(idx).multi_processor_count  # host-ok: property
-        _sm_count[idx] = n
-    return n
-
-
-_sm_count: Dict[int, int] = {}
 
 
 def fused_merge_enabled() -> bool:
-    """``SGLANG_PRR_FUSED_MERGE=1`` makes ``sparse_attn_merge`` one launch (attention whose last
-    CTA per KV head merges). Off by default: on H200 the single-CTA merge tail measured slower
-    than the separate merge kernel (benchmarks/NOTES-kernels.md)."""
-    return os.environ.get("SGLANG_PRR_FUSED_MERGE", "0") == "1"
+    """``sparse_attn_merge`` is one launch (attention whose last CTA per KV head merges and
+    writes the model's dtype); ``SGLANG_PRR_FUSED_MERGE=0`` runs partials + merge kernel (+ cast)
+    instead. Alone, the single-CTA merge tail measured up to 1.05x slower than the separate merge
+    kernel on H200 (benchmarks/NOTES-kernels.md), but inside SGLang's decode step every launch
+    costs, so one launch is the default."""
+    return os.environ.get("SGLANG_PRR_FUSED_MERGE", "1") == "1"
 
 
 def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, o_spec,
-                       lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact):
+                       lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact, p_rows=None,
+                       out_dtype=None):
     if not fused_merge_enabled():  # two launches: partials, then the merge kernel
         return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                      sm_scale, o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb,
-                                     exact, impl=_UNFUSED)
+                                     exact, p_rows, out_dtype, impl=_UNFUSED)
     B, Hq, D = q.shape
     n1 = o_spec.shape[2] if o_spec is not None else 0
     na = a_idx.shape[-1] if (o_spec is not None and exact) else 0
@@ -213,16 +203,18 @@ def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm
           and (o_spec is None or (o_spec.dtype == torch.float32 and lse_spec.dtype == torch.float32
                                   and (not exact or (p_idx.dtype == torch.int32
                                                      and a_idx.dtype == torch.int32)))))
+    ok = ok and (out_dtype is None or out_dtype in _FLOAT_TYPES)
     if not ok:
         return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                      sm_scale, o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb,
-                                     exact)
+                                     exact, p_rows, out_dtype)
     return torch.ops.sglang_prr_cuda.sparse_attn_merge(
         q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, float(sm_scale), o_spec, lse_spec,
-        p_idx, p_cnt, a_idx, a_cnt, nb, exact)
+        p_idx, p_cnt, a_idx, a_cnt, nb, exact, p_rows, out_dtype)
 
 
-def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out):
+def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out,
+                  p_rows=None, dense_row=None, stats=None):
     B, Hq, D = q.shape
     Hk = kmin.shape[1]
     ok = (active(q.device) and D % 8 == 0 and Hq % Hk == 0 and (Hq // Hk) * D <= 12 * 1024
@@ -230,19 +222,19 @@ def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, loca
           and kmax.dtype == torch.float32 and kmin.is_contiguous() and kmax.is_contiguous()
           and _aligned(kmin, kmax) and table.dim() == 2 and table.stride(-1) == 1
           and 0 < table.shape[1] <= TOPK_MAX_BLOCKS and B * Hk <= MAX_GROUPS
-          and (p_idx is None or (p_idx.dtype == torch.int32 and p_cnt.dtype == torch.int32)))
+          and (p_idx is None or (p_idx.dtype == torch.int32 and p_cnt.dtype == torch.int32))
+          and (stats is None or (stats.dtype == torch.int64 and stats.is_contiguous()
+                                 and stats.numel() == 4)))
     if not ok:
         return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
-                                local_blocks, n_out)
-    # One launch pays a memory fence per CTA before its "last of the row" count: a win while the
-    # grid fits in one wave (2 CTAs per SM), a loss beyond (measured on H200 at batch >= 8, 128K),
-    # where the scores + top-K + set-difference kernels run instead. Shapes only: graph-safe.
-    ctas = Hk * B * -(-table.shape[1] // SELECT_CHUNK)
-    if ctas > 2 * _num_sms(q.device):
-        return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
-                                local_blocks, n_out, impl=_UNFUSED)
+                                local_blocks, n_out, p_rows, dense_row, stats)
+    # Always one launch. Alone, the fused kernel pays a memory fence per CTA and measured slower
+    # than scores + top-K + set difference beyond one wave of CTAs (H200, batch >= 8 at 128K:
+    # 61.8 vs 55.7 us, NOTES-kernels.md); inside SGLang's decode step the two extra launches and
+    # the statistics the fused kernel counts for free cost more.
     return torch.ops.sglang_prr_cuda.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k,
-                                                  sink_blocks, local_blocks, n_out)
+                                                  sink_blocks, local_blocks, n_out, p_rows,
+                                                  dense_row, stats)
 
 
 def _predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks,
@@ -260,6 +252,25 @@ def _predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred
         th = th.contiguous()
     return torch.ops.sglang_prr_cuda.predict_update(level, trend, n_init, scores, nblk, th,
                                                     nblk_next, n_pred, sink_blocks, local_blocks)
+
+
+def _predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
+                         nblk_next, n_pred, sink_blocks, local_blocks):
+    ok = (active(level.device) and level.shape[-1] <= TOPK_MAX_BLOCKS
+          and level.dtype == torch.float32 and trend.dtype == torch.float32
+          and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
+          and n_init.dtype in (torch.int32, torch.int64) and scores.shape[0] <= MAX_GROUPS
+          and theta.dtype == torch.float32 and theta.dim() == 2 and theta.shape[1] == 3
+          and theta.stride(1) == 1 and p_idx.dtype == torch.int32 and p_cnt.dtype == torch.int32
+          and p_idx.is_contiguous() and p_cnt.is_contiguous()
+          and tuple(scores.shape[1:]) == tuple(level.shape[1:]))
+    if not ok:
+        ref.predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
+                                nblk_next, n_pred, sink_blocks, local_blocks)
+        return
+    torch.ops.sglang_prr_cuda.predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows,
+                                                  scores, nblk, nblk_next, n_pred, sink_blocks,
+                                                  local_blocks)
 
 
 def _merge_ok(o) -> bool:
@@ -283,14 +294,15 @@ def _merge_partials(o, lse):
     return torch.ops.sglang_prr_cuda.merge_partials(o, lse)
 
 
-def _quest_update(kmin, kmax, k, out_loc, positions, page_size):
+def _quest_update(kmin, kmax, k, out_loc, positions, page_size, one_per_page=False):
     ok = (active(kmin.device) and kmin.dtype == torch.float32 and kmax.dtype == torch.float32
           and kmin.is_contiguous() and kmax.is_contiguous() and k.dtype in _FLOAT_TYPES
           and (kmin.shape[1] * kmin.shape[2]) % 8 == 0)
     if not ok:
-        ref.quest_update(kmin, kmax, k, out_loc, positions, page_size)
+        ref.quest_update(kmin, kmax, k, out_loc, positions, page_size, one_per_page)
         return
-    torch.ops.sglang_prr_cuda.quest_update(kmin, kmax, k, out_loc, positions, page_size)
+    torch.ops.sglang_prr_cuda.quest_update(kmin, kmax, k, out_loc, positions, page_size,
+                                           one_per_page)
 
 
 # The single-op CUDA implementations the fused ops fall back to, as an ``impl`` for the
@@ -313,6 +325,7 @@ IMPLS: Dict[str, Callable] = {
     "sparse_attn_merge": _sparse_attn_merge,
     "quest_select": _quest_select,
     "predict_update": _predict_update,
+    "predict_update_rows": _predict_update_rows,
 }
 
 from .infllm import IMPLS as _INFLLM; IMPLS.update(_INFLLM)  # noqa: E402,E702

@@ -47,6 +47,29 @@ void check_launch(cudaError_t e, const char* op) {
 
 cudaStream_t stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
+// q as the kernels read it: [B, Hq, D] with packed heads and any row stride. SGLang's q is a
+// view of the fused qkv projection (rows strided by the k/v columns): it is read in place rather
+// than copied, which would cost a launch per op.
+Tensor q_view(const Tensor& q) {
+  TORCH_CHECK(q.dim() == 3, "sglang_prr_cuda: q must be [B, Hq, D], got ", q.sizes());
+  if (q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) % 8 == 0 &&
+      reinterpret_cast<uintptr_t>(q.data_ptr()) % 16 == 0)
+    return q;
+  return q.contiguous();
+}
+
+// Optional request-slot vector [B] (int32 or int64) of a list that lives in the request pool.
+const void* slots_ptr(const c10::optional<Tensor>& rows, int64_t B, bool& is64, Tensor& keep,
+                      const char* op) {
+  is64 = false;
+  if (!rows.has_value()) return nullptr;
+  keep = rows->contiguous();
+  TORCH_CHECK(keep.dim() == 1 && keep.size(0) == B, op, ": rows must be [", B, "], got ",
+              keep.sizes());
+  is64 = index64(keep, "rows");
+  return keep.data_ptr();
+}
+
 // Zero-initialised int32 counters of the fused kernels ("last CTA of a group finishes"), one
 // array per device and per kind of launch, so that launches of different kinds may run
 // concurrently on two streams (PRR's selection beside its attention). Each group's counter returns
@@ -108,7 +131,7 @@ prr::AttnArgs attn_args(const Tensor& q, const Tensor& k_buf, const Tensor& v_bu
   o = at::empty({B, Hq, N, D}, q.options().dtype(at::kFloat));
   lse = at::empty({B, Hq, N}, q.options().dtype(at::kFloat));
   prr::AttnArgs a{};
-  a.q = q.data_ptr(); a.q_dtype = dtype_code(q);
+  a.q = q.data_ptr(); a.q_dtype = dtype_code(q); a.q_stride = q.stride(0);
   a.k = k_buf.data_ptr(); a.v = v_buf.data_ptr(); a.kv_dtype = dtype_code(k_buf);
   a.k_stride_slot = k_buf.stride(0); a.k_stride_head = k_buf.stride(1);
   a.v_stride_slot = v_buf.stride(0); a.v_stride_head = v_buf.stride(1);
@@ -125,14 +148,17 @@ std::tuple<Tensor, Tensor> sparse_attn_partials(const Tensor& q_in, const Tensor
                                                 const Tensor& v_buf, const Tensor& table,
                                                 const Tensor& seq_lens, const Tensor& idx_in,
                                                 const Tensor& cnt_in, int64_t page_size,
-                                                double sm_scale) {
+                                                double sm_scale,
+                                                const c10::optional<Tensor>& idx_rows) {
   check_cuda(q_in, "q");
   c10::cuda::CUDAGuard guard(q_in.device());
-  const Tensor q = q_in.contiguous(), idx = idx_in.contiguous(), cnt = cnt_in.contiguous();
+  const Tensor q = q_view(q_in), idx = idx_in.contiguous(), cnt = cnt_in.contiguous();
   const Tensor sl = seq_lens.contiguous();
-  Tensor o, lse;
+  Tensor o, lse, rows;
   prr::AttnArgs a = attn_args(q, k_buf, v_buf, table, sl, idx, cnt, page_size, sm_scale, o, lse,
                               "sparse_attn_partials");
+  // With idx_rows the lists are pool rows [R, Hk, N]; the partials stay [B, Hq, N, ...].
+  a.idx_rows = slots_ptr(idx_rows, q.size(0), a.idx_rows64, rows, "sparse_attn_partials");
   check_launch(prr::launch_sparse_attn_partials(a, stream()), "sparse_attn_partials");
   return std::make_tuple(o, lse);
 }
@@ -145,19 +171,20 @@ std::tuple<Tensor, Tensor> sparse_attn_merge(
     double sm_scale, const c10::optional<Tensor>& o_spec, const c10::optional<Tensor>& lse_spec,
     const c10::optional<Tensor>& p_idx, const c10::optional<Tensor>& p_cnt,
     const c10::optional<Tensor>& a_idx, const c10::optional<Tensor>& a_cnt, int64_t nb,
-    bool exact) {
+    bool exact, const c10::optional<Tensor>& p_rows,
+    c10::optional<at::ScalarType> out_dtype) {
   check_cuda(q_in, "q");
   c10::cuda::CUDAGuard guard(q_in.device());
-  const Tensor q = q_in.contiguous(), idx = idx_in.contiguous(), cnt = cnt_in.contiguous();
+  const Tensor q = q_view(q_in), idx = idx_in.contiguous(), cnt = cnt_in.contiguous();
   const Tensor sl = seq_lens.contiguous();
   Tensor o_ws, lse_ws;
   prr::AttnArgs a = attn_args(q, k_buf, v_buf, table, sl, idx, cnt, page_size, sm_scale, o_ws,
                               lse_ws, "sparse_attn_merge");
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2);
-  auto o = at::empty({B, Hq, D}, q.options().dtype(at::kFloat));
+  auto o = at::empty({B, Hq, D}, q.options().dtype(out_dtype.value_or(at::kFloat)));
   auto lse = at::empty({B, Hq}, q.options().dtype(at::kFloat));
-  a.out_o = o.data_ptr<float>(); a.out_lse = lse.data_ptr<float>();
-  Tensor os, ls, pi, pc, ai, ac;
+  a.out_o = o.data_ptr(); a.out_dtype = dtype_code(o); a.out_lse = lse.data_ptr<float>();
+  Tensor os, ls, pi, pc, ai, ac, pr;
   if (o_spec.has_value()) {
     TORCH_CHECK(lse_spec.has_value(), "sparse_attn_merge: o_spec given without lse_spec");
     os = o_spec->contiguous(); ls = lse_spec->contiguous();
@@ -179,6 +206,7 @@ std::tuple<Tensor, Tensor> sparse_attn_merge(
       a.p_idx = pi.data_ptr<int32_t>(); a.p_cnt = pc.data_ptr<int32_t>();
       a.a_idx = ai.data_ptr<int32_t>(); a.a_cnt = ac.data_ptr<int32_t>();
       a.Na = (int)ai.size(-1);
+      a.p_rows = slots_ptr(p_rows, B, a.p_rows64, pr, "sparse_attn_merge");
     }
   }
   a.sem = group_counters(q, kCntAttnMerge, B * a.Hk, "sparse_attn_merge");
@@ -213,7 +241,8 @@ Tensor quest_scores(const Tensor& q_in, const Tensor& kmin, const Tensor& kmax,
 std::tuple<Tensor, Tensor> topk_common(const Tensor& scores, const Tensor* trend,
                                        const Tensor* gamma, const Tensor* n_init,
                                        const Tensor& nblk_in, int64_t k, int64_t sink,
-                                       int64_t local, int64_t n_out) {
+                                       int64_t local, int64_t n_out,
+                                       const c10::optional<Tensor>& dense_row = c10::nullopt) {
   check_cuda(scores, "scores");
   c10::cuda::CUDAGuard guard(scores.device());
   TORCH_CHECK(scores.is_contiguous() && scores.scalar_type() == at::kFloat,
@@ -237,6 +266,13 @@ std::tuple<Tensor, Tensor> topk_common(const Tensor& scores, const Tensor* trend
     a.n_init = ni.data_ptr(); a.ninit64 = index64(ni, "n_init");
   }
   a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
+  Tensor dr;
+  if (dense_row.has_value()) {
+    dr = dense_row->contiguous();
+    TORCH_CHECK(dr.scalar_type() == at::kBool && dr.numel() == B,
+                "select_topk: dense_row must be bool [", B, "]");
+    a.dense_row = dr.data_ptr<bool>();
+  }
   a.idx = idx.data_ptr<int32_t>(); a.cnt = cnt.data_ptr<int32_t>();
   a.B = (int)B; a.Hk = (int)Hk; a.NB = (int)NB; a.k = (int)k; a.sink = (int)sink;
   a.local = (int)local; a.n_out = (int)n_out;
@@ -245,8 +281,9 @@ std::tuple<Tensor, Tensor> topk_common(const Tensor& scores, const Tensor* trend
 }
 
 std::tuple<Tensor, Tensor> select_topk(const Tensor& scores, const Tensor& nblk, int64_t k,
-                                       int64_t sink, int64_t local, int64_t n_out) {
-  return topk_common(scores, nullptr, nullptr, nullptr, nblk, k, sink, local, n_out);
+                                       int64_t sink, int64_t local, int64_t n_out,
+                                       const c10::optional<Tensor>& dense_row) {
+  return topk_common(scores, nullptr, nullptr, nullptr, nblk, k, sink, local, n_out, dense_row);
 }
 
 std::tuple<Tensor, Tensor> predict_set(const Tensor& level, const Tensor& trend,
@@ -362,10 +399,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select(
     const Tensor& q_in, const Tensor& kmin, const Tensor& kmax, const Tensor& table,
     const Tensor& nblk_in, const c10::optional<Tensor>& p_idx_in,
     const c10::optional<Tensor>& p_cnt_in, int64_t k, int64_t sink, int64_t local,
-    int64_t n_out) {
+    int64_t n_out, const c10::optional<Tensor>& p_rows, const c10::optional<Tensor>& dense_row,
+    const c10::optional<Tensor>& stats) {
   check_cuda(q_in, "q");
   c10::cuda::CUDAGuard guard(q_in.device());
-  const Tensor q = q_in.contiguous();
+  const Tensor q = q_view(q_in);
   TORCH_CHECK(kmin.is_contiguous() && kmax.is_contiguous() &&
               kmin.scalar_type() == at::kFloat && kmax.scalar_type() == at::kFloat,
               "quest_select: kmin/kmax must be contiguous float32");
@@ -381,7 +419,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select(
   auto m_idx = at::empty({B, Hk, n_out}, q.options().dtype(at::kInt));
   auto m_cnt = at::empty({B, Hk}, q.options().dtype(at::kInt));
   prr::SelectArgs a{};
-  a.q = q.data_ptr(); a.q_dtype = dtype_code(q);
+  a.q = q.data_ptr(); a.q_dtype = dtype_code(q); a.q_stride = q.stride(0);
   a.kmin = kmin.data_ptr<float>(); a.kmax = kmax.data_ptr<float>();
   a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
   a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
@@ -394,6 +432,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select(
                 "quest_select: p_idx/p_cnt must be int32");
     a.p_idx = pi.data_ptr<int32_t>(); a.p_cnt = pc.data_ptr<int32_t>(); a.Np = (int)pi.size(-1);
   }
+  Tensor pr, dr;
+  a.p_rows = slots_ptr(p_rows, B, a.p_rows64, pr, "quest_select");
+  if (dense_row.has_value()) {
+    dr = dense_row->contiguous();
+    TORCH_CHECK(dr.scalar_type() == at::kBool && dr.numel() == B,
+                "quest_select: dense_row must be bool [", B, "]");
+    a.dense_row = dr.data_ptr<bool>();
+  }
+  if (stats.has_value()) {
+    TORCH_CHECK(stats->scalar_type() == at::kLong && stats->is_contiguous() &&
+                stats->numel() == 4, "quest_select: stats must be contiguous int64 [4]");
+    a.stats = reinterpret_cast<unsigned long long*>(stats->data_ptr<int64_t>());
+  }
   a.a_idx = a_idx.data_ptr<int32_t>(); a.a_cnt = a_cnt.data_ptr<int32_t>();
   a.m_idx = m_idx.data_ptr<int32_t>(); a.m_cnt = m_cnt.data_ptr<int32_t>();
   a.n_out = (int)n_out;
@@ -404,11 +455,12 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select(
   return std::make_tuple(scores, a_idx, a_cnt, m_idx, m_cnt);
 }
 
-// Fused Holt update + P(t+1): (p_idx [B, Hk, n_pred + sink + local], p_cnt [B, Hk]).
-std::tuple<Tensor, Tensor> predict_update(Tensor& level, Tensor& trend, Tensor& n_init,
-                                          const Tensor& scores_in, const Tensor& nblk_in,
-                                          const Tensor& theta, const Tensor& nblk_next_in,
-                                          int64_t n_pred, int64_t sink, int64_t local) {
+// Fused Holt update + P(t+1) into idx/cnt; with rows, every state tensor (and idx/cnt) is the
+// request pool's [R, ...] and batch entry b updates row rows[b] in place.
+void predict_common(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& scores_in,
+                    const Tensor& nblk_in, const Tensor& theta, const Tensor& nblk_next_in,
+                    int64_t n_pred, int64_t sink, int64_t local, Tensor& idx, Tensor& cnt,
+                    const c10::optional<Tensor>& rows_in) {
   check_cuda(level, "level");
   c10::cuda::CUDAGuard guard(level.device());
   TORCH_CHECK(level.is_contiguous() && trend.is_contiguous() && n_init.is_contiguous() &&
@@ -418,13 +470,21 @@ std::tuple<Tensor, Tensor> predict_update(Tensor& level, Tensor& trend, Tensor& 
               theta.stride(1) == 1, "predict_update: theta must be float32 [B, 3]");
   const Tensor scores = scores_in.contiguous().to(at::kFloat);
   const Tensor nblk = nblk_in.contiguous(), nblk_next = nblk_next_in.contiguous();
-  const int64_t B = level.size(0), Hk = level.size(1), NB = level.size(2);
+  const int64_t B = scores.size(0), Hk = level.size(1), NB = level.size(2);
   TORCH_CHECK(NB <= prr::max_topk_blocks(), "predict_update: ", NB, " blocks per row, at most ",
               prr::max_topk_blocks(), " supported");
+  TORCH_CHECK(scores.dim() == 3 && scores.size(1) == Hk && scores.size(2) == NB,
+              "predict_update: scores must be [B, ", Hk, ", ", NB, "], got ", scores.sizes());
   const int64_t n_out = n_pred + sink + local;
-  auto idx = at::empty({B, Hk, n_out}, level.options().dtype(at::kInt));
-  auto cnt = at::empty({B, Hk}, level.options().dtype(at::kInt));
+  TORCH_CHECK(idx.is_contiguous() && cnt.is_contiguous() && idx.scalar_type() == at::kInt &&
+              cnt.scalar_type() == at::kInt && idx.size(-1) == n_out,
+              "predict_update: p_idx/p_cnt must be contiguous int32 with ", n_out, " entries");
   prr::PredictArgs a{};
+  Tensor rows;
+  a.rows = slots_ptr(rows_in, B, a.rows64, rows, "predict_update");
+  if (!rows_in.has_value())
+    TORCH_CHECK(level.size(0) == B, "predict_update: level has ", level.size(0), " rows, scores ",
+                B);
   a.level = level.data_ptr<float>(); a.trend = trend.data_ptr<float>();
   a.n_init = n_init.data_ptr(); a.ninit64 = index64(n_init, "n_init");
   a.scores = scores.data_ptr<float>();
@@ -436,11 +496,32 @@ std::tuple<Tensor, Tensor> predict_update(Tensor& level, Tensor& trend, Tensor& 
   a.B = (int)B; a.Hk = (int)Hk; a.NB = (int)NB; a.k = (int)n_pred; a.sink = (int)sink;
   a.local = (int)local;
   check_launch(prr::launch_predict_update(a, stream()), "predict_update");
+}
+
+std::tuple<Tensor, Tensor> predict_update(Tensor& level, Tensor& trend, Tensor& n_init,
+                                          const Tensor& scores, const Tensor& nblk,
+                                          const Tensor& theta, const Tensor& nblk_next,
+                                          int64_t n_pred, int64_t sink, int64_t local) {
+  const int64_t B = level.size(0), Hk = level.size(1);
+  auto idx = at::empty({B, Hk, n_pred + sink + local}, level.options().dtype(at::kInt));
+  auto cnt = at::empty({B, Hk}, level.options().dtype(at::kInt));
+  predict_common(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink, local, idx,
+                 cnt, c10::nullopt);
   return std::make_tuple(idx, cnt);
 }
 
+// The request pool's state in place: level/trend [R, Hk, NB], n_init [R], theta [R, 3],
+// p_idx/p_cnt [R, Hk, n_pred + sink + local] / [R, Hk]; batch entry b is row rows[b].
+void predict_update_rows(Tensor& level, Tensor& trend, Tensor& n_init, Tensor& p_idx,
+                         Tensor& p_cnt, const Tensor& theta, const Tensor& rows,
+                         const Tensor& scores, const Tensor& nblk, const Tensor& nblk_next,
+                         int64_t n_pred, int64_t sink, int64_t local) {
+  predict_common(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink, local,
+                 p_idx, p_cnt, rows);
+}
+
 void quest_update(Tensor& kmin, Tensor& kmax, const Tensor& k_in, const Tensor& out_loc_in,
-                  const Tensor& positions_in, int64_t page_size) {
+                  const Tensor& positions_in, int64_t page_size, bool one_per_page) {
   check_cuda(kmin, "kmin");
   c10::cuda::CUDAGuard guard(kmin.device());
   TORCH_CHECK(kmin.is_contiguous() && kmax.is_contiguous() && kmin.scalar_type() == at::kFloat &&
@@ -453,7 +534,7 @@ void quest_update(Tensor& kmin, Tensor& kmax, const Tensor& k_in, const Tensor& 
   a.out_loc = out_loc.data_ptr(); a.loc64 = index64(out_loc, "out_loc");
   a.positions = positions.data_ptr(); a.pos64 = index64(positions, "positions");
   a.N = (int)k.size(0); a.Hk = (int)kmin.size(1); a.D = (int)kmin.size(2);
-  a.page_size = (int)page_size;
+  a.page_size = (int)page_size; a.one_per_page = one_per_page;
   check_launch(prr::launch_quest_update(a, stream()), "quest_update");
 }
 
@@ -461,11 +542,11 @@ void quest_update(Tensor& kmin, Tensor& kmax, const Tensor& k_in, const Tensor& 
 
 TORCH_LIBRARY(sglang_prr_cuda, m) {
   m.def("sparse_attn_partials(Tensor q, Tensor k_buf, Tensor v_buf, Tensor table, "
-        "Tensor seq_lens, Tensor idx, Tensor cnt, int page_size, float sm_scale) "
-        "-> (Tensor, Tensor)");
+        "Tensor seq_lens, Tensor idx, Tensor cnt, int page_size, float sm_scale, "
+        "Tensor? idx_rows=None) -> (Tensor, Tensor)");
   m.def("quest_scores(Tensor q, Tensor kmin, Tensor kmax, Tensor table, Tensor nblk) -> Tensor");
   m.def("select_topk(Tensor scores, Tensor nblk, int k, int sink_blocks, int local_blocks, "
-        "int n_out) -> (Tensor, Tensor)");
+        "int n_out, Tensor? dense_row=None) -> (Tensor, Tensor)");
   m.def("predict_set(Tensor level, Tensor trend, Tensor gamma, Tensor n_init, Tensor nblk_next, "
         "int n_pred, int sink_blocks, int local_blocks) -> (Tensor, Tensor)");
   m.def("set_difference(Tensor a_idx, Tensor a_cnt, Tensor p_idx, Tensor p_cnt, int nb) "
@@ -476,17 +557,22 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
         "Tensor a_cnt, Tensor o_rep, Tensor lse_rep, int nb, bool exact) -> (Tensor, Tensor)");
   m.def("merge_partials(Tensor o, Tensor lse) -> (Tensor, Tensor)");
   m.def("quest_update(Tensor(a!) kmin, Tensor(b!) kmax, Tensor k, Tensor out_loc, "
-        "Tensor positions, int page_size) -> ()");
+        "Tensor positions, int page_size, bool one_per_page=False) -> ()");
   m.def("sparse_attn_merge(Tensor q, Tensor k_buf, Tensor v_buf, Tensor table, "
         "Tensor seq_lens, Tensor idx, Tensor cnt, int page_size, float sm_scale, "
         "Tensor? o_spec, Tensor? lse_spec, Tensor? p_idx, Tensor? p_cnt, Tensor? a_idx, "
-        "Tensor? a_cnt, int nb, bool exact) -> (Tensor, Tensor)");
+        "Tensor? a_cnt, int nb, bool exact, Tensor? p_rows=None, ScalarType? out_dtype=None) "
+        "-> (Tensor, Tensor)");
   m.def("quest_select(Tensor q, Tensor kmin, Tensor kmax, Tensor table, Tensor nblk, "
-        "Tensor? p_idx, Tensor? p_cnt, int k, int sink_blocks, int local_blocks, int n_out) "
+        "Tensor? p_idx, Tensor? p_cnt, int k, int sink_blocks, int local_blocks, int n_out, "
+        "Tensor? p_rows=None, Tensor? dense_row=None, Tensor(a!)? stats=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("predict_update(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) n_init, Tensor scores, "
         "Tensor nblk, Tensor theta, Tensor nblk_next, int n_pred, int sink_blocks, "
         "int local_blocks) -> (Tensor, Tensor)");
+  m.def("predict_update_rows(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) n_init, "
+        "Tensor(d!) p_idx, Tensor(e!) p_cnt, Tensor theta, Tensor rows, Tensor scores, "
+        "Tensor nblk, Tensor nblk_next, int n_pred, int sink_blocks, int local_blocks) -> ()");
   m.def("prepare(Tensor like) -> ()");
 }
 
@@ -503,5 +589,6 @@ TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {
   m.impl("sparse_attn_merge", &sparse_attn_merge);
   m.impl("quest_select", &quest_select);
   m.impl("predict_update", &predict_update);
+  m.impl("predict_update_rows", &predict_update_rows);
   m.impl("prepare", &prepare);
 }

@@ -52,6 +52,26 @@ __device__ __forceinline__ void load8_any(const void* base, int64_t off, int dt,
   }
 }
 
+// Store 4 floats at element offset `off` of a tensor of dtype `dt` (rounded to nearest).
+__device__ __forceinline__ void store4_any(void* base, int64_t off, int dt, float4 v) {
+  if (dt == kF32) {
+    *reinterpret_cast<float4*>(reinterpret_cast<float*>(base) + off) = v;
+  } else if (dt == kF16) {
+    __half2* p = reinterpret_cast<__half2*>(reinterpret_cast<__half*>(base) + off);
+    p[0] = __floats2half2_rn(v.x, v.y);
+    p[1] = __floats2half2_rn(v.z, v.w);
+  } else {
+    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(base) + off);
+    p[0] = __floats2bfloat162_rn(v.x, v.y);
+    p[1] = __floats2bfloat162_rn(v.z, v.w);
+  }
+}
+
+// Row of a per-request list: b, or the request slot rows[b] when the list lives in the pool.
+__device__ __forceinline__ int64_t slot_of(const void* rows, bool rows64, int b) {
+  return rows ? ld_index(rows, b, rows64) : (int64_t)b;
+}
+
 // Raw 8-element vector of KV type T, loaded with one (16-bit types) or two (fp32) 16-byte loads
 // so that several tokens' loads can be issued before any is used.
 template <typename T> struct Raw8 { uint4 r[sizeof(T) / 2]; };
@@ -119,6 +139,8 @@ constexpr int kTailLoads = 8;
 __device__ void attn_merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem) {
   const int64_t row = (int64_t)b * a.Hk + hk;
   if (!last_of_group(a.sem + row, gridDim.x)) return;
+  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;  // this launch's list
+  const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;      // P's list
   constexpr int NW = kAttnThreads / 32;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int G = a.Hq / a.Hk, D = a.D, N2 = a.N;
@@ -131,9 +153,9 @@ __device__ void attn_merge_tail(const AttnArgs& a, int b, int hk, unsigned char*
   if (filt) {
     ca = min(a.a_cnt[row], a.Na);
     for (int i = tid; i < ca; i += kAttnThreads) s_a[i] = a.a_idx[row * a.Na + i];
-    n1 = min(max(a.p_cnt[row], 0), N1);
+    n1 = min(max(a.p_cnt[prow], 0), N1);
   }
-  const int n2 = min(max(a.cnt[row], 0), N2);  // entries past the count are padding (0, -inf)
+  const int n2 = min(max(a.cnt[lrow], 0), N2);  // entries past the count are padding (0, -inf)
   __syncthreads();
   for (int g = warp; g < G; g += NW) {
     const int64_t r = (int64_t)b * a.Hq + (int64_t)hk * G + g;
@@ -147,7 +169,7 @@ __device__ void attn_merge_tail(const AttnArgs& a, int b, int hk, unsigned char*
         e = c;
         v = a.lse1[r * N1 + c];
         if (filt) {
-          const int x = a.p_idx[row * N1 + c];
+          const int x = a.p_idx[prow * N1 + c];
           bool keep = x >= 0;
           if (keep) {
             int lo = 0, hi = ca;
@@ -212,9 +234,9 @@ __device__ void attn_merge_tail(const AttnArgs& a, int b, int hk, unsigned char*
         }
       }
       acc.x *= inv; acc.y *= inv; acc.z *= inv; acc.w *= inv;
-      reinterpret_cast<float4*>(a.out_o + r * D)[c] = acc;
+      store4_any(a.out_o, r * D + 4 * c, a.out_dtype, acc);
     }
-    if (lane == 0) a.out_lse[r] = m_safe + logf(ls);
+    if (lane == 0 && a.out_lse) a.out_lse[r] = m_safe + logf(ls);
     __syncwarp();  // s_w / s_e are refilled for the next head of this warp
   }
 }
@@ -243,8 +265,9 @@ sparse_attn_kernel(AttnArgs a) {
   const int G = a.Hq / a.Hk;
   const int tid = threadIdx.x;
   const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;  // first query head of the group
-  const int c = a.cnt[b * a.Hk + hk];
-  const int blk = a.idx[((int64_t)b * a.Hk + hk) * a.N + n];
+  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
+  const int c = a.cnt[lrow];
+  const int blk = a.idx[lrow * a.N + n];
   int ntok = 0;
   int64_t page = 0;
   if (n < c && blk >= 0) {
@@ -270,7 +293,7 @@ sparse_attn_kernel(AttnArgs a) {
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
     if (g < G) {
-      load8_any(a.q, (row0 + g) * D + d0, a.q_dtype, qf[g]);
+      load8_any(a.q, b * a.q_stride + ((int64_t)hk * G + g) * D + d0, a.q_dtype, qf[g]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) qf[g][i] *= qs;
     } else {
@@ -404,8 +427,9 @@ sparse_attn_hd_kernel(AttnArgs a) {
   const int n = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x;
   const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;
-  const int c = a.cnt[b * a.Hk + hk];
-  const int blk = a.idx[((int64_t)b * a.Hk + hk) * a.N + n];
+  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
+  const int c = a.cnt[lrow];
+  const int blk = a.idx[lrow * a.N + n];
   int ntok = 0;
   int64_t page = 0;
   if (n < c && blk >= 0) {
@@ -446,7 +470,7 @@ sparse_attn_hd_kernel(AttnArgs a) {
   const int lane = tid % L, h = (tid / L) % G, tg = tid / (L * G);
   const int d0 = lane * 8;
   float qf[8];
-  load8_any(a.q, (row0 + h) * D + d0, a.q_dtype, qf);
+  load8_any(a.q, b * a.q_stride + ((int64_t)hk * G + h) * D + d0, a.q_dtype, qf);
   const float qs = a.sm_scale * kLog2e;
 #pragma unroll
   for (int i = 0; i < 8; ++i) qf[i] *= qs;
@@ -836,7 +860,8 @@ select_topk_kernel(TopkArgs a) {
     }
     s_key[i] = key;
   }
-  topk_mask<kTopkThreads>(s_key, NB, nb, a.k, keep_lo, keep_hi);
+  const int kk = (a.dense_row && a.dense_row[b]) ? NB : a.k;
+  topk_mask<kTopkThreads>(s_key, NB, nb, kk, keep_lo, keep_hi);
   write_list<kTopkThreads>(s_key, NB, 1u, a.idx + row * a.n_out, a.n_out, a.cnt + row);
 }
 
@@ -865,7 +890,7 @@ quest_select_kernel(SelectArgs a) {
   float* s_q = reinterpret_cast<float*>(s_sel);
   for (int e = tid * 8; e < G * a.D; e += kSelThreads * 8) {
     float f[8];
-    load8_any(a.q, ((int64_t)b * a.Hq + (int64_t)hk * G) * a.D + e, a.q_dtype, f);
+    load8_any(a.q, b * a.q_stride + (int64_t)hk * G * a.D + e, a.q_dtype, f);
 #pragma unroll
     for (int i = 0; i < 8; ++i) s_q[e + i] = f[i];
   }
@@ -917,12 +942,15 @@ quest_select_kernel(SelectArgs a) {
   const int keep_lo = a.sink, keep_hi = nb - a.local;
   for (int i = tid; i < NB; i += kSelThreads)
     s_key[i] = is_middle(i, nb, keep_lo, keep_hi) ? order_key(__ldcg(srow + i)) : 0u;
-  topk_mask<kSelThreads>(s_key, NB, nb, a.k, keep_lo, keep_hi);
+  const bool dense = a.dense_row && a.dense_row[b];
+  topk_mask<kSelThreads>(s_key, NB, nb, dense ? NB : a.k, keep_lo, keep_hi);
   // Mark the selected blocks that P holds (bit 1): M = selected without that bit.
+  int pc = 0;
   if (a.p_idx) {
-    const int pc = min(a.p_cnt[row], a.Np);
+    const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
+    pc = min(max(a.p_cnt[prow], 0), a.Np);
     for (int i = tid; i < pc; i += kSelThreads) {
-      const int x = a.p_idx[row * a.Np + i];
+      const int x = a.p_idx[prow * a.Np + i];
       if (x >= 0 && x < NB && s_key[x]) s_key[x] = 3u;
     }
     __syncthreads();
@@ -932,6 +960,13 @@ quest_select_kernel(SelectArgs a) {
   for (int i = tid; i < NB; i += kSelThreads) s_key[i] = s_key[i] == 1u ? 1u : 0u;
   __syncthreads();
   write_list<kSelThreads>(s_key, NB, 1u, a.m_idx + row * a.n_out, a.n_out, a.m_cnt + row);
+  // write_list's last barrier makes both counts visible to thread 0, which wrote them.
+  if (a.stats && !dense && tid == 0) {
+    atomicAdd(a.stats + 0, (unsigned long long)a.a_cnt[row]);
+    atomicAdd(a.stats + 1, (unsigned long long)a.m_cnt[row]);
+    atomicAdd(a.stats + 2, (unsigned long long)pc);
+    atomicAdd(a.stats + 3, 1ull);
+  }
 }
 
 // ============================================================================ fused predictor
@@ -943,19 +978,21 @@ predict_update_kernel(PredictArgs a) {
   const int hk = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x;
   const int NB = a.NB;
-  const int64_t row = (int64_t)b * a.Hk + hk;
+  const int64_t srow = slot_of(a.rows, a.rows64, b);  // the request's state row
+  const int64_t row = srow * a.Hk + hk;
+  const int64_t brow = (int64_t)b * a.Hk + hk;        // this step's scores
   const int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
   const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
   const int64_t nn64 = ld_index(a.nblk_next, b, a.nblk_next64);
   const int nbn = (int)(nn64 < NB ? (nn64 < 0 ? 0 : nn64) : NB);
-  const int64_t ni64 = ld_index(a.n_init, b, a.ninit64);
+  const int64_t ni64 = ld_index(a.n_init, srow, a.ninit64);
   const int ninit = (int)(ni64 < NB ? ni64 : NB);
   const int ninit_new = max(ninit, nb);
-  const float al = a.theta[b * a.theta_stride], be = a.theta[b * a.theta_stride + 1];
-  const float gam = a.theta[b * a.theta_stride + 2];
+  const float al = a.theta[srow * a.theta_stride], be = a.theta[srow * a.theta_stride + 1];
+  const float gam = a.theta[srow * a.theta_stride + 2];
   float* lv = a.level + row * NB;
   float* tr = a.trend + row * NB;
-  const float* sc = a.scores + row * NB;
+  const float* sc = a.scores + brow * NB;
   const int keep_lo = a.sink, keep_hi = nbn - a.local;
   for (int i = tid; i < NB; i += kTopkThreads) {
     float l = 0.f, v = 0.f;
@@ -982,8 +1019,8 @@ predict_update_kernel(PredictArgs a) {
   topk_mask<kTopkThreads>(s_key, NB, nbn, a.k, keep_lo, keep_hi);
   write_list<kTopkThreads>(s_key, NB, 1u, a.idx + row * a.n_out, a.n_out, a.cnt + row);
   if (last_of_group(a.sem + b, gridDim.x) && tid == 0) {
-    if (a.ninit64) reinterpret_cast<long long*>(a.n_init)[b] = ninit_new;
-    else reinterpret_cast<int*>(a.n_init)[b] = ninit_new;
+    if (a.ninit64) reinterpret_cast<long long*>(a.n_init)[srow] = ninit_new;
+    else reinterpret_cast<int*>(a.n_init)[srow] = ninit_new;
   }
 }
 
@@ -1194,6 +1231,28 @@ __device__ __forceinline__ void atomic_max_f(float* p, float v) {
   if (v >= 0.f) atomicMax(reinterpret_cast<int*>(p), __float_as_int(v));
   else atomicMin(reinterpret_cast<unsigned*>(p), __float_as_uint(v));
 }
+// Decode (one token per page): the first token of a page writes the page's summary, any other
+// token folds into it, so no reset pass is needed. Padding rows all write page 0, whose summary
+// no request reads.
+__global__ void quest_decode_update_kernel(QuestUpdateArgs a) {
+  const int n = blockIdx.x;
+  const int64_t loc = ld_index(a.out_loc, n, a.loc64), pos = ld_index(a.positions, n, a.pos64);
+  const int64_t page = loc / a.page_size;
+  const bool first = pos % a.page_size == 0;
+  const int HD = a.Hk * a.D;
+  for (int e = threadIdx.x * 8; e < HD; e += blockDim.x * 8) {
+    float f[8];
+    load8_any(a.k, (int64_t)n * HD + e, a.k_dtype, f);
+    float* lo = a.kmin + page * HD + e;
+    float* hi = a.kmax + page * HD + e;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      lo[i] = first ? f[i] : fminf(lo[i], f[i]);
+      hi[i] = first ? f[i] : fmaxf(hi[i], f[i]);
+    }
+  }
+}
+
 __global__ void quest_fold_kernel(QuestUpdateArgs a) {
   const int n = blockIdx.x;
   const int64_t page = ld_index(a.out_loc, n, a.loc64) / a.page_size;
@@ -1313,6 +1372,10 @@ cudaError_t launch_merge(const MergeArgs& a, cudaStream_t s) {
 cudaError_t launch_quest_update(const QuestUpdateArgs& a, cudaStream_t s) {
   if ((a.Hk * a.D) % 8 != 0) return cudaErrorInvalidValue;
   if (a.N == 0) return cudaSuccess;
+  if (a.one_per_page) {
+    quest_decode_update_kernel<<<a.N, 128, 0, s>>>(a);
+    return cudaGetLastError();
+  }
   quest_reset_kernel<<<a.N, 256, 0, s>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;

@@ -13,12 +13,15 @@ enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 constexpr int kMaxGroup = 8;
 
 struct AttnArgs {
-  const void* q; int q_dtype;                   // [B, Hq, D] contiguous
+  const void* q; int q_dtype; int64_t q_stride;  // [B, Hq, D], rows q_stride apart, heads packed
   const void* k; const void* v; int kv_dtype;   // [num_slots, Hk, D], last dim contiguous
   int64_t k_stride_slot, k_stride_head, v_stride_slot, v_stride_head;
   const void* table; bool table64; int64_t table_stride;  // [B, NB]
   const void* seq_lens; bool seq64;                          // [B]
   const int32_t* idx; const int32_t* cnt;                    // [B, Hk, N], [B, Hk]
+  // Optional request slots [B]: idx/cnt are then rows idx_rows[b] of [R, Hk, N] / [R, Hk]
+  // (the speculative pass reads P straight from the request pool's predictor state).
+  const void* idx_rows; bool idx_rows64;
   float* o; float* lse;                                      // [B, Hq, N, D], [B, Hq, N]
   int B, Hq, Hk, N, D, page_size;
   float sm_scale;
@@ -28,8 +31,9 @@ struct AttnArgs {
   int* sem;                                                  // [B * Hk] zeroed counters
   const float* o1; const float* lse1; int N1;
   const int32_t* p_idx; const int32_t* p_cnt;                // [B, Hk, N1], [B, Hk]
+  const void* p_rows; bool p_rows64;                         // optional slots of p_idx/p_cnt
   const int32_t* a_idx; const int32_t* a_cnt; int Na;        // [B, Hk, Na] ascending, [B, Hk]
-  float* out_o; float* out_lse;                              // [B, Hq, D], [B, Hq]
+  void* out_o; int out_dtype; float* out_lse;                // [B, Hq, D] (f32/f16/bf16), [B, Hq] or null
 };
 // Dynamic shared memory the fused merge needs (bytes) for these sizes.
 size_t attn_merge_smem(int N, int N1, int Na);
@@ -51,6 +55,7 @@ struct TopkArgs {
   const float* gamma; int64_t gamma_stride;
   const void* n_init; bool ninit64;
   const void* nblk; bool nblk64;    // [B]
+  const bool* dense_row;            // [B] optional: every middle block is selected
   int32_t* idx; int32_t* cnt;       // [B, Hk, n_out], [B, Hk]
   int B, Hk, NB, k, sink, local, n_out;
 };
@@ -59,12 +64,17 @@ int max_topk_blocks();  // largest NB a row of select_topk may have (shared-memo
 
 // Fused Quest selection: scores + top-K (A) + M = A \ P, one launch.
 struct SelectArgs {
-  const void* q; int q_dtype;                  // [B, Hq, D] contiguous
+  const void* q; int q_dtype; int64_t q_stride;  // [B, Hq, D], rows q_stride apart
   const float* kmin; const float* kmax;        // [num_pages, Hk, D] contiguous
   const void* table; bool table64; int64_t table_stride;  // [B, NB]
   const void* nblk; bool nblk64;                          // [B]
   float* scores;                                          // [B, Hk, NB]
   const int32_t* p_idx; const int32_t* p_cnt; int Np;     // P (nullptr: M = A)
+  const void* p_rows; bool p_rows64;                      // optional slots of p_idx/p_cnt
+  const bool* dense_row;                                  // [B] optional: A = every block
+  // Optional counters [4] (sum |A|, sum |M|, sum |P|, rows) over the (b, hk) rows that are not
+  // dense: PRR's statistics, accumulated by the kernel that already knows them.
+  unsigned long long* stats;
   int32_t* a_idx; int32_t* a_cnt; int32_t* m_idx; int32_t* m_cnt; int n_out;
   int* sem;                                               // [B * Hk] zeroed counters
   int B, Hq, Hk, NB, D, k, sink, local;
@@ -74,6 +84,9 @@ int max_select_group_dim();  // largest G * D of quest_select (shared-memory bou
 
 // Fused predictor: Holt update (eq 3) + P(t+1) (eq 2 + top-K), one launch.
 struct PredictArgs {
+  // State rows: b, or rows[b] when rows is set (level/trend [R, Hk, NB], n_init [R], theta
+  // [R, 3], idx/cnt [R, Hk, n_out] / [R, Hk]: the request pool's state, updated in place).
+  const void* rows; bool rows64;
   float* level; float* trend; void* n_init; bool ninit64;  // [B, Hk, NB], [B]
   const float* scores;                                     // [B, Hk, NB]
   const void* nblk; bool nblk64; const void* nblk_next; bool nblk_next64;  // [B]
@@ -117,6 +130,7 @@ struct QuestUpdateArgs {
   const void* k; int k_dtype;          // [N, Hk, D] contiguous
   const void* out_loc; bool loc64; const void* positions; bool pos64;
   int N, Hk, D, page_size;
+  bool one_per_page;  // no two tokens share a page (decode): reset and fold in one launch
 };
 cudaError_t launch_quest_update(const QuestUpdateArgs& a, cudaStream_t s);
 

@@ -1,0 +1,163 @@
+"""The sparse decode step of one layer: serial DSA or PRR, on the request pool's state in place.
+
+One ``DecodeStep`` per server, built once with the step's constants; ``plan`` runs once per
+forward pass (the values every layer shares), ``run`` once per layer. Shapes are static and
+counts live on the device, so both record into SGLang's decode CUDA graphs. On SM90 each stage is
+one kernel launch and nothing else is launched (no gathers, casts or statistics glue):
+
+```
+serial DSA, one stream:   [select: scores, A]  ->  [attention over A + merge -> model dtype]
+
+PRR, per layer:
+main : -fork-> [speculative attention over P(t)] ---wait(A, M)-> [repair over M + exact merge] -merged->
+side :    \\-> [select: scores, A, M = A \\ P(t)] -/                                    wait(merged)-/
+                                                           [predictor: Holt update, P(t+1) in place]
+```
+
+The predictor step writes P(t+1) over P(t) in the request pool, so it waits for the merge, the
+last reader of P(t); it then runs beside the rest of the layer (output projection, MLP) and the
+next layers. The side stream joins the main stream once per forward, after the last sparse layer
+(``run(..., join=True)``), which also ends every fork before a graph capture ends.
+
+Rows shorter than ``min_context`` tokens take the same kernels with A = every block (DSA with K >=
+all blocks is dense attention), so no batch needs a second attention pass; the selection kernel
+leaves them out of the statistics.
+
+On CPU (and other devices) every op is the torch reference and the stages run one after another.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+
+class DecodeBatch(NamedTuple):
+    """Per-forward values every layer shares (``DecodeStep.plan``)."""
+
+    rows: Tensor       # [B] request slots (SGLang's req_pool_indices); state rows
+    table: Tensor      # [B, NB] int32 page id of every block
+    seq_lens: Tensor   # [B] tokens, the one being decoded included
+    nblk: Tensor       # [B] int64 blocks now
+    nblk_next: Tensor  # [B] int64 blocks at the next step (for P(t+1))
+    dense_row: Tensor  # [B] bool: shorter than min_context, attends every block
+
+
+class LayerState(NamedTuple):
+    """One layer's predictor state in the request pool (views of ``PRRState``), ``R`` rows."""
+
+    p_idx: Tensor  # [R, Hk, Np] int32 prediction P for the next step
+    p_cnt: Tensor  # [R, Hk] int32
+    level: Tensor  # [R, Hk, NB] float32
+    trend: Tensor  # [R, Hk, NB] float32
+    n_init: Tensor  # [R] int64 blocks with state
+    theta: Tensor  # [R, 3] float32 (alpha, beta, gamma)
+
+
+class DecodeStep:
+    """Serial DSA or PRR decode of one layer (see the module docstring).
+
+    method: ``quest`` | ``infllm_v2``; k / n_pred: K and |P| max in blocks; sink / local: kept
+    blocks; exact: attend exactly A (else P u A); serial: serial DSA instead of PRR;
+    skip_repair: debug negative control (M forced empty, so PRR(exact) != serial DSA).
+    """
+
+    def __init__(self, method: str, k: int, n_pred: int, sink: int, local: int, page_size: int,
+                 min_context: int, exact: bool, serial: bool, device: torch.device,
+                 skip_repair: bool = False):
+        self.method, self.k, self.n_pred = method, int(k), int(n_pred)
+        self.sink, self.local, self.page = int(sink), int(local), int(page_size)
+        self.min_context = int(min_context)
+        self.exact, self.serial, self.skip_repair = bool(exact), bool(serial), bool(skip_repair)
+        # Width of A and M: K + kept blocks, or every block of the longest dense row.
+        self.n_out = max(self.k + self.sink + self.local,
+                         -(-max(self.min_context - 1, 0) // self.page))
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        if self.cuda and not self.serial:
+            self.side = torch.cuda.Stream(device=self.device)
+            self.forked = torch.cuda.Event()
+            self.selected = torch.cuda.Event()
+            self.merged = torch.cuda.Event()
+            self.predicted = torch.cuda.Event()
+
+    # ------------------------------------------------------------------ once per forward
+    def plan(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor
+             ) -> DecodeBatch:
+        """The values all layers share: a handful of small launches per forward, none per layer.
+
+        req_to_token: ``[R, max_ctx]`` int32 slots; req_pool_indices, seq_lens: ``[B]``."""
+        p = self.page
+        table = req_to_token[:, ::p].index_select(0, req_pool_indices)  # [B, NB] first slots
+        table = table.div_(p, rounding_mode="floor")
+        s = seq_lens.long()
+        return DecodeBatch(rows=req_pool_indices, table=table, seq_lens=seq_lens,
+                           nblk=(s + (p - 1)).div_(p, rounding_mode="floor"),
+                           nblk_next=s.div(p, rounding_mode="floor").add_(1),
+                           dense_row=seq_lens < self.min_context)
+
+    # ------------------------------------------------------------------ once per layer
+    def run(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor],
+            batch: DecodeBatch, state: Optional[LayerState], stats: Optional[Tensor],
+            sm_scale: float, out_dtype: torch.dtype, join: bool = True) -> Tensor:
+        """One layer's decode attention: ``o [B, Hq, D]`` in ``out_dtype``.
+
+        q: ``[B, Hq, D]`` (rows may be strided, heads packed); k_buf/v_buf: the layer's
+        ``[slots, Hk, D]`` pool buffers; summary: ``(kmin, kmax)`` or ``(ck,)`` of the layer;
+        state: the layer's predictor state (PRR; updated in place, P(t+1) included);
+        stats: ``[4]`` int64 counters (``reference.accumulate_stats``) or None; join: end this
+        forward's side-stream work here (the last sparse layer)."""
+        b = batch
+        sel = dict(nblk=b.nblk, n_out=self.n_out, dense_row=b.dense_row, stats=stats)
+        args = (self.method, q, list(summary), b.table, b.seq_lens, self.page, sm_scale, self.k,
+                self.sink, self.local)
+        if self.serial:
+            _, a_idx, a_cnt, _, _ = ops.select_fused(*args, **sel)
+            return ops.sparse_attn_merge(q, k_buf, v_buf, b.table, b.seq_lens, a_idx, a_cnt,
+                                         self.page, sm_scale, None, None, None, None, None, None,
+                                         0, True, out_dtype=out_dtype)[0]
+        st = state
+        if self.cuda:
+            main = torch.cuda.current_stream(self.device)
+            self.forked.record(main)
+            with torch.cuda.stream(self.side):
+                self.side.wait_event(self.forked)
+                scores, a_idx, a_cnt, m_idx, m_cnt = ops.select_fused(
+                    *args, st.p_idx, st.p_cnt, p_rows=b.rows, **sel)
+                self.selected.record(self.side)
+        else:
+            scores, a_idx, a_cnt, m_idx, m_cnt = ops.select_fused(*args, st.p_idx, st.p_cnt,
+                                                                  p_rows=b.rows, **sel)
+        # Reuse: the speculative pass over P(t) (beside the selection on CUDA).
+        o_s, lse_s = ops.sparse_attn_partials(q, k_buf, v_buf, b.table, b.seq_lens, st.p_idx,
+                                              st.p_cnt, self.page, sm_scale, idx_rows=b.rows)
+        if self.cuda:
+            main.wait_event(self.selected)
+            for t in (a_idx, a_cnt, m_idx, m_cnt):
+                t.record_stream(main)  # allocated on the side stream, read on the main one
+        if self.skip_repair:
+            m_cnt = torch.zeros_like(m_cnt)
+        # Repair over M = A \ P(t), merged with the speculative partials of P(t) n A (exact).
+        o, _ = ops.sparse_attn_merge(q, k_buf, v_buf, b.table, b.seq_lens, m_idx, m_cnt,
+                                     self.page, sm_scale, o_s, lse_s, st.p_idx, st.p_cnt, a_idx,
+                                     a_cnt, b.table.shape[1], self.exact, p_rows=b.rows,
+                                     out_dtype=out_dtype)
+        predict = (st.level, st.trend, st.n_init, st.p_idx, st.p_cnt, st.theta, b.rows, scores,
+                   b.nblk, b.nblk_next, self.n_pred, self.sink, self.local)
+        if not self.cuda:
+            ops.predict_update_rows(*predict)
+            return o
+        # Predict: P(t+1) overwrites P(t), so after the merge, its last reader.
+        self.merged.record(main)
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(self.merged)
+            ops.predict_update_rows(*predict)
+            if join:
+                self.predicted.record(self.side)
+        if join:
+            main.wait_event(self.predicted)
+        return o

@@ -1,0 +1,236 @@
+"""The lean decode step on the GPU: the ops' pool-row, dense-row, statistics and output-dtype
+contracts against the reference, and ``DecodeStep`` (serial DSA and PRR, two streams) replayed
+in a CUDA graph with strided queries, rows out of order and a padding row, against serial DSA.
+
+Conventions as in ``test_kernels.py``: printed seeds, poisoned outputs, a negative control beside
+each equality. Skipped with a reason without a CUDA SM90 device.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+from sglang_prr import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device (SM90 kernels)", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("needs an SM90 GPU", allow_module_level=True)
+
+from sglang_prr import kernels, ops  # noqa: E402
+from sglang_prr.step import DecodeStep, LayerState  # noqa: E402
+from sglang_prr.synthetic import paged_kv  # noqa: E402
+from test_kernels import DEV, make_pool, poison, random_lists, rel_err, seeded  # noqa: E402
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _lib():
+    assert kernels.load(), f"kernel library failed to build/load: {kernels.load_error()}"
+    yield
+
+
+def _pool_lists(R, rows, idx, cnt):
+    """Scatter batch lists into pool-wide lists ``[R, ...]`` at ``rows`` (other rows garbage)."""
+    pi = torch.randint(0, 3, (R,) + idx.shape[1:], dtype=torch.int32)
+    pc = torch.randint(0, 3, (R,) + cnt.shape[1:], dtype=torch.int32)
+    pi[rows], pc[rows] = idx, cnt
+    return pi, pc
+
+
+@pytest.mark.parametrize("B,Hq,Hk,D,page,dtype", [
+    (3, 32, 8, 128, 64, torch.bfloat16), (5, 8, 2, 64, 16, torch.float16),
+    (2, 16, 4, 128, 32, torch.float32)])
+def test_attention_reads_pool_rows_and_writes_model_dtype(B, Hq, Hk, D, page, dtype):
+    seeded(f"pool rows B={B} Hq={Hq} page={page} {dtype}")
+    seq = [random.randint(2 * page, 9 * page) + 3 for _ in range(B)]
+    k_buf, v_buf, table, sl, NB = make_pool(B, Hk, D, page, seq, dtype)
+    nblk = [(s + page - 1) // page for s in seq]
+    N = max(nblk)
+    p_idx, p_cnt = random_lists(B, Hk, N, nblk)
+    a_idx, a_cnt = random_lists(B, Hk, N, nblk)
+    m_idx, m_cnt = random_lists(B, Hk, N, nblk)
+    R = 2 * B + 3
+    rows = torch.randperm(R - 1)[:B] + 1  # out of order, not the batch order
+    pool_pi, pool_pc = _pool_lists(R, rows, p_idx, p_cnt)
+    # q as SGLang hands it over: a strided view of the fused qkv projection.
+    qkv = torch.randn(B, (Hq + 2 * Hk) * D).to(dtype)
+    q = qkv[:, :Hq * D].view(B, Hq, D)
+    sm = 1.0 / math.sqrt(D)
+    o_s, lse_s = ref.sparse_attn_partials(q.float(), k_buf, v_buf, table, sl, p_idx, p_cnt, page,
+                                          sm)
+    want, _ = ref.sparse_attn_merge(q.float(), k_buf, v_buf, table, sl, m_idx, m_cnt, page, sm,
+                                    o_s, lse_s, p_idx, p_cnt, a_idx, a_cnt, NB, True)
+    d = lambda *ts: [t.to(DEV) for t in ts]  # noqa: E731
+    qd, kd, vd, td, sd, rd = d(qkv, k_buf, v_buf, table, sl, rows)
+    qd = qd[:, :Hq * D].view(B, Hq, D)
+    assert not qd.is_contiguous()
+    poison(((B, Hq, N, D), torch.float32), ((B, Hq, D), dtype))
+    go_s, glse_s = ops.sparse_attn_partials(qd, kd, vd, td, sd, *d(pool_pi, pool_pc), page, sm,
+                                            idx_rows=rd)
+    assert rel_err(go_s, o_s) < 3e-5
+    o, _ = ops.sparse_attn_merge(qd, kd, vd, td, sd, *d(m_idx, m_cnt), page, sm, go_s, glse_s,
+                                 *d(pool_pi, pool_pc, a_idx, a_cnt), NB, True, p_rows=rd,
+                                 out_dtype=dtype)
+    assert o.dtype == dtype and torch.isfinite(o).all()
+    tol = 3e-5 if dtype == torch.float32 else 1e-2
+    assert rel_err(o, want) < tol
+    # Negative control: the batch's own row order reads the wrong requests' P.
+    bad, _ = ops.sparse_attn_partials(qd, kd, vd, td, sd, *d(pool_pi[:B], pool_pc[:B]), page, sm)
+    assert rel_err(bad, o_s) > 1e-2
+
+
+@pytest.mark.parametrize("B,Hq,Hk,D,page", [(1, 32, 8, 128, 64), (4, 8, 2, 64, 16)])
+def test_quest_select_pool_rows_dense_rows_and_stats(B, Hq, Hk, D, page):
+    g = seeded(f"quest_select rows B={B} page={page}")
+    ctx = 30 * page + 5
+    kv = paged_kv(B, ctx, page, Hk, D, dtype=torch.bfloat16, device=torch.device("cpu"),
+                  generator=g)
+    table = kv.table.int()
+    seq = torch.tensor([ctx - 3 * b for b in range(B)])
+    nblk = ref.num_blocks(seq, page)
+    q = torch.randn(B, Hq, D).to(torch.bfloat16) * 3
+    k, sink, local, n_out = 4, 1, 1, 40
+    p_idx, p_cnt = random_lists(B, Hk, 12, nblk.tolist())
+    R = B + 4
+    rows = torch.randperm(R - 1)[:B] + 1
+    pool_pi, pool_pc = _pool_lists(R, rows, p_idx, p_cnt)
+    dense = torch.zeros(B, dtype=torch.bool)
+    dense[0] = True
+    st_ref = torch.zeros(4, dtype=torch.int64)
+    want = ref.quest_select(q.float(), kv.kmin.cpu(), kv.kmax.cpu(), table, nblk, pool_pi,
+                            pool_pc, k, sink, local, n_out, rows, dense, st_ref)
+    st = torch.zeros(4, dtype=torch.int64, device=DEV)
+    got = ops.quest_select(*[t.to(DEV) for t in (q, kv.kmin, kv.kmax, table, nblk, pool_pi,
+                                                 pool_pc)], k, sink, local, n_out,
+                           rows.to(DEV), dense.to(DEV), st)
+    for w, o in zip(want[1:], got[1:]):
+        assert torch.equal(w, o.cpu())
+    assert torch.equal(st.cpu(), st_ref) and int(st_ref[3]) == (B - 1) * Hk
+    assert int(got[2][0].min()) == int(nblk[0])  # the dense row attends every block
+    # Negative control: without the dense flag row 0 takes only K + kept blocks.
+    plain = ops.quest_select(*[t.to(DEV) for t in (q, kv.kmin, kv.kmax, table, nblk, pool_pi,
+                                                   pool_pc)], k, sink, local, n_out, rows.to(DEV))
+    assert int(plain[2][0].max()) == k + sink + local < int(nblk[0])
+
+
+def test_predict_update_rows_and_quest_decode_update_match_reference():
+    g = seeded("predict rows")
+    R, B, Hk, NB, n_pred = 9, 4, 2, 50, 6
+    level = torch.randn(R, Hk, NB)
+    trend = torch.randn(R, Hk, NB) * 0.1
+    n_init = torch.randint(10, NB, (R,))
+    theta = torch.rand(R, 3) * 0.8 + 0.1
+    p_idx = torch.full((R, Hk, n_pred + 2), -7, dtype=torch.int32)
+    p_cnt = torch.full((R, Hk), -7, dtype=torch.int32)
+    rows = torch.tensor([7, 2, 0, 5])  # 0: a padding row
+    scores = torch.randn(B, Hk, NB)
+    nblk = torch.randint(20, NB - 1, (B,))
+    state = [level, trend, n_init, p_idx, p_cnt]
+    want = [t.clone() for t in state]
+    ref.predict_update_rows(*want, theta, rows, scores, nblk, nblk + 1, n_pred, 1, 1)
+    got = [t.to(DEV) for t in state]
+    ops.predict_update_rows(*got, theta.to(DEV), rows.to(DEV), scores.to(DEV), nblk.to(DEV),
+                            (nblk + 1).to(DEV), n_pred, 1, 1)
+    for w, o in zip(want, got):
+        assert torch.equal(w, o.cpu())  # rounded op by op like the reference
+    untouched = [1, 3, 4, 6, 8]
+    assert torch.equal(got[0].cpu()[untouched], level[untouched])
+    assert not torch.equal(got[0].cpu()[[7, 2, 5]], level[[7, 2, 5]])  # negative control
+    # Quest summaries in decode: one launch (no reset pass), the same summaries.
+    Hk, D, page = 8, 128, 64
+    kmin = torch.randn(20, Hk, D)
+    kmax = kmin + 1
+    loc = torch.tensor([5 * page, 7 * page + 9, 3 * page + 63])
+    pos = torch.tensor([2 * page, 9, page + 63])  # a page's first token, then two others
+    k = torch.randn(3, Hk, D).to(torch.bfloat16)
+    w_lo, w_hi = kmin.clone(), kmax.clone()
+    ref.quest_update(w_lo, w_hi, k, loc, pos, page)
+    g_lo, g_hi = kmin.to(DEV), kmax.to(DEV)
+    ops.quest_update(g_lo, g_hi, k.to(DEV), loc.to(DEV), pos.to(DEV), page, one_per_page=True)
+    assert torch.equal(g_lo.cpu(), w_lo) and torch.equal(g_hi.cpu(), w_hi)
+    assert not torch.equal(w_lo[5], kmin[5])
+
+
+@pytest.mark.parametrize("batch,group,page,dtype", [
+    (1, 4, 64, torch.bfloat16), (3, 8, 16, torch.bfloat16), (5, 1, 32, torch.float32)])
+def test_decode_step_graph_replay_equals_serial_dsa(batch, group, page, dtype):
+    """PRR (two streams, state in place) and serial DSA captured in one CUDA graph each, replayed
+    with new queries and lengths: PRR == serial DSA (exact), every step; a short row (below
+    min_context) equals dense attention; a padding row (slot 0, length 1) is harmless; the
+    statistics count the long rows only."""
+    g = seeded(f"step batch={batch} group={group} page={page} {dtype}")
+    dev = torch.device("cuda")
+    hk, d, ctx = 2, 128, 40 * page + 7
+    kv = paged_kv(batch, ctx + 16, page, hk, d, dtype=dtype, device=dev, generator=g)
+    R, nb = batch + 1, kv.table.shape[1]
+    mk = lambda serial: DecodeStep("quest", 4, 6, 1, 1, page, min_context=8 * page + 1,  # noqa
+                                   exact=True, serial=serial, device=dev)
+    prr, serial = mk(False), mk(True)
+    state = LayerState(torch.full((R, hk, 8), -1, dtype=torch.int32, device=dev),
+                       torch.zeros(R, hk, dtype=torch.int32, device=dev),
+                       torch.zeros(R, hk, nb, device=dev), torch.zeros(R, hk, nb, device=dev),
+                       torch.zeros(R, dtype=torch.long, device=dev),
+                       torch.tensor([[0.6, 0.3, 0.5]] * R, device=dev))
+    # Batch: the requests in reverse slot order, then one padding row (slot 0, length 1).
+    rows = torch.cat([kv.rows.flip(0), torch.zeros(1, dtype=torch.long, device=dev)])
+    B = batch + 1
+    qkv = torch.empty(B, (hk * group + 2 * hk) * d, device=dev, dtype=dtype)
+    q = qkv[:, :hk * group * d].view(B, hk * group, d)
+    seq = torch.full((B,), ctx, device=dev, dtype=torch.long)
+    scale = 1.0 / math.sqrt(d)
+    outs = {n: torch.empty(B, hk * group, d, device=dev, dtype=dtype) for n in ("prr", "ser")}
+    stats = torch.zeros(4, dtype=torch.int64, device=dev)
+
+    def body():
+        for name, step in (("prr", prr), ("ser", serial)):
+            b = step.plan(kv.req_to_token, rows, seq)
+            outs[name].copy_(step.run(q, kv.k_buf, kv.v_buf, [kv.kmin, kv.kmax], b,
+                                      state if name == "prr" else None,
+                                      stats if name == "prr" else None, scale, dtype))
+
+    qkv.copy_(torch.randn(qkv.shape, generator=g).to(dev) * 3)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()  # warm-up (kernel load, allocator)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    stats.zero_()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    steps = 6
+    for t in range(steps):
+        qkv.copy_(torch.randn(qkv.shape, generator=g).to(dev) * 3)
+        lens = [ctx + t] * batch + [1]
+        if batch > 1:
+            lens[-2] = 5 * page + t  # a short row: dense through the sparse kernels
+        seq.copy_(torch.tensor(lens))
+        for o in outs.values():
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for o in outs.values():
+            assert torch.isfinite(o[:batch]).all()
+        assert rel_err(outs["prr"][:batch], outs["ser"][:batch]) < tol, t
+        table = ref.block_table(kv.req_to_token, rows[:batch], page)
+        want = ops.dsa_decode(q[:batch].float(), kv.k_buf, kv.v_buf, [kv.kmin, kv.kmax], table,
+                              seq[:batch], "quest", 4, 1, 1, page, scale)[0]
+        dense = ref.dense_attention(q[:batch].float(), kv.k_buf, kv.v_buf, table, seq[:batch],
+                                    page, scale)
+        long_rows = [i for i in range(batch) if lens[i] > 8 * page]
+        assert rel_err(outs["ser"][long_rows], want[long_rows]) < tol
+        # Negative control: dense attention differs on the long rows (selection matters).
+        assert rel_err(dense[long_rows], want[long_rows]) > 3e-2
+        if batch > 1:  # lens[-2]: the last request, batch entry batch - 1
+            assert rel_err(outs["ser"][batch - 1], dense[batch - 1]) < tol
+    n_long = batch - 1 if batch > 1 else 1
+    assert int(stats[3]) == steps * n_long * hk  # host-ok: test readout
+    assert int(stats[0]) == steps * n_long * hk * 6  # |A| = K + sink + local
+    assert 0 < int(stats[2]) and int(stats[1]) < int(stats[0])  # P and hits were counted
