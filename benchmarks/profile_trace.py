@@ -1,0 +1,106 @@
+"""Kernels and GPU-busy time per decode step, from a torch-profiler chrome trace.
+
+SGLang's ``/start_profile`` (``num_steps`` N) writes a ``*.trace.json.gz`` of the next N forward
+steps. CUPTI records every kernel a CUDA-graph replay launches as an event of category
+``kernel`` with its duration (``dur``, µs), so the launches and the GPU-busy time of one decode
+step are the totals of those events over N. Everything else in the trace (``cuda_runtime``,
+``cpu_op``, ``python_function``, memcpy/memset, annotations) is host-side or not a kernel and is
+left out. Busy time is the sum of kernel durations: kernels that overlap on two streams count
+twice, which is what "GPU work per step" means here, not wall time.
+
+The per-step numbers divide by the caller's step count (the N the profiler was asked for).
+SGLang also marks each forward step with a span ``step[DECODE bs=8]`` (``user_annotation``);
+those spans are counted beside it, to check that the recorded steps were N decode steps of the
+expected batch (SGLang does not call ``profiler.step()``: there are no ``ProfilerStep#``).
+
+    python benchmarks/profile_trace.py TRACE.trace.json.gz --layers 32 --steps 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+from collections import defaultdict
+from pathlib import Path
+
+TOP = 15
+NAME_WIDTH = 110  # kernel names are long C++ template instantiations; the table shows their head
+
+
+def load_events(path) -> list:
+    """The ``traceEvents`` of a chrome trace (gzip-compressed when the name ends in ``.gz``)."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def summarize(path, num_layers: int, steps: int, top: int = TOP) -> dict:
+    """Kernel launches and GPU-busy time per step and per layer of the trace at ``path``.
+
+    Returns ``kernels`` (total), ``kernels_per_step``, ``gpu_busy_ms_per_step``,
+    ``kernels_per_layer`` (per step and layer), ``top``: up to ``top`` tuples
+    ``(name, count per step, µs per step)``, most time first, and ``step_spans``: SGLang's step
+    span names and how often each occurs (``{"step[DECODE bs=8]": 6}``; empty without them).
+    """
+    if steps < 1 or num_layers < 1:
+        raise ValueError(f"steps ({steps}) and num_layers ({num_layers}) must be >= 1")
+    count, us, spans = defaultdict(int), defaultdict(float), defaultdict(int)
+    for e in load_events(path):
+        cat, name = str(e.get("cat", "")).lower(), e.get("name", "?")
+        if cat == "kernel":
+            count[name] += 1
+            us[name] += float(e.get("dur", 0.0))
+        elif cat == "user_annotation" and name.startswith("step["):
+            spans[name] += 1  # the CPU span only: its gpu_user_annotation twin is the same step
+    kernels = sum(count.values())
+    ranked = sorted(count, key=lambda n: (-us[n], n))[:top]
+    return dict(
+        steps=steps, num_layers=num_layers, kernels=kernels,
+        kernels_per_step=kernels / steps,
+        gpu_busy_ms_per_step=sum(us.values()) / 1e3 / steps,
+        kernels_per_layer=kernels / steps / num_layers,
+        top=[(n, count[n] / steps, us[n] / steps) for n in ranked],
+        step_spans=dict(sorted(spans.items())))
+
+
+def _cell(name: str) -> str:
+    """A kernel name fit for one markdown table cell."""
+    name = name if len(name) <= NAME_WIDTH else name[:NAME_WIDTH - 1] + "…"
+    return name.replace("|", "\\|")
+
+
+def markdown(s: dict, title: str = "") -> str:
+    """The summary as markdown: the totals, then the top kernels per step."""
+    lines = [f"## {title}", ""] if title else []
+    lines += [f"{s['steps']} profiled steps, {s['num_layers']} layers: "
+              f"{s['kernels_per_step']:.1f} kernels/step, {s['kernels_per_layer']:.2f} "
+              f"kernels/layer, {s['gpu_busy_ms_per_step']:.3f} ms GPU-busy/step", ""]
+    if s["step_spans"]:
+        lines += ["recorded steps: " + ", ".join(f"{n} x {k}" for k, n in s["step_spans"].items()),
+                  ""]
+    lines += ["| kernel | count/step | µs/step | share |", "|---|---:|---:|---:|"]
+    busy_us = s["gpu_busy_ms_per_step"] * 1e3
+    for name, n, t in s["top"]:
+        share = f"{100 * t / busy_us:.1f}%" if busy_us else "-"
+        lines.append(f"| `{_cell(name)}` | {n:.2f} | {t:.1f} | {share} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("trace", help="*.trace.json.gz (or plain .json) written by the profiler")
+    ap.add_argument("--layers", type=int, required=True, help="model layers (kernels/layer)")
+    ap.add_argument("--steps", type=int, required=True,
+                    help="forward steps the profiler recorded (the num_steps it was given)")
+    ap.add_argument("--top", type=int, default=TOP)
+    a = ap.parse_args(argv)
+    s = summarize(a.trace, a.layers, a.steps, a.top)
+    print(markdown(s, Path(a.trace).name), end="")
+    return s
+
+
+if __name__ == "__main__":
+    main()
