@@ -7,6 +7,7 @@ The ``--prr-*`` server flags are generated from the fields of this dataclass
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -24,6 +25,9 @@ DEFAULT_GAMMAS = (0.0, 0.25, 0.5, 0.75)
 # InfLLM-v2 compresses keys with windows of 32 tokens at stride 16 (MiniCPM4's setting).
 INFLLM_WINDOW = 32
 INFLLM_STRIDE = 16
+
+
+logger = logging.getLogger("sglang_prr")
 
 
 class PRRConfigError(ValueError):
@@ -89,6 +93,10 @@ class PRRConfig:
         "Decode steps recorded per traced request (bounds the trace size)."))
     trace_max_requests: int = field(default=8, metadata=_meta(
         "Requests recorded by --prr-trace-path before recording stops."))
+    max_context_blocks: Optional[int] = field(default=None, metadata=_meta(
+        "Cap on K and |P|, in blocks. The launcher sets it to ceil(context length / block "
+        "size) from --context-length or the model's config (a smaller value given here wins); "
+        "unset and unknown: K and |P| are not capped."))
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -96,11 +104,19 @@ class PRRConfig:
         return self.method != "dense"
 
     @property
-    def top_k_blocks(self) -> int:
-        """K in blocks (tokens are rounded up to whole blocks)."""
+    def requested_top_k_blocks(self) -> int:
+        """K in blocks as given (tokens are rounded up to whole blocks), before the cap."""
         if self.top_k_unit == "blocks":
             return int(self.top_k)
         return -(-int(self.top_k) // int(self.block_size))
+
+    @property
+    def top_k_blocks(self) -> int:
+        """K in blocks (tokens rounded up to whole blocks), at most ``max_context_blocks``."""
+        k = self.requested_top_k_blocks
+        if self.max_context_blocks is not None:
+            k = min(k, int(self.max_context_blocks))
+        return k
 
     @property
     def delta(self) -> float:
@@ -109,8 +125,34 @@ class PRRConfig:
 
     @property
     def predicted_blocks(self) -> int:
-        """|P| in middle blocks: floor(delta * K), at least K."""
-        return max(self.top_k_blocks, int(math.floor(self.delta * self.top_k_blocks + 1e-9)))
+        """|P| in middle blocks: floor(delta * K), at least K, at most ``max_context_blocks``
+        (this is the static width of P in the predictor state and the decode graphs)."""
+        k = self.top_k_blocks
+        p = max(k, int(math.floor(self.delta * k + 1e-9)))
+        if self.max_context_blocks is not None:
+            p = min(p, int(self.max_context_blocks))
+        return p
+
+    def cap_to_context(self, context_len: Optional[int]) -> "PRRConfig":
+        """Cap K and |P| at the blocks of a ``context_len``-token context (ceil(context_len /
+        block_size)); a smaller ``max_context_blocks`` already set is kept. Logs once, here,
+        when the cap lowers K or |P|. ``None`` (context length unknown) changes nothing."""
+        if context_len is None:
+            return self
+        context_len = _int("context_len", context_len)
+        if context_len < 1:
+            _fail("context_len", context_len, "an integer >= 1")
+        blocks = -(-context_len // int(self.block_size))
+        if self.max_context_blocks is not None:
+            blocks = min(blocks, int(self.max_context_blocks))
+        before = (self.top_k_blocks, self.predicted_blocks)
+        self.max_context_blocks = blocks
+        after = (self.top_k_blocks, self.predicted_blocks)
+        if after != before:
+            logger.warning("sglang_prr: K capped from %d to %d blocks and |P| from %d to %d "
+                           "blocks: a %d-token context has %d blocks of %d tokens", before[0],
+                           after[0], before[1], after[1], context_len, blocks, self.block_size)
+        return self
 
     @property
     def theta_grid(self) -> List[Tuple[float, float, float]]:
@@ -186,6 +228,36 @@ class PRRConfig:
             setattr(self, name, v)
         if self.calib_queries == 1:
             _fail("calib_queries", 1, "0 (off) or >= 2 (the predictor needs a history)")
+        if self.max_context_blocks is not None:
+            self.max_context_blocks = _int("max_context_blocks", self.max_context_blocks)
+            if self.max_context_blocks < 1:
+                _fail("max_context_blocks", self.max_context_blocks, "an integer >= 1 (or unset)")
+        return self
+
+    def check_budget_profile(self) -> "PRRConfig":
+        """The server-level rule for ``budget='auto'``: it needs a readable profile.
+
+        Not part of ``validate()``: the library keeps a fallback delta for 'auto' without a
+        profile (``budget.FALLBACK_DELTA``), but a server started with ``--prr-budget auto`` and
+        no ``--prr-profile`` would silently run that fixed delta, and a bad profile would only
+        fail in the scheduler; the launcher refuses both up front.
+        """
+        if not (self.enabled and self.budget == "auto"):
+            return self
+        if not self.profile:
+            raise PRRConfigError(
+                "invalid PRR option --prr-budget auto without --prr-profile: 'auto' picks delta "
+                "from an offline latency profile; give --prr-profile PATH (a profile JSON made by "
+                "the budget profiler, format in sglang_prr/budget.py) or a fixed number, e.g. "
+                "--prr-budget 1.5")
+        from .budget import BudgetProfile
+
+        try:
+            BudgetProfile.load(self.profile)
+        except (OSError, ValueError) as e:
+            raise PRRConfigError(
+                f"invalid PRR option --prr-profile={self.profile!r} for --prr-budget auto: {e} "
+                f"(allowed: a profile JSON made by the budget profiler)") from e
         return self
 
     def to_dict(self) -> Dict[str, Any]:

@@ -16,7 +16,11 @@ What it patches (each once, each logged):
 * ``ReqToTokenPool.alloc/clear``: tell the PRR state which request slots were handed out anew;
 * the KV cell size: the per-page block summaries are accounted for before SGLang sizes its KV
   cache;
-* the HTTP app (launching process only): ``GET /prr/stats``.
+* the HTTP app (launching process only): ``GET /prr/stats``;
+* request validation (``TokenizerManager._validate_one_request``): token ids outside the
+  model's vocabulary ``[0, vocab_size)`` are rejected with a ``ValueError``, which SGLang turns
+  into HTTP 400 (``/generate``, ``/v1/completions``), instead of reaching the scheduler, where
+  the embedding lookup fails and takes the server down.
 
 PRR is active when the environment holds a configuration (``SGLANG_PRR_CONFIG``, written by
 ``python -m sglang_prr.launch_server`` or by ``enable()``); without one, ``apply()`` does nothing
@@ -28,6 +32,7 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
+import numbers
 import os
 import tempfile
 from typing import Any, Optional
@@ -94,6 +99,7 @@ def apply() -> None:
     _patch_allocator()  # paged KV on CPU, also for the dense baseline (--prr-method dense)
     if _is_main_process():
         _patch_http_app()
+    _patch_request_validation()  # wherever a TokenizerManager may run; class-level, cheap
     if not cfg.enabled:
         logger.info("sglang_prr: --prr-method dense: dense attention, PRR off")
         return
@@ -291,6 +297,54 @@ def _patch_http_app() -> None:
 
     http_server.app.add_api_route("/prr/stats", prr_stats, methods=["GET"])
     logger.info("sglang_prr: GET /prr/stats added")
+
+
+def check_input_ids(input_ids: Any, vocab_size: int) -> None:
+    """Raise ``ValueError`` unless every id of ``input_ids`` (a list, or a batch of lists) is
+    an integer in ``[0, vocab_size)``; the message names the first bad id and the range."""
+    if hasattr(input_ids, "tolist"):  # a tensor or an array
+        input_ids = input_ids.tolist()
+    if input_ids is None or len(input_ids) == 0:
+        return
+    seqs = input_ids if isinstance(input_ids[0], (list, tuple)) else [input_ids]
+    for seq in seqs:
+        if hasattr(seq, "tolist"):
+            seq = seq.tolist()
+        if len(seq) == 0:
+            continue
+        if not set(map(type, seq)) <= {int}:  # the fast path; numpy-style ints are fine too
+            for t in seq:
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise ValueError(f"input_ids must be integer token ids; got {t!r}")
+        lo, hi = min(seq), max(seq)
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"input_ids contains token id {int(bad)} outside the model's vocabulary: "
+                f"allowed ids are in [0, {vocab_size})")
+
+
+def _patch_request_validation() -> None:
+    if not _once("request_validation"):
+        return
+    try:
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    except Exception as e:  # pragma: no cover - SGLang without the tokenizer manager
+        logger.info("sglang_prr: no tokenizer manager to validate requests (%s)", e)
+        return
+    orig = TokenizerManager._validate_one_request
+    if getattr(orig, "_prr_wrapped", False):
+        return
+
+    def _validate_one_request(self, obj, input_ids):
+        vocab = getattr(getattr(self, "model_config", None), "vocab_size", None)
+        if vocab:
+            check_input_ids(input_ids, int(vocab))
+        return orig(self, obj, input_ids)
+
+    _validate_one_request._prr_wrapped = True
+    TokenizerManager._validate_one_request = _validate_one_request
+    logger.info("sglang_prr: requests with token ids outside the vocabulary are rejected (400)")
 
 
 def read_stats() -> dict:

@@ -95,8 +95,39 @@ def pop_prr_args(ns: argparse.Namespace) -> Dict[str, Any]:
 
 
 def config_from_given(given: Dict[str, Any]) -> PRRConfig:
-    """A validated PRRConfig from user-given values (others keep their defaults)."""
-    return PRRConfig(**given).validate()
+    """A validated PRRConfig from user-given values (others keep their defaults), with the
+    server-level rules on top (``--prr-budget auto`` needs a readable ``--prr-profile``)."""
+    return PRRConfig(**given).validate().check_budget_profile()
+
+
+def context_len_of(server_args: Any) -> Optional[int]:
+    """The context length the server will use, or None when it cannot be known cheaply.
+
+    SGLang's own resolution (``ModelConfig.from_server_args``: ``--context-length`` if given,
+    else the model config's length) when the model config loads; else ``--context-length``.
+    """
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        n = int(ModelConfig.from_server_args(server_args).context_len)
+        if n > 0:
+            return n
+    except Exception as e:  # never block startup on the estimate
+        logger.debug("sglang_prr: model context length unknown (%s)", e)
+    n = getattr(server_args, "context_length", None)
+    return int(n) if n else None
+
+
+def cap_to_context(cfg: PRRConfig, server_args: Any) -> Optional[int]:
+    """Cap K and |P| of ``cfg`` at the server's context length, in blocks (logged once when
+    it lowers them). Returns the context length used, or None (no cap: K and |P| stay as
+    given, as for ``enable()`` without a known context)."""
+    n = context_len_of(server_args)
+    if n is None:
+        logger.info("sglang_prr: context length unknown; K and |P| are not capped by it")
+        return None
+    cfg.cap_to_context(n)
+    return n
 
 
 def check_compatibility(cfg: PRRConfig, server_args: Any, has_cuda: bool) -> None:

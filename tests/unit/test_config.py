@@ -44,6 +44,7 @@ def test_defaults_validate_and_derive():
     ("calib_queries", 1, ">= 2"),
     ("default_theta", "0.5,0.5", "three numbers"),
     ("max_budget", 0.5, "[1, 64]"),
+    ("max_context_blocks", 0, ">= 1"),
 ])
 def test_bad_values_name_the_value_and_the_range(field, value, needle):
     with pytest.raises(PRRConfigError) as e:

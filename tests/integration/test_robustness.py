@@ -1,0 +1,333 @@
+"""Robustness of the served PRR server (issue "Robustness").
+
+1. Token ids outside the vocabulary (``/generate`` single and batched, ``/v1/completions`` with a
+   token-id prompt) are rejected with HTTP 400 before the scheduler, and the server stays
+   healthy (they used to kill the scheduler with an IndexError in the embedding).
+2. ``--prr-top-k`` larger than the context is capped at the context's blocks (K, |P| and the
+   static widths sized from them), from ``--context-length`` or the model config.
+3. ``--prr-budget auto`` without ``--prr-profile`` stops the launcher (exit 2).
+4. SIGTERM/SIGINT to the launcher stop every process below it within 30 s.
+
+Server starts: the token-id checks use the shared ``prr_server``; this module adds two starts of
+its own (one to /health then SIGTERM, one stopped by SIGTERM during startup).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import requests
+from conftest import COMMON, Server
+from helpers import generate, prompt_ids
+
+from sglang_prr.server_args_patch import ENV_CONFIG
+
+REPO = Path(__file__).resolve().parents[2]
+STOP_WITHIN_S = 30
+VOCAB = 512  # for the checks without a model
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    """prepare() exports the configuration: restore the environment afterwards."""
+    monkeypatch.setenv(ENV_CONFIG, "x")
+    monkeypatch.delenv(ENV_CONFIG)
+    return monkeypatch
+
+
+# --------------------------------------------------------------- 1. token ids outside the vocab
+BAD_IDS = [[1, 2, 999999, 5], [1, -3, 5]]
+
+
+@pytest.fixture(scope="module")
+def demo_config(demo_model):
+    """The demo model's config.json (vocab_size, max_position_embeddings)."""
+    return json.loads((Path(demo_model) / "config.json").read_text())
+
+
+def test_check_input_ids_names_the_bad_id():
+    from sglang_prr.plugin import check_input_ids
+
+    check_input_ids([0, 5, VOCAB - 1], VOCAB)  # the edges are fine
+    check_input_ids([[1, 2], [3]], VOCAB)
+    for ids, bad in ((BAD_IDS[0], "999999"), (BAD_IDS[1], "-3"), ([[1, 2], [4, -1]], "-1"),
+                     ([1.5], "1.5")):
+        with pytest.raises(ValueError) as e:
+            check_input_ids(ids, VOCAB)
+        assert bad in str(e.value), str(e.value)
+    assert "[0, 512)" in str(pytest.raises(ValueError, check_input_ids, [VOCAB], VOCAB).value)
+
+
+def test_request_validation_patch_is_idempotent():
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from sglang_prr import plugin
+
+    plugin._patch_request_validation()
+    first = TokenizerManager._validate_one_request
+    plugin._patched.discard("request_validation")
+    plugin._patch_request_validation()  # a second apply() must not wrap twice
+    assert TokenizerManager._validate_one_request is first
+    assert getattr(first, "_prr_wrapped", False)
+
+    class _TM:  # just what the wrapper reads
+        model_config = type("MC", (), {"vocab_size": VOCAB})()
+
+    with pytest.raises(ValueError, match="999999"):
+        first(_TM(), None, BAD_IDS[0])
+
+
+def _post(server, path, body):
+    return requests.post(server.url + path, json=body, timeout=120)
+
+
+@pytest.mark.server
+def test_out_of_vocab_ids_get_400_and_the_server_survives(prr_server, demo_config):
+    vocab = int(demo_config["vocab_size"])
+    sp = {"max_new_tokens": 2, "temperature": 0.0}
+    for ids in BAD_IDS + [[1, 2, vocab]]:
+        r = _post(prr_server, "/generate", {"input_ids": ids, "sampling_params": sp})
+        assert r.status_code == 400, (ids, r.status_code, r.text[:500])
+        assert "vocabulary" in r.text and f"[0, {vocab})" in r.text, r.text[:500]
+    # Batched: one bad row rejects the request.
+    r = _post(prr_server, "/generate", {"input_ids": [[1, 2, 3], [4, 999999]],
+                                        "sampling_params": sp})
+    assert r.status_code == 400, r.text[:500]
+    r = _post(prr_server, "/generate", {"input_ids": [[1, 2, 3], [4, -1]],
+                                        "sampling_params": sp})
+    assert r.status_code == 400, r.text[:500]
+    # OpenAI completions with token-id prompts (single and batched).
+    for prompt in ([1, 2, 999999], [[1, 2], [3, -4]]):
+        r = _post(prr_server, "/v1/completions",
+                  {"model": "default", "prompt": prompt, "max_tokens": 2})
+        assert r.status_code == 400, (prompt, r.status_code, r.text[:500])
+        assert "vocabulary" in r.text, r.text[:500]
+    # Still serving: health, a valid request, a valid batch and a valid completion.
+    assert prr_server.healthy()
+    out = generate(prr_server, prompt_ids(11, 40), max_new_tokens=2)
+    assert len(out["meta_info"]["output_token_logprobs"]) == 2
+    r = _post(prr_server, "/generate", {"input_ids": [[1, 2, 3], [4, vocab - 1]],
+                                        "sampling_params": sp})
+    assert r.status_code == 200 and len(r.json()) == 2, r.text[:500]
+    r = _post(prr_server, "/v1/completions", {"model": "default", "prompt": [1, 2, 3],
+                                              "max_tokens": 2})
+    assert r.status_code == 200, r.text[:500]
+
+
+# --------------------------------------------------------------- 2. K and |P| capped at the context
+def test_top_k_capped_at_the_context_length(clean_env, demo_model, demo_config):
+    from sglang_prr import launch_server
+
+    big = ["--model-path", demo_model, "--prr-block-size", "16", "--prr-top-k", "1000000",
+           "--prr-top-k-unit", "tokens"]
+    _, cfg, _ = launch_server.prepare(big + ["--context-length", "1000"])
+    assert cfg.max_context_blocks == 63  # ceil(1000 / 16)
+    assert cfg.top_k_blocks == 63 and cfg.predicted_blocks == 63
+    exported = json.loads(os.environ[ENV_CONFIG])  # what the scheduler processes read
+    assert exported["max_context_blocks"] == 63
+    from sglang_prr.server_args_patch import load_config
+
+    child = load_config()
+    assert child.top_k_blocks == 63 and child.predicted_blocks == 63
+    # Without --context-length: the model config's length.
+    _, cfg, _ = launch_server.prepare(big)
+    blocks = -(-int(demo_config["max_position_embeddings"]) // 16)
+    assert cfg.max_context_blocks == blocks and cfg.predicted_blocks == blocks
+    # A K that fits is left alone (negative control).
+    _, cfg, _ = launch_server.prepare(["--model-path", demo_model, "--prr-block-size", "16",
+                                       "--prr-top-k", "4", "--prr-top-k-unit", "blocks",
+                                       "--context-length", "1000"])
+    assert cfg.top_k_blocks == 4 and cfg.predicted_blocks == 6
+
+
+def test_unknown_context_length_leaves_k_uncapped():
+    """SGLang's ServerArgs already loads the model config, so the launcher always knows the
+    context; where it cannot (no loadable config, no --context-length) K stays as given."""
+    from types import SimpleNamespace
+
+    from sglang_prr.config import PRRConfig
+    from sglang_prr.server_args_patch import cap_to_context, context_len_of
+
+    no_model = SimpleNamespace(model_path="/nonexistent-model", context_length=None)
+    cfg = PRRConfig(top_k=100, top_k_unit="blocks", block_size=16).validate()
+    assert context_len_of(no_model) is None and cap_to_context(cfg, no_model) is None
+    assert cfg.max_context_blocks is None and cfg.top_k_blocks == 100
+    given = SimpleNamespace(model_path="/nonexistent-model", context_length=320)
+    assert cap_to_context(cfg, given) == 320 and cfg.top_k_blocks == 20
+
+
+# --------------------------------------------------------------- 3. budget auto needs a profile
+def test_budget_auto_without_profile_exits_2(clean_env, capsys):
+    from sglang_prr import launch_server
+
+    with pytest.raises(SystemExit) as e:
+        launch_server.prepare(["--model-path", "/nonexistent-model", "--prr-budget", "auto"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2
+    assert "--prr-budget auto" in err and "--prr-profile" in err, err[-2000:]
+    assert "budget profiler" in err, err[-2000:]
+    with pytest.raises(SystemExit) as e:  # a profile that cannot be read: also refused
+        launch_server.prepare(["--model-path", "/nonexistent-model", "--prr-budget", "auto",
+                               "--prr-profile", "/nonexistent-profile.json"])
+    assert e.value.code == 2
+    assert "/nonexistent-profile.json" in capsys.readouterr().err
+
+
+def test_budget_auto_with_profile_is_accepted(clean_env, tmp_path, demo_model):
+    from sglang_prr import launch_server
+
+    prof = tmp_path / "profile.json"
+    prof.write_text(json.dumps({"selection_us": {"4096": 6.0},
+                                "spec_attn_us": {"1.0": 5.0, "2.0": 7.0}}))
+    _, cfg, _ = launch_server.prepare(["--model-path", demo_model, "--prr-budget", "auto",
+                                       "--prr-profile", str(prof)])
+    assert cfg.budget == "auto" and cfg.profile == str(prof)
+    # With PRR off the budget is unused: no profile needed.
+    _, cfg, _ = launch_server.prepare(["--model-path", demo_model, "--prr-method", "dense",
+                                       "--prr-budget", "auto"])
+    assert not cfg.enabled
+
+
+# --------------------------------------------------------------- 4. signals stop every child
+def _alive(procs):
+    out = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            pass
+    return out
+
+
+def _describe(procs, width=80):
+    out = []
+    for p in procs:
+        try:
+            out.append(f"{p.pid}:{' '.join(p.cmdline())[:width]}")
+        except psutil.Error:
+            out.append(str(p.pid))
+    return out
+
+
+def _assert_all_stop(launcher: subprocess.Popen, sig: int, within: float = STOP_WITHIN_S):
+    me = psutil.Process(launcher.pid)
+    before = me.children(recursive=True)
+    assert before, "the launcher has no child processes"
+    os.kill(launcher.pid, sig)
+    t0 = time.monotonic()
+    procs = [me] + before
+    while time.monotonic() - t0 < within and _alive(procs):
+        time.sleep(0.2)
+    left = _alive(procs)
+    took = time.monotonic() - t0
+    for p in left:  # do not leak them into the rest of the session
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    assert not left, f"alive {took:.0f}s after {signal.Signals(sig).name}: {_describe(left)}"
+    return launcher.wait(timeout=10), took
+
+
+@pytest.mark.server
+def test_sigterm_after_health_stops_every_child(demo_model, tmp_path):
+    """Also the end-to-end check of item 2: K = 10^6 tokens is served, capped at 64 blocks."""
+    args = COMMON[:2] + ["--prr-top-k", "1000000", "--prr-top-k-unit", "tokens"] + COMMON[6:]
+    assert "--context-length" in args and args[args.index("--context-length") + 1] == "1024"
+    srv = Server("sigterm", args, {}, True, demo_model, tmp_path)
+    try:
+        srv.wait()
+        stats = requests.get(srv.url + "/prr/stats", timeout=30).json()
+        cfg = stats["config"]
+        assert cfg["max_context_blocks"] == 64, cfg  # 1024 / 16
+        assert cfg["top_k_blocks"] == 64 and cfg["predicted_blocks"] == 64, cfg
+        out = generate(srv, prompt_ids(5, 300), max_new_tokens=4)
+        assert len(out["meta_info"]["output_token_logprobs"]) == 4
+        r = requests.post(srv.url + "/generate", json={"input_ids": [1, -3, 5]}, timeout=60)
+        assert r.status_code == 400 and srv.healthy(), r.text[:300]
+        rc, took = _assert_all_stop(srv.proc, signal.SIGTERM)
+        assert rc == 128 + signal.SIGTERM, rc
+        print(f"stopped {took:.1f}s after SIGTERM")
+    finally:
+        srv.stop()
+
+
+@pytest.mark.server
+def test_sigterm_during_startup_stops_every_child(demo_model, tmp_path):
+    """A signal while SGLang's processes start (before SGLang's own handlers exist) used to
+    leave the detokenizer and the multiprocessing resource tracker running."""
+    srv = Server("sigterm-startup", list(COMMON), {}, True, demo_model, tmp_path)
+    try:
+        me = psutil.Process(srv.proc.pid)
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and srv.proc.poll() is None:
+            # As soon as SGLang has spawned the scheduler and the detokenizer, while they
+            # still import (before they can notice that their parent is gone).
+            spawned = [c for c in _describe(me.children(recursive=True), width=1000)
+                       if "spawn_main" in c or "sglang::" in c]
+            if len(spawned) >= 2:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the scheduler never started:\n" + srv.log_path.read_text()[-3000:])
+        rc, took = _assert_all_stop(srv.proc, signal.SIGTERM)
+        assert rc == 128 + signal.SIGTERM, rc
+        print(f"stopped {took:.1f}s after SIGTERM during startup")
+    finally:
+        srv.stop()
+
+
+FAKE_SERVER = textwrap.dedent("""
+    # A server whose processes ignore SIGTERM and SIGINT, with an orphaned grandchild.
+    import os, signal, subprocess, sys, time
+    ignore = "import signal, time; [signal.signal(s, signal.SIG_IGN) for s in " \\
+             "(signal.SIGTERM, signal.SIGINT)]; time.sleep(600)"
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, signal.SIG_IGN)
+    kid = subprocess.Popen([sys.executable, "-c", ignore])
+    # Double fork: the middle process exits, its child is re-parented (to the supervisor).
+    mid = subprocess.Popen([sys.executable, "-c",
+                            "import subprocess, sys; subprocess.Popen([sys.executable, '-c', "
+                            + repr(ignore) + "]); print('ok')"])
+    mid.wait()
+    open(sys.argv[1], "w").write("ready")
+    time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_supervisor_kills_stubborn_and_orphaned_children(sig, tmp_path):
+    """The supervisor without SGLang: children that ignore the signal are killed after the
+    grace period, and orphans re-parented to it are found too."""
+    fake = tmp_path / "fake_server.py"
+    fake.write_text(FAKE_SERVER)
+    ready = tmp_path / "ready"
+    env = dict(os.environ, SGLANG_PRR_STOP_GRACE_S="1")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    code = ("import sys; from sglang_prr.launch_server import supervise; "
+            f"sys.exit(supervise([], cmd=[sys.executable, {str(fake)!r}, {str(ready)!r}]))")
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(REPO),
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.1)
+        assert ready.exists(), "the fake server did not start"
+        time.sleep(0.5)
+        n = len(psutil.Process(launcher.pid).children(recursive=True))
+        assert n >= 3, n  # fake server, its child, the orphan
+        rc, took = _assert_all_stop(launcher, sig, within=20)
+        assert rc == 128 + sig and took >= 1.0, (rc, took)  # the grace period was honoured
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
