@@ -419,75 +419,94 @@ class PRRBackend:
             return o
         self._update_summaries(layer.layer_id, k, fb)
         if self.cfg.calib_queries >= 2 and not self.cfg.serial:
-            self._calibrate(layer, q, fb)
+            self._calib_sample(layer, q, fb)
+            # Calibrate every layer of the forward together after its last sparse layer (per
+            # layer when this process does not run every layer, e.g. pipeline parallelism).
+            if self._join_layer in (None, layer.layer_id):
+                self._calib_run()
         return o
 
     def _extend_plan(self, fb):
-        """Host copies of the batch layout (extend only: a sync here is outside decode)."""
+        """Per-forward layout of an extend batch (host lists: a sync here is outside decode),
+        and per request the sampled queries' offsets, causal lengths and block table, the same
+        for every layer: ``[(row, s0, offs, seq, nb_used, table)]``."""
         if self._ext_plan is None:
             rows = fb.req_pool_indices.tolist()  # host-ok: extend, once per forward
-            ext = list(fb.extend_seq_lens_cpu)
-            pre = list(fb.extend_prefix_lens_cpu)
-            self._ext_plan = (rows, ext, pre)
+            reqs, start = [], 0
+            for row, n_new, n_pre in zip(rows, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu):
+                s0, start = start, start + int(n_new)
+                phi = min(self.cfg.calib_queries, int(n_new))
+                if phi < 1:
+                    continue
+                # Evenly spaced queries of the chunk, always including its last one.
+                offs = torch.linspace(0, n_new - 1, phi, device=self.device).round().long().unique()
+                seq = n_pre + offs + 1  # causal lengths [Phi]
+                # Only the blocks this chunk can see (host lengths: [.., nb_used], not the
+                # static context).
+                nb_used = -(-(int(n_pre) + int(n_new)) // self.page)
+                table = ops.block_table(self.req_pool.req_to_token, torch.full_like(offs, row),
+                                        self.page)[:, :nb_used]
+                reqs.append((row, s0, offs, seq, nb_used, table, int(n_pre) + int(n_new)))
+            self._ext_plan = {"reqs": reqs, "scores": {}}
         return self._ext_plan
 
-    def _calibrate(self, layer, q, fb) -> None:
-        cfg, l = self.cfg, layer.layer_id
-        Hq, D = layer.tp_q_head_num, layer.qk_head_dim
-        q3 = q.reshape(-1, Hq, D)
-        rows, ext, pre = self._extend_plan(fb)
-        st = self.state
-        start = 0
-        for row, n_new, n_pre in zip(rows, ext, pre):
-            s0, start = start, start + n_new
-            phi = min(cfg.calib_queries, n_new)
-            if phi < 1:
+    def _calib_sample(self, layer, q, fb) -> None:
+        """Block scores of the sampled queries of this layer, kept until ``_calib_run``."""
+        l = layer.layer_id
+        q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        plan = self._extend_plan(fb)
+        for i, (row, s0, offs, seq, nb_used, table, _) in enumerate(plan["reqs"]):
+            scores = ops.select_blocks(self.cfg.method, q3[s0 + offs], self._summary(l), table,
+                                       seq, self.page, layer.scaling)  # [Phi, Hk, nb_used]
+            plan["scores"].setdefault(i, []).append((l, scores))
+
+    def _calib_run(self) -> None:
+        """Eqs 4-5 for every sampled layer of each request at once (rows of ``ops.calibrate``
+        are independent, so this is the per-layer calibration batched over layers: one replay of
+        the 80 candidates per request and chunk instead of one per layer). The scores accumulate
+        over the chunks of a chunked prefill; theta* = argmax per request and layer (first max,
+        on the device); then the predictor is replayed over the sampled queries with theta*
+        (continuing the state of earlier chunks) and predicts P for the first decode step."""
+        cfg, st, plan = self.cfg, self.state, self._ext_plan
+        if plan is None:
+            return
+        for i, (row, _, offs, seq, nb_used, _, total) in enumerate(plan["reqs"]):
+            taken = plan["scores"].pop(i, [])
+            if not taken:
                 continue
-            # Evenly spaced queries of the chunk, always including its last one.
-            offs = torch.linspace(0, n_new - 1, phi, device=self.device).round().long().unique()
-            qs = q3[s0 + offs]  # [Phi, Hq, D]
-            seq = (n_pre + offs + 1)  # causal lengths [Phi]
-            r = torch.full_like(offs, row)
-            # Only the blocks this chunk can see: the extend batch's lengths are known on the
-            # host, so the calibration works on [.., nb_used] instead of the static context.
-            nb_used = -(-(n_pre + n_new) // self.page)
-            table = ops.block_table(self.req_pool.req_to_token, r, self.page)[:, :nb_used]
-            scores = ops.select_blocks(cfg.method, qs, self._summary(l), table, seq, self.page,
-                                       layer.scaling)  # [Phi, Hk, NB]
+            layers = torch.tensor([l for l, _ in taken], device=self.device)  # [Lc]
+            scores = torch.stack([sc for _, sc in taken])  # [Lc, Phi, Hk, nb]
+            Lc, Phi = scores.shape[:2]
             nblk = ref.num_blocks(seq, self.page)  # [Phi]
-            nb = scores.shape[-1]
-            if offs.numel() >= 2:
-                H = ops.calibrate(scores.unsqueeze(0), nblk.unsqueeze(0), self.k_blocks,
-                                  self.n_pred, cfg.sink_blocks, cfg.local_blocks, self.alphas,
-                                  self.betas, self.gammas)[0]  # [C]
-                st.h_sum[l, row] += H * (offs.numel() - 1)
-                st.h_cnt[l, row] += offs.numel() - 1
-                best = int(torch.argmax(st.h_sum[l, row]))  # first max: lower index wins
-                st.theta[l, row] = self.grid[best]
-                self.stats.calibrations += 1
-                if l == 0:
-                    key = ",".join(f"{x:g}" for x in cfg.theta_grid[best])
+            if Phi >= 2:
+                H = ops.calibrate(scores, nblk.unsqueeze(0).expand(Lc, Phi).contiguous(),
+                                  self.k_blocks, self.n_pred, cfg.sink_blocks, cfg.local_blocks,
+                                  self.alphas, self.betas, self.gammas)  # [Lc, C]
+                st.h_sum[layers, row] += H * (Phi - 1)
+                st.h_cnt[layers, row] += Phi - 1
+                best = torch.argmax(st.h_sum[layers, row], dim=-1)  # first max: lower index
+                st.theta[layers, row] = self.grid[best]
+                self.stats.calibrations += Lc
+                if int(layers[0]) == 0:  # host-ok: extend; the chosen theta of layer 0
+                    key = ",".join(f"{x:g}" for x in cfg.theta_grid[int(best[0])])
                     self.stats.theta_counts[key] = self.stats.theta_counts.get(key, 0) + 1
-            # Replay the predictor over the sampled queries with theta* (continuing the state
-            # of earlier chunks), then predict P for the first decode step.
-            theta = st.theta[l, row:row + 1]  # [1, 3]
-            lv, tr, ni = st.level[l, row:row + 1, :, :nb], st.trend[l, row:row + 1, :, :nb], \
-                st.n_init[l, row:row + 1]
-            lv, tr, ni = lv.clone(), tr.clone(), ni.clone()
-            for i in range(offs.numel()):
-                ops.holt_update(lv, tr, ni, scores[i:i + 1], nblk[i:i + 1], theta[:, 0],
-                                theta[:, 1])
-            st.level[l, row:row + 1, :, :nb] = lv
-            st.trend[l, row:row + 1, :, :nb] = tr
-            st.n_init[l, row:row + 1] = ni
-            total = n_pre + n_new
-            p_idx, p_cnt = ops.predict_set(
-                st.level[l, row:row + 1], st.trend[l, row:row + 1], theta[:, 2].contiguous(),
-                st.n_init[l, row:row + 1],
-                ref.num_blocks(torch.tensor([total + 1], device=self.device), self.page),
-                self.n_pred, cfg.sink_blocks, cfg.local_blocks)
-            st.p_idx[l, row] = p_idx[0]
-            st.p_cnt[l, row] = p_cnt[0]
+            theta = st.theta[layers, row]  # [Lc, 3]
+            lv = st.level[layers, row, :, :nb_used]  # copies [Lc, Hk, nb]
+            tr = st.trend[layers, row, :, :nb_used]
+            ni = st.n_init[layers, row]
+            for p in range(Phi):
+                ops.holt_update(lv, tr, ni, scores[:, p].contiguous(),
+                                nblk[p:p + 1].expand(Lc).contiguous(), theta[:, 0].contiguous(),
+                                theta[:, 1].contiguous())
+            st.level[layers, row, :, :nb_used] = lv
+            st.trend[layers, row, :, :nb_used] = tr
+            st.n_init[layers, row] = ni
+            nb_next = ref.num_blocks(torch.full((Lc,), total + 1, device=self.device), self.page)
+            p_idx, p_cnt = ops.predict_set(st.level[layers, row], st.trend[layers, row],
+                                           theta[:, 2].contiguous(), ni, nb_next, self.n_pred,
+                                           cfg.sink_blocks, cfg.local_blocks)
+            st.p_idx[layers, row] = p_idx
+            st.p_cnt[layers, row] = p_cnt
 
     # ------------------------------------------------------------------ decode
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):

@@ -358,8 +358,9 @@ def calibrate(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: in
     R, Phi, Hk, nb = scores.shape
     C = alphas.numel()
     dev = scores.device
-    # Candidates become a batch dimension: [R*C, Hk, NB].
-    s = scores.float().unsqueeze(1).expand(R, C, Phi, Hk, nb).reshape(R * C, Phi, Hk, nb)
+    # Candidates become a batch dimension, [R*C, Hk, NB], one sampled row at a time (the whole
+    # expansion would be C times the scores). A and the weights do not depend on the candidate:
+    # they are computed on the R rows and broadcast.
     nbk = nblk.long().unsqueeze(1).expand(R, C, Phi).reshape(R * C, Phi)
     a_ = alphas.float().to(dev).repeat(R)
     b_ = betas.float().to(dev).repeat(R)
@@ -368,15 +369,19 @@ def calibrate(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: in
     trend = torch.zeros_like(level)
     n_init = torch.zeros(R * C, dtype=torch.long, device=dev)
     total = torch.zeros(R * C, device=dev)
+    per_cand = lambda t: t.unsqueeze(1).expand(R, C, *t.shape[1:]).reshape(R * C, *t.shape[1:])
     for phi in range(Phi):
-        row, n = s[:, phi].contiguous(), nbk[:, phi].contiguous()
+        row_r = scores[:, phi].float()  # [R, Hk, NB]
+        row, n = per_cand(row_r), nbk[:, phi].contiguous()
         if phi > 0:
             p_idx, p_cnt = impl.predict_set(level, trend, g_, n_init, n, n_pred, sink_blocks,
                                             local_blocks)
-            a_idx, a_cnt = impl.select_topk(row, n, k, sink_blocks, local_blocks,
-                                            k + sink_blocks + local_blocks)
+            n_r = nblk[:, phi].long()
+            a_idx, a_cnt = impl.select_topk(row_r.contiguous(), n_r, k, sink_blocks,
+                                            local_blocks, k + sink_blocks + local_blocks)
             _, middle = kept_mask(n, nb, sink_blocks, local_blocks)
-            total += weighted_hit(row, a_idx, a_cnt, p_idx, p_cnt, middle.unsqueeze(1)).mean(-1)
+            total += weighted_hit(row, per_cand(a_idx), per_cand(a_cnt), p_idx, p_cnt,
+                                  middle.unsqueeze(1)).mean(-1)
         impl.holt_update(level, trend, n_init, row, n, a_, b_)
     return (total / max(Phi - 1, 1)).view(R, C)
 
