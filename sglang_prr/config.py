@@ -72,7 +72,8 @@ class PRRConfig:
     dense_layers: Tuple[int, ...] = field(default=(), metadata=_meta(
         "Comma-separated layer ids that always use dense attention (e.g. '0,1')."))
     min_context: int = field(default=4096, metadata=_meta(
-        "Requests shorter than this many tokens decode with dense attention."))
+        "Requests shorter than this many tokens attend every block (dense attention, through "
+        "the same sparse kernels)."))
     calib_alphas: Tuple[float, ...] = field(default=DEFAULT_ALPHAS, metadata=_meta(
         "Calibration grid for the level smoothing alpha, each in (0, 1]."))
     calib_betas: Tuple[float, ...] = field(default=DEFAULT_BETAS, metadata=_meta(

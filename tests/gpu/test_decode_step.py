@@ -26,7 +26,8 @@ if torch.cuda.get_device_capability() != (9, 0):
 from sglang_prr import kernels, ops  # noqa: E402
 from sglang_prr.step import DecodeStep, LayerState  # noqa: E402
 from sglang_prr.synthetic import paged_kv  # noqa: E402
-from test_kernels import DEV, make_pool, poison, random_lists, rel_err, seeded  # noqa: E402
+from test_kernels import (DEV, capture, make_pool, poison, random_lists, rel_err,  # noqa: E402
+                          seeded)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -196,14 +197,7 @@ def test_decode_step_graph_replay_equals_serial_dsa(batch, group, page, dtype):
                                       stats if name == "prr" else None, scale, dtype))
 
     qkv.copy_(torch.randn(qkv.shape, generator=g).to(dev) * 3)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()  # warm-up (kernel load, allocator)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    graph = capture(body)
     stats.zero_()
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     steps = 6

@@ -56,6 +56,19 @@ def poison(*shapes_dtypes) -> None:
     del keep
 
 
+def capture(body) -> torch.cuda.CUDAGraph:
+    """Run ``body`` once eagerly on a side stream (kernel load, allocator), then capture it."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        body()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     a = a.double().cpu()
     b = b.double().cpu()

@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 from sglang_prr import ops  # noqa: E402
 from sglang_prr.pipeline import PRRStep  # noqa: E402
 from sglang_prr.synthetic import paged_kv  # noqa: E402
+from test_kernels import capture  # noqa: E402
 
 
 def _rel(a, b):
@@ -48,14 +49,7 @@ def test_prr_step_graph_replay_equals_serial_dsa(batch, group, page):
                            n_init, theta, "quest", k, n_pred, 1, 1, page, scale)[0])
 
     q.copy_(torch.randn(q.shape, generator=g).to(dev) * 3)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        body()  # warm-up (kernel load, allocator)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    graph = capture(body)
     for t in range(6):
         q.copy_(torch.randn(q.shape, generator=g).to(dev) * 3)
         seq.copy_(torch.full((batch,), ctx + t, dtype=torch.long))

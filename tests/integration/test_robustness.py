@@ -29,6 +29,7 @@ import requests
 from conftest import COMMON, Server
 from helpers import generate, prompt_ids
 
+from sglang_prr import launch_server
 from sglang_prr.server_args_patch import ENV_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
@@ -125,7 +126,6 @@ def test_out_of_vocab_ids_get_400_and_the_server_survives(prr_server, demo_confi
 
 # --------------------------------------------------------------- 2. K and |P| capped at the context
 def test_top_k_capped_at_the_context_length(clean_env, demo_model, demo_config):
-    from sglang_prr import launch_server
 
     big = ["--model-path", demo_model, "--prr-block-size", "16", "--prr-top-k", "1000000",
            "--prr-top-k-unit", "tokens"]
@@ -167,7 +167,6 @@ def test_unknown_context_length_leaves_k_uncapped():
 
 # --------------------------------------------------------------- 3. budget auto needs a profile
 def test_budget_auto_without_profile_exits_2(clean_env, capsys):
-    from sglang_prr import launch_server
 
     with pytest.raises(SystemExit) as e:
         launch_server.prepare(["--model-path", "/nonexistent-model", "--prr-budget", "auto"])
@@ -183,7 +182,6 @@ def test_budget_auto_without_profile_exits_2(clean_env, capsys):
 
 
 def test_budget_auto_with_profile_is_accepted(clean_env, tmp_path, demo_model):
-    from sglang_prr import launch_server
 
     prof = tmp_path / "profile.json"
     prof.write_text(json.dumps({"selection_us": {"4096": 6.0},
@@ -198,15 +196,7 @@ def test_budget_auto_with_profile_is_accepted(clean_env, tmp_path, demo_model):
 
 
 # --------------------------------------------------------------- 4. signals stop every child
-def _alive(procs):
-    out = []
-    for p in procs:
-        try:
-            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
-                out.append(p)
-        except psutil.Error:
-            pass
-    return out
+_alive = launch_server._alive  # the supervisor's own liveness check (zombies are not alive)
 
 
 def _describe(procs, width=80):
