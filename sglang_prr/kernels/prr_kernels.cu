@@ -131,14 +131,15 @@ __device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
 // i < p_cnt, p_idx >= 0 and p_idx is in A (A is ascending: binary search). The kept entries
 // (finite lse) are compacted first, so padding and filtered entries cost no loads, and their
 // rows are then read 8 at a time (this runs after the group's other CTAs, so its L2 round trips
-// are on the critical path). Arithmetic as merge_kernel. Called by every thread of every CTA (it
-// contains __syncthreads).
+// are on the critical path). Arithmetic as merge_kernel. Called by every thread of the group's
+// `group` CTAs (it contains __syncthreads).
 constexpr int kAttnThreads = 128;
 constexpr int kTailLoads = 8;
 
-__device__ void attn_merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem) {
+__device__ void attn_merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem,
+                                int group) {
   const int64_t row = (int64_t)b * a.Hk + hk;
-  if (!last_of_group(a.sem + row, gridDim.x)) return;
+  if (!last_of_group(a.sem + row, group)) return;
   const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;  // this launch's list
   const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;      // P's list
   constexpr int NW = kAttnThreads / 32;
@@ -267,6 +268,10 @@ sparse_attn_kernel(AttnArgs a) {
   const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;  // first query head of the group
   const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
   const int c = a.cnt[lrow];
+  // Fused merge: only the listed entries take part (entry 0 alone for an empty list, so the
+  // first source is still merged); the CTAs of padding entries exit at once, with no fence.
+  const int parts = max(min(c, a.N), 1);
+  if (a.sem && n >= parts) return;
   const int blk = a.idx[lrow * a.N + n];
   int ntok = 0;
   int64_t page = 0;
@@ -282,7 +287,7 @@ sparse_attn_kernel(AttnArgs a) {
       a.o[((row0 + g) * a.N + n) * D + d] = 0.f;
     }
     if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
-    if (a.sem) attn_merge_tail(a, b, hk, s_tail);
+    if (a.sem) attn_merge_tail(a, b, hk, s_tail, parts);
     return;
   }
 
@@ -392,7 +397,7 @@ sparse_attn_kernel(AttnArgs a) {
     a.o[((row0 + g) * a.N + n) * D + d] = any ? o / lsum : 0.f;
     if (d == 0) a.lse[(row0 + g) * a.N + n] = any ? (M + log2f(lsum)) * kLn2 : -INFINITY;
   }
-  if (a.sem) attn_merge_tail(a, b, hk, s_tail);
+  if (a.sem) attn_merge_tail(a, b, hk, s_tail, parts);
 }
 
 // ---------------------------------------------------------------------------- head-split variant
@@ -429,6 +434,10 @@ sparse_attn_hd_kernel(AttnArgs a) {
   const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;
   const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
   const int c = a.cnt[lrow];
+  // Fused merge: only the listed entries take part (entry 0 alone for an empty list, so the
+  // first source is still merged); the CTAs of padding entries exit at once, with no fence.
+  const int parts = max(min(c, a.N), 1);
+  if (a.sem && n >= parts) return;
   const int blk = a.idx[lrow * a.N + n];
   int ntok = 0;
   int64_t page = 0;
@@ -441,7 +450,7 @@ sparse_attn_hd_kernel(AttnArgs a) {
   if (ntok == 0) {  // padding entry or block past the request: (0, -inf)
     for (int e = tid; e < G * D; e += kAttnThreads) a.o[((row0 + e / D) * a.N + n) * D + e % D] = 0.f;
     if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
-    if (a.sem) attn_merge_tail(a, b, hk, s_raw);
+    if (a.sem) attn_merge_tail(a, b, hk, s_raw, parts);
     return;
   }
   const int CTe = a.page_size < CT ? a.page_size : CT;
@@ -558,7 +567,7 @@ sparse_attn_hd_kernel(AttnArgs a) {
     a.o[((row0 + g) * a.N + n) * D + d] = any ? o / lsum : 0.f;
     if (d == 0) a.lse[(row0 + g) * a.N + n] = any ? (M + log2f(lsum)) * kLn2 : -INFINITY;
   }
-  if (a.sem) attn_merge_tail(a, b, hk, s_raw);  // its first barrier orders the s_acc reads
+  if (a.sem) attn_merge_tail(a, b, hk, s_raw, parts);  // its first barrier orders s_acc reads
 }
 
 template <typename T, int D, int G>
@@ -887,6 +896,10 @@ quest_select_kernel(SelectArgs a) {
   const int64_t row = (int64_t)b * a.Hk + hk;
   const int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
   const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
+  // Only the chunks holding the row's blocks take part (the table is as wide as the longest
+  // context the server accepts, most rows are shorter); the others exit at once, with no fence.
+  const int nch = max((nb + kSelChunk - 1) / kSelChunk, 1);
+  if ((int)blockIdx.y >= nch) return;
   float* s_q = reinterpret_cast<float*>(s_sel);
   for (int e = tid * 8; e < G * a.D; e += kSelThreads * 8) {
     float f[8];
@@ -936,14 +949,15 @@ quest_select_kernel(SelectArgs a) {
     const int n = base + j * kSelWarps;
     if (lane == 0 && n < NB) srow[n] = valid[j] ? x : -INFINITY;
   }
-  if (!last_of_group(a.sem + row, gridDim.y)) return;
+  if (!last_of_group(a.sem + row, nch)) return;
 
-  uint32_t* s_key = s_sel;  // the q group is no longer needed
+  for (int i = nch * kSelChunk + tid; i < NB; i += kSelThreads) srow[i] = -INFINITY;
+  uint32_t* s_key = s_sel;  // the q group is no longer needed; only blocks < nb can be chosen
   const int keep_lo = a.sink, keep_hi = nb - a.local;
-  for (int i = tid; i < NB; i += kSelThreads)
+  for (int i = tid; i < nb; i += kSelThreads)
     s_key[i] = is_middle(i, nb, keep_lo, keep_hi) ? order_key(__ldcg(srow + i)) : 0u;
   const bool dense = a.dense_row && a.dense_row[b];
-  topk_mask<kSelThreads>(s_key, NB, nb, dense ? NB : a.k, keep_lo, keep_hi);
+  topk_mask<kSelThreads>(s_key, nb, nb, dense ? NB : a.k, keep_lo, keep_hi);
   // Mark the selected blocks that P holds (bit 1): M = selected without that bit.
   int pc = 0;
   if (a.p_idx) {
@@ -951,15 +965,15 @@ quest_select_kernel(SelectArgs a) {
     pc = min(max(a.p_cnt[prow], 0), a.Np);
     for (int i = tid; i < pc; i += kSelThreads) {
       const int x = a.p_idx[prow * a.Np + i];
-      if (x >= 0 && x < NB && s_key[x]) s_key[x] = 3u;
+      if (x >= 0 && x < nb && s_key[x]) s_key[x] = 3u;
     }
     __syncthreads();
   }
-  write_list<kSelThreads>(s_key, NB, 1u, a.a_idx + row * a.n_out, a.n_out, a.a_cnt + row);
+  write_list<kSelThreads>(s_key, nb, 1u, a.a_idx + row * a.n_out, a.n_out, a.a_cnt + row);
   // M: selected (bit 0) and not in P (bit 1 clear).
-  for (int i = tid; i < NB; i += kSelThreads) s_key[i] = s_key[i] == 1u ? 1u : 0u;
+  for (int i = tid; i < nb; i += kSelThreads) s_key[i] = s_key[i] == 1u ? 1u : 0u;
   __syncthreads();
-  write_list<kSelThreads>(s_key, NB, 1u, a.m_idx + row * a.n_out, a.n_out, a.m_cnt + row);
+  write_list<kSelThreads>(s_key, nb, 1u, a.m_idx + row * a.n_out, a.n_out, a.m_cnt + row);
   // write_list's last barrier makes both counts visible to thread 0, which wrote them.
   if (a.stats && !dense && tid == 0) {
     atomicAdd(a.stats + 0, (unsigned long long)a.a_cnt[row]);
@@ -994,7 +1008,9 @@ predict_update_kernel(PredictArgs a) {
   float* tr = a.trend + row * NB;
   const float* sc = a.scores + brow * NB;
   const int keep_lo = a.sink, keep_hi = nbn - a.local;
-  for (int i = tid; i < NB; i += kTopkThreads) {
+  // Blocks past both counts are neither updated nor predictable: the loops stop before them.
+  const int L = max(nb, nbn);
+  for (int i = tid; i < L; i += kTopkThreads) {
     float l = 0.f, v = 0.f;
     if (i < nb) {  // eq 3, rounded op by op like the reference
       const float s = sc[i];
@@ -1016,8 +1032,8 @@ predict_update_kernel(PredictArgs a) {
       key = order_key(i < ninit_new ? __fadd_rn(l, __fmul_rn(gam, v)) : -INFINITY);
     s_key[i] = key;
   }
-  topk_mask<kTopkThreads>(s_key, NB, nbn, a.k, keep_lo, keep_hi);
-  write_list<kTopkThreads>(s_key, NB, 1u, a.idx + row * a.n_out, a.n_out, a.cnt + row);
+  topk_mask<kTopkThreads>(s_key, L, nbn, a.k, keep_lo, keep_hi);
+  write_list<kTopkThreads>(s_key, L, 1u, a.idx + row * a.n_out, a.n_out, a.cnt + row);
   if (last_of_group(a.sem + b, gridDim.x) && tid == 0) {
     if (a.ninit64) reinterpret_cast<long long*>(a.n_init)[srow] = ninit_new;
     else reinterpret_cast<int*>(a.n_init)[srow] = ninit_new;
