@@ -7,8 +7,9 @@ the kernel for CUDA tensors when one is registered and the reference otherwise. 
 implementations give output shapes without running anything, so the ops trace under
 ``torch.compile`` and record into CUDA graphs like any aten op.
 
-Argument checks that would need a host sync live in ``check_*`` helpers called at plan time,
-never inside the ops.
+Every op checks its shapes, dtypes and integer arguments on entry (``contracts.py``: no tensor
+value is read, so the checks are free and graph-safe) and raises ``ValueError`` naming the bad
+argument; what only values could reveal has a defined result (see ``contracts``).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from . import contracts
 from . import reference as ref
 
 _NS = "sglang_prr"
@@ -35,6 +37,7 @@ def quest_update(kmin: Tensor, kmax: Tensor, k: Tensor, out_loc: Tensor, positio
     """Fold new keys ``k: [N, Hk, D]`` at slots ``out_loc: [N]`` / positions ``[N]`` into the
     per-page ``kmin``/``kmax: [num_pages, Hk, D]`` float32 (in place). ``one_per_page``: no two
     tokens share a page (decode), one launch instead of two."""
+    contracts.check_quest_update(kmin, kmax, k, out_loc, positions, page_size)
     ref.quest_update(kmin, kmax, k, out_loc, positions, page_size, one_per_page)
 
 
@@ -75,6 +78,7 @@ def select_topk(scores: Tensor, nblk: Tensor, k: int, sink_blocks: int, local_bl
                 n_out: int, dense_row: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Kept blocks + top-k middle blocks: ``(idx [B, Hk, n_out] int32, cnt [B, Hk] int32)``;
     rows with ``dense_row: [B]`` set select every block."""
+    contracts.check_select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row)
     return ref.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row)
 
 
@@ -103,6 +107,8 @@ def _quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Te
                   local_blocks: int, n_out: int, p_rows: Optional[Tensor],
                   dense_row: Optional[Tensor], stats: Optional[Tensor]
                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    contracts.check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
+                                 local_blocks, n_out, p_rows, dense_row, stats)
     return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
                             local_blocks, n_out, p_rows, dense_row, stats)
 
@@ -180,6 +186,8 @@ def predict_update_rows(level: Tensor, trend: Tensor, n_init: Tensor, p_idx: Ten
     """``predict_update`` on the request pool's state in place (one launch on SM90, no gather or
     scatter): batch entry ``b`` updates pool row ``rows[b]``. See
     ``reference.predict_update_rows``."""
+    contracts.check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores,
+                                        nblk, nblk_next, n_pred, sink_blocks, local_blocks)
     ref.predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
                             nblk_next, n_pred, sink_blocks, local_blocks)
 
@@ -204,6 +212,8 @@ def sparse_attn_partials(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor,
                          ) -> Tuple[Tensor, Tensor]:
     """Per-block partials ``(o [B, Hq, N, D] f32, lse [B, Hq, N] f32)`` over the listed blocks
     (rows ``idx_rows`` of pool-wide lists when given)."""
+    contracts.check_sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
+                                         idx_rows)
     return ref.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                     sm_scale, idx_rows)
 
@@ -243,6 +253,9 @@ def sparse_attn_merge(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, se
     """Attention over the listed blocks merged into one state, optionally with speculative
     partials (the PRR repair + merge; one launch on SM90): ``(o [B, Hq, D] out_dtype (default
     f32), lse [B, Hq] f32)``. See ``reference.sparse_attn_merge``."""
+    contracts.check_sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
+                                      o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact,
+                                      p_rows)
     return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale,
                                  o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact, p_rows,
                                  out_dtype)
@@ -300,26 +313,6 @@ def select_blocks(method: str, q: Tensor, summary: List[Tensor], table: Tensor, 
     if method == "infllm_v2":
         return infllm_scores(q, summary[0], table, seq_lens, page_size, sm_scale)
     raise ValueError(f"unknown DSA method {method!r}: expected quest | infllm_v2")
-
-
-def check_paged_inputs(q: Tensor, k_buf: Tensor, v_buf: Tensor, page_size: int,
-                       table: Optional[Tensor] = None) -> None:
-    """Plan-time shape/dtype checks with messages that name the received and expected values."""
-    if q.dim() != 3:
-        raise ValueError(f"q must be [batch, num_qo_heads, head_dim], got shape {tuple(q.shape)}")
-    if k_buf.dim() != 3 or k_buf.shape != v_buf.shape:
-        raise ValueError(f"k_buf/v_buf must both be [num_slots, num_kv_heads, head_dim], got "
-                         f"{tuple(k_buf.shape)} and {tuple(v_buf.shape)}")
-    if q.shape[-1] != k_buf.shape[-1]:
-        raise ValueError(f"head_dim mismatch: q has {q.shape[-1]}, KV has {k_buf.shape[-1]}")
-    if q.shape[1] % k_buf.shape[1] != 0:
-        raise ValueError(f"num_qo_heads={q.shape[1]} is not a multiple of "
-                         f"num_kv_heads={k_buf.shape[1]}")
-    if page_size not in (16, 32, 64, 128):
-        raise ValueError(f"page_size={page_size}: expected one of 16, 32, 64, 128")
-    if k_buf.shape[0] % page_size != 0:
-        raise ValueError(f"KV buffer has {k_buf.shape[0]} slots, not a multiple of "
-                         f"page_size={page_size}")
 
 
 def dsa_decode(*args, **kwargs):

@@ -102,7 +102,7 @@ def set_difference(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor, n
 def kept_mask(nblk: Tensor, nb: int, sink_blocks: int, local_blocks: int) -> Tuple[Tensor, Tensor]:
     """Always-kept and middle (selectable) block masks, ``[B, NB]`` each, for ``nblk: [B]`` blocks."""
     ar = torch.arange(nb, device=nblk.device)
-    n = nblk.long().unsqueeze(-1)
+    n = nblk.long().clamp(0, nb).unsqueeze(-1)  # blocks past the table do not exist
     exists = ar < n
     keep = exists & ((ar < sink_blocks) | (ar >= n - local_blocks))
     return keep, exists & ~keep
@@ -398,9 +398,10 @@ def best_theta(H: Tensor) -> Tensor:
 def _gather_blocks(buf: Tensor, table: Tensor, idx: Tensor, page_size: int) -> Tensor:
     """K or V of the listed blocks: ``[B, Hk, N, page_size, D]`` float32 (padding reads page 0)."""
     B, Hk, N = idx.shape
-    blk = idx.long().clamp(min=0)
-    pages = torch.gather(table.unsqueeze(1).expand(B, Hk, table.shape[1]), -1, blk)  # [B,Hk,N]
-    pages = torch.where(idx >= 0, pages, torch.zeros_like(pages))
+    nb = table.shape[1]
+    blk = idx.long().clamp(min=0, max=nb - 1)
+    pages = torch.gather(table.unsqueeze(1).expand(B, Hk, nb), -1, blk)  # [B, Hk, N]
+    pages = torch.where((idx >= 0) & (idx < nb), pages, torch.zeros_like(pages))
     slots = pages.unsqueeze(-1) * page_size + torch.arange(page_size, device=idx.device)
     heads = torch.arange(Hk, device=idx.device).view(1, Hk, 1, 1)
     return buf[slots, heads].float()
@@ -426,12 +427,16 @@ def sparse_attn_partials(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor,
     k = _gather_blocks(k_buf, table, idx, page_size)  # [B, Hk, N, P, D]
     v = _gather_blocks(v_buf, table, idx, page_size)
     pos = idx.long().unsqueeze(-1) * page_size + torch.arange(page_size, device=q.device)
-    entry_ok = (torch.arange(N, device=q.device) < cnt.long().unsqueeze(-1)) & (idx >= 0)
+    entry_ok = ((torch.arange(N, device=q.device) < cnt.long().unsqueeze(-1)) & (idx >= 0)
+                & (idx < table.shape[1]))  # ids outside the table are padding
     ok = entry_ok.unsqueeze(-1) & (pos < seq_lens.long().view(B, 1, 1, 1))  # [B, Hk, N, P]
     logits = torch.einsum("bhgd,bhnpd->bhgnp", q.float().view(B, Hk, G, D), k) * sm_scale
     logits = logits.masked_fill(~ok.unsqueeze(2), NEG_INF)
     lse = torch.logsumexp(logits, dim=-1)  # [B, Hk, G, N]
     p = torch.exp(logits - lse.unsqueeze(-1)).nan_to_num(0.0)
+    # Masked slots (past the request, padding entries) never enter the sums: a stale NaN there
+    # would survive a multiplication by zero.
+    v = torch.where(ok.unsqueeze(-1), v, torch.zeros_like(v))
     o = torch.einsum("bhgnp,bhnpd->bhgnd", p, v)
     return o.reshape(B, Hq, N, D), lse.reshape(B, Hq, N)
 
@@ -443,6 +448,9 @@ def merge_partials(o: Tensor, lse: Tensor, keep: Optional[Tensor] = None) -> Tup
     ``(o [..., D], lse [...])``; nothing kept gives ``(0, -inf)``.
     """
     lse = lse.float()
+    if lse.shape[-1] == 0:  # nothing to merge: the empty state
+        return (o.new_zeros(o.shape[:-2] + o.shape[-1:], dtype=torch.float32),
+                lse.new_full(lse.shape[:-1], NEG_INF))
     if keep is not None:
         lse = lse.masked_fill(~keep, NEG_INF)
     m = lse.amax(-1, keepdim=True)

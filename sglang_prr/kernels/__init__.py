@@ -21,6 +21,7 @@ from typing import Callable, Dict, Optional
 
 import torch
 
+from .. import contracts
 from .. import reference as ref
 
 logger = logging.getLogger("sglang_prr")
@@ -118,6 +119,8 @@ def _attn_ok(q, k_buf, v_buf, table, idx, cnt) -> bool:
 
 def _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale,
                           idx_rows=None):
+    contracts.check_sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
+                                         idx_rows)
     if not _attn_ok(q, k_buf, v_buf, table, idx, cnt):
         return ref.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                         sm_scale, idx_rows)
@@ -137,6 +140,7 @@ def _quest_scores(q, kmin, kmax, table, nblk):
 
 
 def _select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row=None):
+    contracts.check_select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row)
     if not (active(scores.device) and scores.shape[-1] <= TOPK_MAX_BLOCKS):
         return ref.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row)
     return torch.ops.sglang_prr_cuda.select_topk(scores.float().contiguous(), nblk, k,
@@ -189,6 +193,9 @@ def fused_merge_enabled() -> bool:
 def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, o_spec,
                        lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact, p_rows=None,
                        out_dtype=None):
+    contracts.check_sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
+                                      o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact,
+                                      p_rows)
     if not fused_merge_enabled():  # two launches: partials, then the merge kernel
         return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                      sm_scale, o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb,
@@ -215,6 +222,8 @@ def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm
 
 def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out,
                   p_rows=None, dense_row=None, stats=None):
+    contracts.check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
+                                 local_blocks, n_out, p_rows, dense_row, stats)
     B, Hq, D = q.shape
     Hk = kmin.shape[1]
     ok = (active(q.device) and D % 8 == 0 and Hq % Hk == 0 and (Hq // Hk) * D <= 12 * 1024
@@ -256,6 +265,8 @@ def _predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred
 
 def _predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
                          nblk_next, n_pred, sink_blocks, local_blocks):
+    contracts.check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores,
+                                        nblk, nblk_next, n_pred, sink_blocks, local_blocks)
     ok = (active(level.device) and level.shape[-1] <= TOPK_MAX_BLOCKS
           and level.dtype == torch.float32 and trend.dtype == torch.float32
           and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
@@ -295,6 +306,7 @@ def _merge_partials(o, lse):
 
 
 def _quest_update(kmin, kmax, k, out_loc, positions, page_size, one_per_page=False):
+    contracts.check_quest_update(kmin, kmax, k, out_loc, positions, page_size)
     ok = (active(kmin.device) and kmin.dtype == torch.float32 and kmax.dtype == torch.float32
           and kmin.is_contiguous() and kmax.is_contiguous() and k.dtype in _FLOAT_TYPES
           and (kmin.shape[1] * kmin.shape[2]) % 8 == 0)

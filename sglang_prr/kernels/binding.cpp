@@ -136,6 +136,7 @@ prr::AttnArgs attn_args(const Tensor& q, const Tensor& k_buf, const Tensor& v_bu
   a.k_stride_slot = k_buf.stride(0); a.k_stride_head = k_buf.stride(1);
   a.v_stride_slot = v_buf.stride(0); a.v_stride_head = v_buf.stride(1);
   a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
+  a.NB = (int)table.size(1);
   a.seq_lens = sl.data_ptr(); a.seq64 = index64(sl, "seq_lens");
   a.idx = idx.data_ptr<int32_t>(); a.cnt = cnt.data_ptr<int32_t>();
   a.o = o.data_ptr<float>(); a.lse = lse.data_ptr<float>();

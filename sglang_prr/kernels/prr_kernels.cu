@@ -275,7 +275,7 @@ sparse_attn_kernel(AttnArgs a) {
   const int blk = a.idx[lrow * a.N + n];
   int ntok = 0;
   int64_t page = 0;
-  if (n < c && blk >= 0) {
+  if (n < c && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
     page = ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64);
     const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
     const int64_t rem = sl - (int64_t)blk * a.page_size;
@@ -441,7 +441,7 @@ sparse_attn_hd_kernel(AttnArgs a) {
   const int blk = a.idx[lrow * a.N + n];
   int ntok = 0;
   int64_t page = 0;
-  if (n < c && blk >= 0) {
+  if (n < c && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
     page = ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64);
     const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
     const int64_t rem = sl - (int64_t)blk * a.page_size;

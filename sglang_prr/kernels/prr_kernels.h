@@ -17,6 +17,7 @@ struct AttnArgs {
   const void* k; const void* v; int kv_dtype;   // [num_slots, Hk, D], last dim contiguous
   int64_t k_stride_slot, k_stride_head, v_stride_slot, v_stride_head;
   const void* table; bool table64; int64_t table_stride;  // [B, NB]
+  int NB;                                                    // ids >= NB are padding
   const void* seq_lens; bool seq64;                          // [B]
   const int32_t* idx; const int32_t* cnt;                    // [B, Hk, N], [B, Hk]
   // Optional request slots [B]: idx/cnt are then rows idx_rows[b] of [R, Hk, N] / [R, Hk]

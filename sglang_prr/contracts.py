@@ -1,0 +1,223 @@
+"""Input contracts of the public ops (``sglang_prr.ops``), checked at the Python boundary.
+
+Every check reads shapes, dtypes and integer arguments only, never a tensor value, so it costs no
+device work, no host synchronisation, and is as valid inside a CUDA-graph capture as outside. A
+violated contract raises ``ValueError`` naming the argument, the value received and the value
+expected. Both implementations of an op (the torch reference and the SM90 kernel) call the same
+check, so they accept and refuse the same inputs.
+
+What the checks cannot see (values) has a defined result instead, in both implementations:
+block ids outside ``[0, NB)`` and entries past a list's count are ignored, counts are clamped to
+``[0, width]``, ``nblk`` past the table's width is clamped to it, and K/V slots at or past a
+request's length are never read into the arithmetic (a NaN there does not reach the output).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import Tensor
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+_INTS = (torch.int32, torch.int64)
+
+
+def fail(op: str, what: str, got, expected: str) -> None:
+    raise ValueError(f"{op}: {what} is {got}, expected {expected}")
+
+
+def shape(t: Tensor):
+    return tuple(t.shape)
+
+
+def nonneg(op: str, **ints: int) -> None:
+    for name, v in ints.items():
+        if not isinstance(v, int) or v < 0:
+            fail(op, name, repr(v), "an integer >= 0")
+
+
+def page_size(op: str, page: int) -> None:
+    if not isinstance(page, int) or page <= 0:
+        fail(op, "page_size", repr(page), "an integer > 0")
+
+
+def index_tensor(op: str, name: str, t: Tensor, dims: int) -> None:
+    if t.dtype not in _INTS:
+        fail(op, f"{name}.dtype", t.dtype, "int32 or int64")
+    if t.dim() != dims:
+        fail(op, f"{name}.shape", shape(t), f"{dims} dims")
+
+
+def rows_of(op: str, name: str, rows: Optional[Tensor], batch: int, lists: Tensor) -> None:
+    """``lists`` is ``[B, ...]``, or pool-wide ``[R, ...]`` read at ``rows: [B]``."""
+    if rows is None:
+        if lists.shape[0] != batch:
+            fail(op, f"{name}.shape[0]", lists.shape[0], f"the batch size {batch}")
+        return
+    index_tensor(op, f"{name} rows", rows, 1)
+    if rows.shape[0] != batch:
+        fail(op, f"{name} rows.shape", shape(rows), f"({batch},)")
+
+
+def block_list(op: str, name: str, idx: Tensor, cnt: Tensor, heads: int) -> None:
+    """``idx: [*, Hk, N]`` int32 with counts ``cnt: [*, Hk]`` int32."""
+    if idx.dtype != torch.int32 or cnt.dtype != torch.int32:
+        fail(op, f"{name} dtypes", (idx.dtype, cnt.dtype), "int32 lists and counts")
+    if idx.dim() != 3 or idx.shape[1] != heads:
+        fail(op, f"{name}_idx.shape", shape(idx), f"[rows, {heads}, N]")
+    if shape(cnt) != shape(idx)[:2]:
+        fail(op, f"{name}_cnt.shape", shape(cnt), f"{shape(idx)[:2]}")
+
+
+def paged_attention(op: str, q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor,
+                    seq_lens: Tensor, page: int) -> None:
+    """q ``[B, Hq, D]``; k_buf/v_buf ``[slots, Hk, D]``; table ``[B, NB]``; seq_lens ``[B]``."""
+    if q.dim() != 3:
+        fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
+    if k_buf.dim() != 3 or shape(k_buf) != shape(v_buf):
+        fail(op, "k_buf/v_buf shapes", (shape(k_buf), shape(v_buf)),
+             "both [num_slots, num_kv_heads, head_dim]")
+    for name, t in (("q", q), ("k_buf", k_buf), ("v_buf", v_buf)):
+        if t.dtype not in _FLOATS:
+            fail(op, f"{name}.dtype", t.dtype, "float32, float16 or bfloat16")
+    B, Hq, D = q.shape
+    if k_buf.shape[2] != D:
+        fail(op, "KV head_dim", k_buf.shape[2], f"q's head_dim {D}")
+    if k_buf.shape[1] == 0 or Hq % k_buf.shape[1] != 0:
+        fail(op, "num_kv_heads", k_buf.shape[1], f"a divisor of num_qo_heads={Hq}")
+    page_size(op, page)
+    if k_buf.shape[0] % page != 0:
+        fail(op, "KV slots", k_buf.shape[0], f"a multiple of page_size={page}")
+    index_tensor(op, "table", table, 2)
+    if table.shape[0] != B:
+        fail(op, "table.shape[0]", table.shape[0], f"the batch size {B}")
+    index_tensor(op, "seq_lens", seq_lens, 1)
+    if seq_lens.shape[0] != B:
+        fail(op, "seq_lens.shape", shape(seq_lens), f"({B},)")
+
+
+def selection(op: str, k: int, sink: int, local: int, n_out: int) -> None:
+    nonneg(op, k=k, sink_blocks=sink, local_blocks=local, n_out=n_out)
+    if n_out < k + sink + local:
+        fail(op, "n_out", n_out, f">= k + sink_blocks + local_blocks = {k + sink + local}")
+
+
+def summaries(op: str, q: Tensor, parts: Sequence[Tensor], heads_dim: int) -> None:
+    """Quest ``(kmin, kmax)`` ``[pages, Hk, D]`` float32 (``heads_dim`` = 1) or InfLLM-v2 ``ck``
+    ``[pages, page // 16, Hk, D]`` (``heads_dim`` = 2), matching q's heads and head dim."""
+    for t in parts:
+        if t.dtype != torch.float32:
+            fail(op, "summary dtype", t.dtype, "float32")
+        if t.dim() != heads_dim + 2 or t.shape[-1] != q.shape[-1]:
+            fail(op, "summary shape", shape(t), f"[pages, ..., Hk, {q.shape[-1]}]")
+        hk = t.shape[heads_dim]
+        if hk == 0 or q.shape[1] % hk != 0:
+            fail(op, "summary KV heads", hk, f"a divisor of num_qo_heads={q.shape[1]}")
+    if len(parts) == 2 and shape(parts[0]) != shape(parts[1]):
+        fail(op, "kmin/kmax shapes", (shape(parts[0]), shape(parts[1])), "equal")
+
+
+# ----------------------------------------------------------------------------- per op
+def check_sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size_,
+                               idx_rows=None, op="sparse_attn_partials") -> None:
+    paged_attention(op, q, k_buf, v_buf, table, seq_lens, page_size_)
+    block_list(op, "", idx, cnt, k_buf.shape[1])
+    rows_of(op, "idx", idx_rows, q.shape[0], idx)
+
+
+def check_sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size_, o_spec,
+                            lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact,
+                            p_rows=None) -> None:
+    op = "sparse_attn_merge"
+    check_sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size_, op=op)
+    if o_spec is None:
+        return
+    B, Hq, D = q.shape
+    if lse_spec is None or o_spec.dim() != 4 or shape(o_spec)[:2] != (B, Hq) \
+            or o_spec.shape[3] != D or shape(lse_spec) != shape(o_spec)[:3]:
+        fail(op, "o_spec/lse_spec shapes",
+             (shape(o_spec), None if lse_spec is None else shape(lse_spec)),
+             f"[{B}, {Hq}, N1, {D}] and [{B}, {Hq}, N1]")
+    if not exact:
+        return
+    if p_idx is None or p_cnt is None or a_idx is None or a_cnt is None:
+        fail(op, "exact merge lists", "missing", "p_idx, p_cnt, a_idx and a_cnt")
+    block_list(op, "p", p_idx, p_cnt, k_buf.shape[1])
+    block_list(op, "a", a_idx, a_cnt, k_buf.shape[1])
+    if p_idx.shape[2] != o_spec.shape[2]:
+        fail(op, "p_idx width", p_idx.shape[2], f"o_spec's N1 = {o_spec.shape[2]}")
+    rows_of(op, "p", p_rows, B, p_idx)
+    rows_of(op, "a", None, B, a_idx)
+    nonneg(op, nb=nb)
+
+
+def check_select_topk(scores, nblk, k, sink, local, n_out, dense_row=None) -> None:
+    op = "select_topk"
+    if scores.dim() != 3:
+        fail(op, "scores.shape", shape(scores), "[batch, num_kv_heads, num_blocks]")
+    index_tensor(op, "nblk", nblk, 1)
+    if nblk.shape[0] != scores.shape[0]:
+        fail(op, "nblk.shape", shape(nblk), f"({scores.shape[0]},)")
+    selection(op, k, sink, local, n_out)
+    if dense_row is not None and (dense_row.dtype != torch.bool
+                                  or shape(dense_row) != (scores.shape[0],)):
+        fail(op, "dense_row", (dense_row.dtype, shape(dense_row)), f"bool ({scores.shape[0]},)")
+
+
+def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out,
+                       p_rows=None, dense_row=None, stats=None) -> None:
+    op = "quest_select"
+    if q.dim() != 3:
+        fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
+    summaries(op, q, (kmin, kmax), 1)
+    index_tensor(op, "table", table, 2)
+    index_tensor(op, "nblk", nblk, 1)
+    if table.shape[0] != q.shape[0] or nblk.shape[0] != q.shape[0]:
+        fail(op, "table/nblk batch", (table.shape[0], nblk.shape[0]), f"{q.shape[0]}")
+    selection(op, k, sink, local, n_out)
+    if p_idx is not None:
+        if p_cnt is None:
+            fail(op, "p_cnt", None, "a tensor with p_idx")
+        block_list(op, "p", p_idx, p_cnt, kmin.shape[1])
+        rows_of(op, "p", p_rows, q.shape[0], p_idx)
+    if dense_row is not None and (dense_row.dtype != torch.bool
+                                  or shape(dense_row) != (q.shape[0],)):
+        fail(op, "dense_row", (dense_row.dtype, shape(dense_row)), f"bool ({q.shape[0]},)")
+    if stats is not None and (stats.dtype != torch.int64 or shape(stats) != (4,)):
+        fail(op, "stats", (stats.dtype, shape(stats)), "int64 (4,)")
+
+
+def check_quest_update(kmin, kmax, k, out_loc, positions, page_size_) -> None:
+    op = "quest_update"
+    page_size(op, page_size_)
+    if k.dim() != 3 or k.dtype not in _FLOATS:
+        fail(op, "k", (k.dtype, shape(k)), "float [tokens, num_kv_heads, head_dim]")
+    summaries(op, k, (kmin, kmax), 1)
+    if kmin.shape[1] != k.shape[1]:
+        fail(op, "summary KV heads", kmin.shape[1], f"k's {k.shape[1]}")
+    for name, t in (("out_loc", out_loc), ("positions", positions)):
+        index_tensor(op, name, t, 1)
+        if t.shape[0] != k.shape[0]:
+            fail(op, f"{name}.shape", shape(t), f"({k.shape[0]},)")
+
+
+def check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
+                              nblk_next, n_pred, sink, local) -> None:
+    op = "predict_update_rows"
+    nonneg(op, n_pred=n_pred, sink_blocks=sink, local_blocks=local)
+    if level.dim() != 3 or shape(trend) != shape(level):
+        fail(op, "level/trend shapes", (shape(level), shape(trend)), "both [rows, Hk, NB]")
+    R, Hk, NB = level.shape
+    if scores.dim() != 3 or shape(scores)[1:] != (Hk, NB):
+        fail(op, "scores.shape", shape(scores), f"[batch, {Hk}, {NB}]")
+    B = scores.shape[0]
+    index_tensor(op, "rows", rows, 1)
+    for name, t in (("rows", rows), ("nblk", nblk), ("nblk_next", nblk_next)):
+        if shape(t) != (B,):
+            fail(op, f"{name}.shape", shape(t), f"({B},)")
+    if shape(n_init) != (R,) or shape(theta) != (R, 3):
+        fail(op, "n_init/theta shapes", (shape(n_init), shape(theta)), f"({R},) and ({R}, 3)")
+    block_list(op, "p", p_idx, p_cnt, Hk)
+    if p_idx.shape[0] != R or p_idx.shape[2] != n_pred + sink + local:
+        fail(op, "p_idx.shape", shape(p_idx), f"[{R}, {Hk}, {n_pred + sink + local}]")
