@@ -94,7 +94,7 @@ class _Stats:
     def drain(self) -> None:
         """Move the device counters to the host totals (host-ok: called from
         init_forward_metadata, outside decode; the read waits for the steps already queued)."""
-        for i, x in enumerate(self.counters.tolist()):
+        for i, x in enumerate(self.counters.tolist()):  # host-ok: outside decode
             self.totals[i] += int(x)
         self.counters.zero_()
 
@@ -487,8 +487,8 @@ class PRRBackend:
                 best = torch.argmax(st.h_sum[layers, row], dim=-1)  # first max: lower index
                 st.theta[layers, row] = self.grid[best]
                 self.stats.calibrations += Lc
-                if int(layers[0]) == 0:  # host-ok: extend; the chosen theta of layer 0
-                    key = ",".join(f"{x:g}" for x in cfg.theta_grid[int(best[0])])
+                if taken[0][0] == 0:  # the chosen theta of layer 0 (host list, no sync)
+                    key = ",".join(f"{x:g}" for x in cfg.theta_grid[int(best[0])])  # host-ok: extend
                     self.stats.theta_counts[key] = self.stats.theta_counts.get(key, 0) + 1
             theta = st.theta[layers, row]  # [Lc, 3]
             lv = st.level[layers, row, :, :nb_used]  # copies [Lc, Hk, nb]

@@ -303,13 +303,13 @@ def check_input_ids(input_ids: Any, vocab_size: int) -> None:
     """Raise ``ValueError`` unless every id of ``input_ids`` (a list, or a batch of lists) is
     an integer in ``[0, vocab_size)``; the message names the first bad id and the range."""
     if hasattr(input_ids, "tolist"):  # a tensor or an array
-        input_ids = input_ids.tolist()
+        input_ids = input_ids.tolist()  # host-ok: request validation, before the scheduler
     if input_ids is None or len(input_ids) == 0:
         return
     seqs = input_ids if isinstance(input_ids[0], (list, tuple)) else [input_ids]
     for seq in seqs:
         if hasattr(seq, "tolist"):
-            seq = seq.tolist()
+            seq = seq.tolist()  # host-ok: request validation
         if len(seq) == 0:
             continue
         if not set(map(type, seq)) <= {int}:  # the fast path; numpy-style ints are fine too
