@@ -219,5 +219,5 @@ def check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, s
     if shape(n_init) != (R,) or shape(theta) != (R, 3):
         fail(op, "n_init/theta shapes", (shape(n_init), shape(theta)), f"({R},) and ({R}, 3)")
     block_list(op, "p", p_idx, p_cnt, Hk)
-    if p_idx.shape[0] != R or p_idx.shape[2] != n_pred + sink + local:
-        fail(op, "p_idx.shape", shape(p_idx), f"[{R}, {Hk}, {n_pred + sink + local}]")
+    if p_idx.shape[0] != R or p_idx.shape[2] < n_pred + sink + local:
+        fail(op, "p_idx.shape", shape(p_idx), f"[{R}, {Hk}, >= {n_pred + sink + local}]")

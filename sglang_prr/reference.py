@@ -8,7 +8,8 @@ Conventions (shared with the kernels and the SGLang backend):
   page_size`` and token ``j * page_size + t`` in slot ``page * page_size + t``.
 * Page 0 is SGLang's padding page (slot 0 absorbs the KV writes of padded rows). Summary writes
   that must go nowhere are sent there, so a request never owns page 0.
-* Block sets are static-shape lists ``idx: [B, Hk, N] int32`` of request-local block ids, sorted
+* Block sets are static-shape lists ``idx: [B, Hk, N] int32`` of request-local block ids (an id
+  listed twice counts once: a repeat is padding), sorted
   ascending, padded with -1, with device-side counts ``cnt: [B, Hk] int32``. Nothing here reads a
   tensor value on the host: every function is graph-safe.
 * Scores are ``[B, Hk, NB] float32`` with ``-inf`` for blocks a request does not have.
@@ -89,6 +90,17 @@ def list_isin(idx: Tensor, cnt: Tensor, ref_idx: Tensor, ref_cnt: Tensor, nb: in
     hit = torch.gather(ref_mask, -1, safe)
     valid = (torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1).long()) & (idx >= 0)
     return hit & valid
+
+
+def repeated_entries(idx: Tensor, cnt: Tensor) -> Tensor:
+    """Valid entries whose id an earlier valid entry of the same list already holds: ``[..., n]``
+    bool. Block lists are sets: a repeated id is padding (attended and merged once)."""
+    n = idx.shape[-1]
+    ar = torch.arange(n, device=idx.device)
+    valid = (ar < cnt.long().unsqueeze(-1)) & (idx >= 0)
+    same = (idx.unsqueeze(-1) == idx.unsqueeze(-2)) & valid.unsqueeze(-2)  # [..., j, i]
+    earlier = ar.view(n, 1) > ar.view(1, n)  # i < j
+    return valid & (same & earlier).any(-1)
 
 
 def set_difference(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor, nb: int,
@@ -304,13 +316,17 @@ def predict_update_rows(level: Tensor, trend: Tensor, n_init: Tensor, p_idx: Ten
                         local_blocks: int) -> None:
     """``predict_update`` on the request pool's state, in place: batch entry ``b`` updates row
     ``rows[b]`` of level/trend ``[R, Hk, NB]``, n_init ``[R]``, theta ``[R, 3]`` and writes P(t+1)
-    into p_idx ``[R, Hk, n_pred + sink + local]`` / p_cnt ``[R, Hk]``. scores: ``[B, Hk, NB]``;
+    into p_idx ``[R, Hk, W]`` / p_cnt ``[R, Hk]``, ``W >= n_pred + sink + local`` (the pool's
+    width, that of the largest budget; -1 past the count). scores: ``[B, Hk, NB]``;
     nblk/nblk_next/rows: ``[B]``. Rows must be distinct, except SGLang's padding row 0, whose
     state no request reads."""
     r = rows.long()
     lv, tr, ni = level[r], trend[r], n_init[r]
     idx, cnt = predict_update(lv, tr, ni, scores, nblk, theta[r], nblk_next, n_pred, sink_blocks,
                               local_blocks)
+    pad = p_idx.shape[-1] - idx.shape[-1]
+    if pad > 0:
+        idx = torch.nn.functional.pad(idx, (0, pad), value=-1)
     level.index_copy_(0, r, lv)
     trend.index_copy_(0, r, tr)
     n_init.index_copy_(0, r, ni)
@@ -428,7 +444,8 @@ def sparse_attn_partials(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor,
     v = _gather_blocks(v_buf, table, idx, page_size)
     pos = idx.long().unsqueeze(-1) * page_size + torch.arange(page_size, device=q.device)
     entry_ok = ((torch.arange(N, device=q.device) < cnt.long().unsqueeze(-1)) & (idx >= 0)
-                & (idx < table.shape[1]))  # ids outside the table are padding
+                & (idx < table.shape[1])  # ids outside the table are padding
+                & ~repeated_entries(idx, cnt))  # so are repeats: a block is attended once
     ok = entry_ok.unsqueeze(-1) & (pos < seq_lens.long().view(B, 1, 1, 1))  # [B, Hk, N, P]
     logits = torch.einsum("bhgd,bhnpd->bhgnp", q.float().view(B, Hk, G, D), k) * sm_scale
     logits = logits.masked_fill(~ok.unsqueeze(2), NEG_INF)
@@ -526,15 +543,17 @@ def prr_merge(o_spec: Tensor, lse_spec: Tensor, p_idx: Tensor, p_cnt: Tensor, a_
     """Combine the speculative per-block partials over P with the repair partials over M = A \\ P.
 
     exact: keep only the speculative partials of blocks in ``P n A`` -> attention over exactly A.
-    union: keep every speculative partial -> attention over ``P u A``.
+    union: keep every speculative partial -> attention over ``P u A``. In both, an id repeated in
+    P counts once (its first entry).
     o_spec: ``[B, Hq, Np, D]``, lse_spec ``[B, Hq, Np]``; o_rep/lse_rep likewise over M.
     Returns ``(o [B, Hq, D] float32, lse [B, Hq])``.
     """
     G = o_spec.shape[1] // p_idx.shape[1]
+    first = ~repeated_entries(p_idx, p_cnt)
     if exact:
-        keep = expand_heads(list_isin(p_idx, p_cnt, a_idx, a_cnt, nb), G)
+        keep = expand_heads(list_isin(p_idx, p_cnt, a_idx, a_cnt, nb) & first, G)
     else:
-        keep = torch.ones_like(lse_spec, dtype=torch.bool)
+        keep = expand_heads(first, G)
     o = torch.cat([o_spec, o_rep], dim=-2)
     lse = torch.cat([lse_spec.masked_fill(~keep, NEG_INF), lse_rep], dim=-1)
     return merge_partials(o, lse)

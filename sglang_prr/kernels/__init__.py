@@ -208,8 +208,8 @@ def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm
     ok = (_attn_ok(q, k_buf, v_buf, table, idx, cnt) and idx.shape[2] > 0 and D % 4 == 0
           and B * k_buf.shape[1] <= MAX_GROUPS and smem <= 160 * 1024
           and (o_spec is None or (o_spec.dtype == torch.float32 and lse_spec.dtype == torch.float32
-                                  and (not exact or (p_idx.dtype == torch.int32
-                                                     and a_idx.dtype == torch.int32)))))
+                                  and (p_idx is None or p_idx.dtype == torch.int32)
+                                  and (not exact or a_idx.dtype == torch.int32))))
     ok = ok and (out_dtype is None or out_dtype in _FLOAT_TYPES)
     if not ok:
         return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,

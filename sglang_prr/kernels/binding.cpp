@@ -197,16 +197,21 @@ std::tuple<Tensor, Tensor> sparse_attn_merge(
     if (exact) {
       TORCH_CHECK(p_idx.has_value() && p_cnt.has_value() && a_idx.has_value() &&
                   a_cnt.has_value(), "sparse_attn_merge: exact needs p_idx, p_cnt, a_idx, a_cnt");
-      pi = p_idx->contiguous(); pc = p_cnt->contiguous();
       ai = a_idx->contiguous(); ac = a_cnt->contiguous();
-      TORCH_CHECK(pi.scalar_type() == at::kInt && pc.scalar_type() == at::kInt &&
-                  ai.scalar_type() == at::kInt && ac.scalar_type() == at::kInt,
+      TORCH_CHECK(ai.scalar_type() == at::kInt && ac.scalar_type() == at::kInt,
+                  "sparse_attn_merge: lists and counts must be int32");
+      a.a_idx = ai.data_ptr<int32_t>(); a.a_cnt = ac.data_ptr<int32_t>();
+      a.Na = (int)ai.size(-1);
+      a.p_exact = true;
+    }
+    // P's list (exact: always; union: when given) drops repeated ids of P.
+    if (p_idx.has_value() && p_cnt.has_value()) {
+      pi = p_idx->contiguous(); pc = p_cnt->contiguous();
+      TORCH_CHECK(pi.scalar_type() == at::kInt && pc.scalar_type() == at::kInt,
                   "sparse_attn_merge: lists and counts must be int32");
       TORCH_CHECK(pi.size(-1) == a.N1, "sparse_attn_merge: p_idx has ", pi.size(-1),
                   " entries but o_spec has ", a.N1);
       a.p_idx = pi.data_ptr<int32_t>(); a.p_cnt = pc.data_ptr<int32_t>();
-      a.a_idx = ai.data_ptr<int32_t>(); a.a_cnt = ac.data_ptr<int32_t>();
-      a.Na = (int)ai.size(-1);
       a.p_rows = slots_ptr(p_rows, B, a.p_rows64, pr, "sparse_attn_merge");
     }
   }
@@ -344,7 +349,7 @@ std::tuple<Tensor, Tensor> merge_common(const Tensor& o1_in, const Tensor& lse1_
                                         const Tensor* o2_in, const Tensor* lse2_in,
                                         const Tensor* p_idx_in, const Tensor* p_cnt_in,
                                         const Tensor* a_idx_in, const Tensor* a_cnt_in,
-                                        int64_t nb) {
+                                        int64_t nb, bool exact = true) {
   check_cuda(o1_in, "o");
   c10::cuda::CUDAGuard guard(o1_in.device());
   const Tensor o1 = o1_in.contiguous().to(at::kFloat), lse1 = lse1_in.contiguous().to(at::kFloat);
@@ -375,6 +380,7 @@ std::tuple<Tensor, Tensor> merge_common(const Tensor& o1_in, const Tensor& lse1_
                 " entries but o_spec has ", N1);
   }
   a.nb = (int)nb;
+  a.exact = exact;
   a.o = o.data_ptr<float>(); a.lse = lse.data_ptr<float>();
   a.R = (int)R; a.D = (int)D;
   if (R > 0) check_launch(prr::launch_merge(a, stream()), "merge");
@@ -386,9 +392,8 @@ std::tuple<Tensor, Tensor> prr_merge(const Tensor& o_spec, const Tensor& lse_spe
                                      const Tensor& a_idx, const Tensor& a_cnt,
                                      const Tensor& o_rep, const Tensor& lse_rep, int64_t nb,
                                      bool exact) {
-  if (exact)
-    return merge_common(o_spec, lse_spec, &o_rep, &lse_rep, &p_idx, &p_cnt, &a_idx, &a_cnt, nb);
-  return merge_common(o_spec, lse_spec, &o_rep, &lse_rep, nullptr, nullptr, nullptr, nullptr, nb);
+  return merge_common(o_spec, lse_spec, &o_rep, &lse_rep, &p_idx, &p_cnt, &a_idx, &a_cnt, nb,
+                      exact);
 }
 
 std::tuple<Tensor, Tensor> merge_partials(const Tensor& o, const Tensor& lse) {
@@ -476,10 +481,13 @@ void predict_common(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& 
               prr::max_topk_blocks(), " supported");
   TORCH_CHECK(scores.dim() == 3 && scores.size(1) == Hk && scores.size(2) == NB,
               "predict_update: scores must be [B, ", Hk, ", ", NB, "], got ", scores.sizes());
+  // P may be wider than this step's n_pred + sink + local (the request pool's P has the width of
+  // the largest budget): the list is written over the whole width, -1 past its count.
   const int64_t n_out = n_pred + sink + local;
   TORCH_CHECK(idx.is_contiguous() && cnt.is_contiguous() && idx.scalar_type() == at::kInt &&
-              cnt.scalar_type() == at::kInt && idx.size(-1) == n_out,
-              "predict_update: p_idx/p_cnt must be contiguous int32 with ", n_out, " entries");
+              cnt.scalar_type() == at::kInt && idx.size(-1) >= n_out,
+              "predict_update: p_idx/p_cnt must be contiguous int32 with at least ", n_out,
+              " entries, got ", idx.size(-1));
   prr::PredictArgs a{};
   Tensor rows;
   a.rows = slots_ptr(rows_in, B, a.rows64, rows, "predict_update");
@@ -492,7 +500,7 @@ void predict_common(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& 
   a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
   a.nblk_next = nblk_next.data_ptr(); a.nblk_next64 = index64(nblk_next, "nblk_next");
   a.theta = theta.data_ptr<float>(); a.theta_stride = theta.stride(0);
-  a.idx = idx.data_ptr<int32_t>(); a.cnt = cnt.data_ptr<int32_t>(); a.n_out = (int)n_out;
+  a.idx = idx.data_ptr<int32_t>(); a.cnt = cnt.data_ptr<int32_t>(); a.n_out = (int)idx.size(-1);
   a.sem = group_counters(level, kCntPredict, B, "predict_update");
   a.B = (int)B; a.Hk = (int)Hk; a.NB = (int)NB; a.k = (int)n_pred; a.sink = (int)sink;
   a.local = (int)local;
@@ -512,7 +520,7 @@ std::tuple<Tensor, Tensor> predict_update(Tensor& level, Tensor& trend, Tensor& 
 }
 
 // The request pool's state in place: level/trend [R, Hk, NB], n_init [R], theta [R, 3],
-// p_idx/p_cnt [R, Hk, n_pred + sink + local] / [R, Hk]; batch entry b is row rows[b].
+// p_idx/p_cnt [R, Hk, >= n_pred + sink + local] / [R, Hk]; batch entry b is row rows[b].
 void predict_update_rows(Tensor& level, Tensor& trend, Tensor& n_init, Tensor& p_idx,
                          Tensor& p_cnt, const Tensor& theta, const Tensor& rows,
                          const Tensor& scores, const Tensor& nblk, const Tensor& nblk_next,

@@ -136,6 +136,16 @@ __device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
 constexpr int kAttnThreads = 128;
 constexpr int kTailLoads = 8;
 
+// Block lists are sets: an id listed again at a later entry is padding, so a repeated block is
+// attended (and merged) once. Called by every thread of the CTA; the loads of the earlier entries
+// go out beside the load of the entry's own id.
+__device__ __forceinline__ bool repeats_earlier(const int32_t* list, int n, int cnt, int blk) {
+  int dup = 0;
+  const int lim = n < cnt ? n : cnt;
+  for (int j = threadIdx.x; j < lim; j += blockDim.x) dup |= list[j] == blk;
+  return __syncthreads_or(dup) != 0;
+}
+
 __device__ void attn_merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem,
                                 int group) {
   const int64_t row = (int64_t)b * a.Hk + hk;
@@ -149,12 +159,17 @@ __device__ void attn_merge_tail(const AttnArgs& a, int b, int hk, unsigned char*
   int* s_a = reinterpret_cast<int*>(smem);
   float* s_w = reinterpret_cast<float*>(s_a + ((a.Na + 3) & ~3)) + warp * Nt;
   int* s_e = reinterpret_cast<int*>(s_w + (NW - warp) * Nt) + warp * Nt;  // kept entry ids
+  // P's partials: exact keeps those of P n A; both modes drop a repeated id of P (lists are
+  // ascending, so a repeat is the entry before).
   const bool filt = N1 > 0 && a.p_idx != nullptr;
-  int ca = 0, n1 = N1;
+  int ca = 0, n1 = N1, pc = 0;
   if (filt) {
-    ca = min(a.a_cnt[row], a.Na);
-    for (int i = tid; i < ca; i += kAttnThreads) s_a[i] = a.a_idx[row * a.Na + i];
-    n1 = min(max(a.p_cnt[prow], 0), N1);
+    pc = min(max(a.p_cnt[prow], 0), N1);
+    if (a.p_exact) {
+      ca = min(a.a_cnt[row], a.Na);
+      for (int i = tid; i < ca; i += kAttnThreads) s_a[i] = a.a_idx[row * a.Na + i];
+      n1 = pc;
+    }
   }
   const int n2 = min(max(a.cnt[lrow], 0), N2);  // entries past the count are padding (0, -inf)
   __syncthreads();
@@ -170,9 +185,10 @@ __device__ void attn_merge_tail(const AttnArgs& a, int b, int hk, unsigned char*
         e = c;
         v = a.lse1[r * N1 + c];
         if (filt) {
-          const int x = a.p_idx[prow * N1 + c];
-          bool keep = x >= 0;
-          if (keep) {
+          const int x = c < pc ? a.p_idx[prow * N1 + c] : -1;
+          bool keep = !(c > 0 && x >= 0 && a.p_idx[prow * N1 + c - 1] == x);
+          if (a.p_exact && keep) keep = x >= 0;
+          if (a.p_exact && keep) {
             int lo = 0, hi = ca;
             while (lo < hi) {
               const int mid = (lo + hi) >> 1;
@@ -273,9 +289,10 @@ sparse_attn_kernel(AttnArgs a) {
   const int parts = max(min(c, a.N), 1);
   if (a.sem && n >= parts) return;
   const int blk = a.idx[lrow * a.N + n];
+  const bool repeat = repeats_earlier(a.idx + lrow * a.N, n, c, blk);
   int ntok = 0;
   int64_t page = 0;
-  if (n < c && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
+  if (n < c && !repeat && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
     page = ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64);
     const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
     const int64_t rem = sl - (int64_t)blk * a.page_size;
@@ -439,9 +456,10 @@ sparse_attn_hd_kernel(AttnArgs a) {
   const int parts = max(min(c, a.N), 1);
   if (a.sem && n >= parts) return;
   const int blk = a.idx[lrow * a.N + n];
+  const bool repeat = repeats_earlier(a.idx + lrow * a.N, n, c, blk);
   int ntok = 0;
   int64_t page = 0;
-  if (n < c && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
+  if (n < c && !repeat && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
     page = ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64);
     const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
     const int64_t rem = sl - (int64_t)blk * a.page_size;
@@ -1145,14 +1163,16 @@ merge_kernel(MergeArgs a) {
   const int32_t* prow = nullptr;
   if (a.p_idx) {
     const int b = r / a.Hq, hk = (r % a.Hq) / (a.Hq / a.Hk);
-    const int W = a.nb / 32 + 1;
-    for (int w = tid; w < W; w += kMergeThreads) s_amask[w] = 0;
-    __syncthreads();
-    const int ca = a.a_cnt[b * a.Hk + hk];
-    const int32_t* arow = a.a_idx + ((int64_t)b * a.Hk + hk) * a.Na;
-    for (int i = tid; i < a.Na && i < ca; i += kMergeThreads) {
-      const int x = arow[i];
-      if (x >= 0 && x <= a.nb) atomicOr(&s_amask[x >> 5], 1u << (x & 31));
+    if (a.exact) {
+      const int W = a.nb / 32 + 1;
+      for (int w = tid; w < W; w += kMergeThreads) s_amask[w] = 0;
+      __syncthreads();
+      const int ca = a.a_cnt[b * a.Hk + hk];
+      const int32_t* arow = a.a_idx + ((int64_t)b * a.Hk + hk) * a.Na;
+      for (int i = tid; i < a.Na && i < ca; i += kMergeThreads) {
+        const int x = arow[i];
+        if (x >= 0 && x <= a.nb) atomicOr(&s_amask[x >> 5], 1u << (x & 31));
+      }
     }
     pc = a.p_cnt[b * a.Hk + hk];
     prow = a.p_idx + ((int64_t)b * a.Hk + hk) * a.N1;
@@ -1164,9 +1184,15 @@ merge_kernel(MergeArgs a) {
     if (i < a.N1) {
       v = a.lse1[(int64_t)r * a.N1 + i];
       if (prow) {
+        // A repeated id of P counts once (lists are ascending: a repeat is the entry before);
+        // exact also keeps only P n A.
         const int x = prow[i];
-        const int xs = x > a.nb ? a.nb : x;
-        const bool keep = i < pc && x >= 0 && ((s_amask[xs >> 5] >> (xs & 31)) & 1u);
+        const bool valid = i < pc && x >= 0;
+        bool keep = !(valid && i > 0 && prow[i - 1] == x);
+        if (a.exact) {
+          const int xs = x > a.nb ? a.nb : x;
+          keep = keep && valid && ((s_amask[xs >> 5] >> (xs & 31)) & 1u);
+        }
         if (!keep) v = -INFINITY;
       }
     } else {

@@ -34,6 +34,7 @@ struct AttnArgs {
   const int32_t* p_idx; const int32_t* p_cnt;                // [B, Hk, N1], [B, Hk]
   const void* p_rows; bool p_rows64;                         // optional slots of p_idx/p_cnt
   const int32_t* a_idx; const int32_t* a_cnt; int Na;        // [B, Hk, Na] ascending, [B, Hk]
+  bool p_exact;  // with p_idx: keep only P n A (else P u A); a repeated id of P counts once
   void* out_o; int out_dtype; float* out_lse;                // [B, Hq, D] (f32/f16/bf16), [B, Hq] or null
 };
 // Dynamic shared memory the fused merge needs (bytes) for these sizes.
@@ -117,10 +118,12 @@ cudaError_t launch_holt_update(const HoltArgs& a, cudaStream_t s);
 struct MergeArgs {
   const float* o1; const float* lse1; int N1;     // [R, N1, D], [R, N1]
   const float* o2; const float* lse2; int N2;     // optional second source (repair), N2 may be 0
-  // exact PRR filter on source 1 (nullptr: keep all): entry i of row (b, hq) is kept iff
+  // PRR filter on source 1 (p_idx nullptr: keep all): an entry repeating the id of the entry
+  // before it (ascending lists) is dropped; exact also keeps entry i of row (b, hq) only if
   // i < p_cnt[b, hk], p_idx >= 0 and p_idx is in A.
   const int32_t* p_idx; const int32_t* p_cnt; const int32_t* a_idx; const int32_t* a_cnt;
   int Na, nb, Hq, Hk;
+  bool exact;
   float* o; float* lse;                            // [R, D], [R]
   int R, D;
 };

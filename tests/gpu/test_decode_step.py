@@ -120,14 +120,15 @@ def test_quest_select_pool_rows_dense_rows_and_stats(B, Hq, Hk, D, page):
     assert int(plain[2][0].max()) == k + sink + local < int(nblk[0])
 
 
-def test_predict_update_rows_and_quest_decode_update_match_reference():
+@pytest.mark.parametrize("extra_width", [0, 5])  # 5: the pool's P is wider (a smaller budget)
+def test_predict_update_rows_and_quest_decode_update_match_reference(extra_width):
     seeded("predict rows")
     R, B, Hk, NB, n_pred = 9, 4, 2, 50, 6
     level = torch.randn(R, Hk, NB)
     trend = torch.randn(R, Hk, NB) * 0.1
     n_init = torch.randint(10, NB, (R,))
     theta = torch.rand(R, 3) * 0.8 + 0.1
-    p_idx = torch.full((R, Hk, n_pred + 2), -7, dtype=torch.int32)
+    p_idx = torch.full((R, Hk, n_pred + 2 + extra_width), -7, dtype=torch.int32)
     p_cnt = torch.full((R, Hk), -7, dtype=torch.int32)
     rows = torch.tensor([7, 2, 0, 5])  # 0: a padding row
     scores = torch.randn(B, Hk, NB)
