@@ -1,9 +1,17 @@
-"""What does prefill calibration cost? (the 80-candidate grid search of eqs 4-5, per layer)
+"""What does prefill calibration cost? (the 80-candidate grid search of eqs 4-5)
 
-Times ``ops.calibrate`` (the reference unless a kernel is registered) on the scores of
-``--rows`` sampled prefill queries (PRRConfig.calib_queries) against every block of a prompt of
-length L, for L = 4K..128K, at block 64 and the Llama-3-8B layer shape (8 KV heads; 32 query
-heads, head dim 128 for the baseline), K = 2048 tokens, delta = 1.5, the default 80 candidates.
+Times the grid search on the scores of ``--rows`` sampled prefill queries
+(PRRConfig.calib_queries) against every block of a prompt of length L, for L = 4K..128K, at block
+64 and the Llama-3-8B layer shape (8 KV heads; 32 query heads, head dim 128 for the baseline),
+K = 2048 tokens, delta = 1.5, the default 80 candidates, for ``--layers`` layers at once (the
+server calibrates every sparse layer of a request together: ``--layers 32`` is one Llama-3-8B
+request's chunk; the default 1 is one layer). Variants:
+
+* ``grid``: ``calibration.grid_hit_rates``, what the server runs (``Calibrator.run``); checked
+  bitwise against ``ref`` (``grid_bitwise``);
+* ``ref``: ``ops.calibrate``, the reference (what the server ran before: it sorts
+  ``[layers*80, Hk, NB]`` three times per sampled row);
+* ``kern``: the reference loop through the CUDA op kernels (CUDA only).
 
 Baseline: calibration must be small next to the prefill it hides in. As the stand-in for one
 layer's prefill we time a dense causal attention of length L for one layer (torch SDPA, bf16,
@@ -35,6 +43,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from sglang_prr import calibration  # noqa: E402
 from sglang_prr import ops  # noqa: E402
 from sglang_prr import reference as ref  # noqa: E402
 from sglang_prr.config import PRRConfig  # noqa: E402
@@ -109,15 +118,17 @@ def calibrate_rows_batched(scores, nblk, k, n_pred, sink_blocks, local_blocks, a
     return hit.mean(-1).view(Phi - 1, R * C).sum(0).div(Phi - 1).view(R, C)
 
 
-def calib_inputs(L: int, rows: int, block: int, kv_heads: int, device: str, seed: int = 0):
-    """Scores ``[1, rows, Hk, NB]`` of the last ``rows`` prompt positions (every block visible:
-    the widest, costliest calibration of the prompt) and their causal block counts."""
+def calib_inputs(L: int, rows: int, block: int, kv_heads: int, device: str, seed: int = 0,
+                 layers: int = 1):
+    """Scores ``[layers, rows, Hk, NB]`` of the last ``rows`` prompt positions (every block
+    visible: the widest, costliest calibration of the prompt) and their causal block counts
+    ``[layers, rows]`` (the same in every layer, as in the server)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     nb = -(-L // block)
     pos = torch.arange(L - rows, L)
-    nblk = ((pos + 1 + block - 1) // block).view(1, rows)
-    s = torch.randn(1, rows, kv_heads, nb, generator=g)
-    s = torch.where(torch.arange(nb).view(1, 1, 1, nb) < nblk.view(1, rows, 1, 1), s,
+    nblk = ((pos + 1 + block - 1) // block).view(1, rows).expand(layers, rows).contiguous()
+    s = torch.randn(layers, rows, kv_heads, nb, generator=g)
+    s = torch.where(torch.arange(nb).view(1, 1, 1, nb) < nblk.view(layers, rows, 1, 1), s,
                     torch.full_like(s, float("-inf")))
     return s.to(device), nblk.to(device)
 
@@ -126,9 +137,11 @@ def bench_one(L: int, a: argparse.Namespace, cfg: PRRConfig) -> Dict[str, object
     dev = a.device
     cuda = dev.startswith("cuda")
     timer = _time_cuda if cuda else _time_cpu
-    scores, nblk = calib_inputs(L, a.rows, a.block, a.kv_heads, dev)
+    scores, nblk = calib_inputs(L, a.rows, a.block, a.kv_heads, dev, layers=a.layers)
     grid = torch.tensor(cfg.theta_grid, dtype=torch.float32, device=dev)
     al, be, ga = (grid[:, i].contiguous() for i in range(3))
+    axes = [torch.tensor(x, dtype=torch.float32, device=dev)
+            for x in (cfg.calib_alphas, cfg.calib_betas, cfg.calib_gammas)]
     k = cfg.top_k_blocks
     n_pred = cfg.predicted_blocks
 
@@ -139,17 +152,24 @@ def bench_one(L: int, a: argparse.Namespace, cfg: PRRConfig) -> Dict[str, object
         return ref.calibrate(scores, nblk, k, n_pred, cfg.sink_blocks, cfg.local_blocks, al, be, ga,
                              impl=ops)
 
+    def calib_grid():  # the product's path (Calibrator.run)
+        return calibration.grid_hit_rates(scores, nblk, k, n_pred, cfg.sink_blocks,
+                                          cfg.local_blocks, *axes)
+
     row: Dict[str, object] = dict(device=torch.cuda.get_device_name() if cuda else "cpu",
-                                  L=L, nb=scores.shape[-1], rows=a.rows, kv_heads=a.kv_heads,
-                                  candidates=grid.shape[0], k_blocks=k, n_pred=n_pred)
+                                  L=L, nb=scores.shape[-1], layers=a.layers, rows=a.rows,
+                                  kv_heads=a.kv_heads, candidates=grid.shape[0], k_blocks=k,
+                                  n_pred=n_pred)
     def calib_batched():
         return calibrate_rows_batched(scores, nblk, k, n_pred, cfg.sink_blocks, cfg.local_blocks,
                                       al, be, ga, impl=ops)
 
-    variants = [("ref", calib_ref)] + ([("kern", calib_kern)] if cuda and a.kernels else [])
+    variants = ([("grid", calib_grid)] + ([] if a.no_ref else [("ref", calib_ref)])
+                + ([("kern", calib_kern)] if cuda and a.kernels and not a.no_ref else []))
     if a.batched:
         variants.append(("batched", calib_batched))
-    h_ref = calib_ref()
+    h_ref = calib_grid() if a.no_ref else calib_ref()
+    row["grid_bitwise"] = None if a.no_ref else bool(torch.equal(calib_grid(), h_ref))
     for name, fn in variants:
         t = timer(fn, a.repeats)
         row[f"{name}_ms"] = statistics.median(t)
@@ -162,9 +182,8 @@ def bench_one(L: int, a: argparse.Namespace, cfg: PRRConfig) -> Dict[str, object
             tg = timer(gr.replay, a.repeats)
             row[f"{name}_graph_ms"] = statistics.median(tg)
             del gr
-    row["calib_ms"] = min(v for key, v in row.items()
-                          if key.endswith(("_ms", "_graph_ms")) and v is not None
-                          and key.split("_")[0] in ("ref", "kern"))  # the product's forms
+    # The product's form (eager is what the server runs: prefill is not graph-captured).
+    row["calib_ms"] = row["grid_ms"]
     row["sdpa_ms"] = None
     if cuda or L <= a.baseline_max_len:
         dt = torch.bfloat16 if cuda else torch.float32
@@ -220,6 +239,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--budget", type=float, default=1.5, help="delta")
     ap.add_argument("--repeats", type=int, default=None, help="default: 20 on CUDA, 3 on CPU")
     ap.add_argument("--no-graph", dest="graph", action="store_false")
+    ap.add_argument("--layers", type=int, default=1,
+                    help="layers calibrated together (the server: every sparse layer, e.g. 32)")
+    ap.add_argument("--no-ref", action="store_true",
+                    help="time the product's path only (the reference is slow at --layers 32)")
     ap.add_argument("--batched", action="store_true",
                     help="also time the experimental row-batched form (calibrate_rows_batched)")
     ap.add_argument("--no-kernels", dest="kernels", action="store_false",
@@ -251,16 +274,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             w = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
             w.writeheader()
             w.writerows(rows)
-    print(f"\ncalibration cost, {rows[0]['device']}, {a.rows} rows x {a.kv_heads} KV heads x "
-          f"{rows[0]['candidates']} candidates, block {a.block}, K={cfg.top_k_blocks} blocks, "
-          f"|P|={cfg.predicted_blocks}; ref = reference ops, kern = the same loop through the CUDA "
-          f"op kernels; baseline = one layer of dense causal SDPA (GQA {a.q_heads}/{a.kv_heads}, "
-          f"d={a.head_dim}, {'fp32' if a.device == 'cpu' else 'bf16'}); times in ms, median")
-    print("| L | blocks | ref eager | ref graph | kern eager | kern graph | batched graph (exp.) "
-          "| SDPA 1 layer | best calib / SDPA |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"\ncalibration cost, {rows[0]['device']}, {a.layers} layer(s) x {a.rows} rows x "
+          f"{a.kv_heads} KV heads x {rows[0]['candidates']} candidates, block {a.block}, "
+          f"K={cfg.top_k_blocks} blocks, |P|={cfg.predicted_blocks}; grid = the product's path "
+          f"(calibration.grid_hit_rates, bitwise = equal to ref); ref = reference ops, kern = the "
+          f"same loop through the CUDA op kernels; baseline = one layer of dense causal SDPA "
+          f"(GQA {a.q_heads}/{a.kv_heads}, d={a.head_dim}, "
+          f"{'fp32' if a.device == 'cpu' else 'bf16'}); times in ms, median")
+    print("| L | blocks | grid eager | grid graph | bitwise | ref eager | ref graph | kern eager "
+          "| kern graph | batched graph (exp.) | SDPA 1 layer | grid eager / SDPA |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['L']} | {r['nb']} | {_fmt(r.get('ref_ms'), '.3f')} | "
+        print(f"| {r['L']} | {r['nb']} | {_fmt(r.get('grid_ms'), '.3f')} | "
+              f"{_fmt(r.get('grid_graph_ms'), '.3f')} | {r['grid_bitwise']} | "
+              f"{_fmt(r.get('ref_ms'), '.3f')} | "
               f"{_fmt(r.get('ref_graph_ms'), '.3f')} | {_fmt(r.get('kern_ms'), '.3f')} | "
               f"{_fmt(r.get('kern_graph_ms'), '.3f')} | "
               f"{_fmt(r.get('batched_graph_ms') or r.get('batched_ms'), '.3f')} | "
