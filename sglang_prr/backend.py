@@ -6,8 +6,9 @@ Decode, per layer (``forward_decode``):
    then fold the new key into its page's block summary (``ops.quest_update`` /
    ``ops.infllm_update``);
 2. layers in ``dense_layers``: the inner backend's dense attention;
-3. every other layer: ``step.DecodeStep.run``, serial DSA (``--prr-serial``) or PRR, on the
-   request pool's predictor state in place. Rows shorter than ``min_context`` take the same
+3. every other layer: ``step.DecodeStep.run``, serial DSA (``--prr-serial``, or a batch size
+   where the ``--prr-budget auto`` profile says speculation does not pay: ``budget.py``) or PRR,
+   on the request pool's predictor state in place. Rows shorter than ``min_context`` take the same
    kernels with every block selected, so the inner backend never attends in these layers (it is
    planned with one-token rows, see ``_dense_batch``).
 
@@ -18,10 +19,11 @@ are static (block lists are ``-1`` padded with device-side counts) and the stati
 counted on the device by the selection kernel.
 
 Extend (``forward_extend``): the inner backend's attention, then the summaries of the new
-tokens, then calibration on ``calib_queries`` queries sampled evenly from each request's chunk:
-``ops.calibrate`` scores every candidate of ``cfg.theta_grid``, the scores accumulate over the
-chunks of a chunked prefill, theta* = argmax per request and layer; the predictor is replayed
-over the sampled queries with theta* and predicts P for the first decode step.
+tokens, then calibration (``calibration.Calibrator``) on ``calib_queries`` queries sampled
+evenly from each request's chunk: every candidate of ``cfg.theta_grid`` is scored, the scores
+accumulate over the chunks of a chunked prefill, theta* = argmax per request and layer; the
+predictor is replayed over the sampled queries with theta* and predicts P for the first decode
+step. Off when no batch size ever speculates.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import ops
-from . import reference as ref
+from .budget import BudgetPolicy
+from .calibration import Calibrator
 from .config import PRRConfig
 from .state import PRRState
 from .step import DecodeStep
@@ -81,7 +84,10 @@ class _Stats:
         # Host counts, from the batch's host lengths (no device work in the decode step): layer-
         # steps of the sparse path, rows shorter than min_context (all blocks attended).
         self.decode_steps = 0
+        self.serial_steps = 0  # layer-steps that the budget ran as serial DSA (no counters)
         self.dense_rows = 0
+        self.budget: Dict[str, float] = {}  # the budget's choice per batch size
+        self.speculates = not cfg.serial  # False: serial DSA only (no hit rate, |M| or delta)
         self.extend_batches = 0
         self.calibrations = 0
         self.theta_counts: Dict[str, int] = {}
@@ -103,15 +109,17 @@ class _Stats:
         a = self.totals
         rows = a[_S_ROWS]
         # Serial DSA predicts nothing: its hit rate and budget are not applicable (None).
-        prr = not self.cfg.serial and a[_S_A] > 0
+        prr = self.speculates and a[_S_A] > 0
         return {
             "decode_batches": self.decode_batches,
             "decode_steps": self.decode_steps,
+            "serial_steps": self.serial_steps,
+            "budget": dict(self.budget),
             "sparse_rows": rows,
             "dense_rows": self.dense_rows,
             "hit_rate": ((a[_S_A] - a[_S_M]) / a[_S_A]) if prr else None,
             "mean_selected_blocks": a[_S_A] / rows if rows else None,
-            "mean_repair_blocks": a[_S_M] / rows if rows and not self.cfg.serial else None,
+            "mean_repair_blocks": a[_S_M] / rows if rows and self.speculates else None,
             "delta": (a[_S_P] / a[_S_A]) if prr else None,
             "extend_batches": self.extend_batches,
             "calibrations": self.calibrations,
@@ -119,14 +127,18 @@ class _Stats:
             "time": time.time(),
         }
 
-    def count_batch(self, lens_cpu, real_rows: int, min_context: int, sparse_layers: int) -> None:
+    def count_batch(self, lens_cpu, real_rows: int, min_context: int, sparse_layers: int,
+                    speculates: bool = True) -> None:
         """Host counts of one decode batch: its first ``real_rows`` host lengths (the rest is
-        CUDA-graph padding) split at ``min_context`` like the decode step splits them."""
+        CUDA-graph padding) split at ``min_context`` like the decode step splits them;
+        ``speculates``: False when the budget runs this batch as serial DSA."""
         lens = lens_cpu[:real_rows]
         n_sparse = int((lens >= min_context).sum())
         if n_sparse == 0:
             return
         self.decode_steps += sparse_layers
+        if not speculates and not self.cfg.serial:
+            self.serial_steps += sparse_layers
         self.dense_rows += sparse_layers * (real_rows - n_sparse)
 
     def maybe_flush(self, force: bool = False) -> None:
@@ -233,16 +245,24 @@ class PRRBackend:
             if key in shared:
                 setattr(self, key, shared[key])
         self.state = shared["state"]
-        grid = torch.tensor(cfg.theta_grid, dtype=torch.float32, device=self.device)  # [C, 3]
-        self.grid = grid
-        self.alphas, self.betas, self.gammas = (grid[:, i].contiguous() for i in range(3))
+        # Prefill calibration (eqs 4-5): sampled in every sparse layer, run after the last one.
+        self.calibrator = Calibrator(cfg, self.state, shared["stats"], self.page, self.device)
         self.k_blocks = cfg.top_k_blocks
         self.n_pred = cfg.predicted_blocks
+        # Speculate or not, and over how many blocks, per decode batch size (--prr-budget auto:
+        # from the profile, checked against this layer shape).
+        shape = dict(method=cfg.method, num_kv_heads=Hk, head_dim=D, page_size=self.page,
+                     top_k_tokens=self.k_blocks * self.page)
+        if hasattr(mc, "get_num_attention_heads"):
+            shape["num_qo_heads"] = mc.get_num_attention_heads(tp)
+        self.budget = BudgetPolicy(cfg, shape)
+        # Calibration only serves speculation: off when no batch size ever speculates.
+        self.calibrates = self.budget.may_speculate()
         self.dense_layers = set(cfg.dense_layers)
         self.sparse_layers = sum(1 for i in range(self.num_layers) if i not in self.dense_layers)
         # The side stream of PRR joins the main one after this layer (None: after every layer).
         self._join_layer = self._last_sparse_layer()
-        self.step = _decode_step(runner, cfg, self.device)
+        self.step = _decode_step(runner, cfg, self.device, self.budget)
         if self.device.type == "cuda":
             # Build/load the SM90 kernels now, not in the first decode step or a graph capture
             # (falls back to the reference with one warning on other GPUs or a failed build).
@@ -250,6 +270,12 @@ class PRRBackend:
 
             kernels.load()
         self.stats = shared["stats"]
+        self.stats.budget = self.budget.describe()
+        self.stats.speculates = self.calibrates
+        if cfg.budget == "auto" and not cfg.serial:
+            logger.info("sglang_prr: --prr-budget auto from %s: delta per batch size %s (0: "
+                        "serial DSA)%s", cfg.profile, self.stats.budget,
+                        "" if self.calibrates else "; no batch size speculates, calibration off")
         self.tracer = self._make_tracer()
         self._ext_plan = None
         summary_mib = sum(t.numel() * 4 for t in self._summary_tensors()) / 2**20
@@ -335,7 +361,8 @@ class PRRBackend:
             lens = getattr(fb, "seq_lens_cpu", None)
             if lens is not None:
                 real = len(lens) - int(getattr(fb, "num_padding", 0) or 0)
-                self.stats.count_batch(lens, real, self.cfg.min_context, self.sparse_layers)
+                self.stats.count_batch(lens, real, self.cfg.min_context, self.sparse_layers,
+                                       self.budget.delta(len(lens)) > 0)
 
     def init_forward_metadata(self, fb):
         self._before_forward(fb)
@@ -418,7 +445,7 @@ class PRRBackend:
         if not self._applies(layer) or k is None:
             return o
         self._update_summaries(layer.layer_id, k, fb)
-        if self.cfg.calib_queries >= 2 and not self.cfg.serial:
+        if self.cfg.calib_queries >= 2 and self.calibrates:
             self._calib_sample(layer, q, fb)
             # Calibrate every layer of the forward together after its last sparse layer (per
             # layer when this process does not run every layer, e.g. pipeline parallelism).
@@ -427,86 +454,25 @@ class PRRBackend:
         return o
 
     def _extend_plan(self, fb):
-        """Per-forward layout of an extend batch (host lists: a sync here is outside decode),
-        and per request the sampled queries' offsets, causal lengths and block table, the same
-        for every layer: ``[(row, s0, offs, seq, nb_used, table)]``."""
+        """This forward's calibration plan (``Calibrator.plan``: the sampled queries of each
+        request, the same for every layer), made at its first sparse layer; ``_before_forward``
+        drops it at the start of every extend forward."""
         if self._ext_plan is None:
-            rows = fb.req_pool_indices.tolist()  # host-ok: extend, once per forward
-            reqs, start = [], 0
-            for row, n_new, n_pre in zip(rows, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu):
-                s0, start = start, start + int(n_new)
-                phi = min(self.cfg.calib_queries, int(n_new))
-                if phi < 1:
-                    continue
-                # Evenly spaced queries of the chunk, always including its last one.
-                offs = torch.linspace(0, n_new - 1, phi, device=self.device).round().long().unique()
-                seq = n_pre + offs + 1  # causal lengths [Phi]
-                # Only the blocks this chunk can see (host lengths: [.., nb_used], not the
-                # static context).
-                nb_used = -(-(int(n_pre) + int(n_new)) // self.page)
-                table = ops.block_table(self.req_pool.req_to_token, torch.full_like(offs, row),
-                                        self.page)[:, :nb_used]
-                reqs.append((row, s0, offs, seq, nb_used, table, int(n_pre) + int(n_new)))
-            self._ext_plan = {"reqs": reqs, "scores": {}}
+            self._ext_plan = self.calibrator.plan(self.req_pool.req_to_token,
+                                                  fb.req_pool_indices, fb.extend_seq_lens_cpu,
+                                                  fb.extend_prefix_lens_cpu)
         return self._ext_plan
 
     def _calib_sample(self, layer, q, fb) -> None:
         """Block scores of the sampled queries of this layer, kept until ``_calib_run``."""
-        l = layer.layer_id
         q3 = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        plan = self._extend_plan(fb)
-        for i, (row, s0, offs, seq, nb_used, table, _) in enumerate(plan["reqs"]):
-            scores = ops.select_blocks(self.cfg.method, q3[s0 + offs], self._summary(l), table,
-                                       seq, self.page, layer.scaling)  # [Phi, Hk, nb_used]
-            plan["scores"].setdefault(i, []).append((l, scores))
+        self.calibrator.sample(self._extend_plan(fb), layer.layer_id, q3,
+                               self._summary(layer.layer_id), layer.scaling)
 
     def _calib_run(self) -> None:
-        """Eqs 4-5 for every sampled layer of each request at once (rows of ``ops.calibrate``
-        are independent, so this is the per-layer calibration batched over layers: one replay of
-        the 80 candidates per request and chunk instead of one per layer). The scores accumulate
-        over the chunks of a chunked prefill; theta* = argmax per request and layer (first max,
-        on the device); then the predictor is replayed over the sampled queries with theta*
-        (continuing the state of earlier chunks) and predicts P for the first decode step."""
-        cfg, st, plan = self.cfg, self.state, self._ext_plan
-        if plan is None:
-            return
-        for i, (row, _, offs, seq, nb_used, _, total) in enumerate(plan["reqs"]):
-            taken = plan["scores"].pop(i, [])
-            if not taken:
-                continue
-            layers = torch.tensor([l for l, _ in taken], device=self.device)  # [Lc]
-            scores = torch.stack([sc for _, sc in taken])  # [Lc, Phi, Hk, nb]
-            Lc, Phi = scores.shape[:2]
-            nblk = ref.num_blocks(seq, self.page)  # [Phi]
-            if Phi >= 2:
-                H = ops.calibrate(scores, nblk.unsqueeze(0).expand(Lc, Phi).contiguous(),
-                                  self.k_blocks, self.n_pred, cfg.sink_blocks, cfg.local_blocks,
-                                  self.alphas, self.betas, self.gammas)  # [Lc, C]
-                st.h_sum[layers, row] += H * (Phi - 1)
-                st.h_cnt[layers, row] += Phi - 1
-                best = torch.argmax(st.h_sum[layers, row], dim=-1)  # first max: lower index
-                st.theta[layers, row] = self.grid[best]
-                self.stats.calibrations += Lc
-                if taken[0][0] == 0:  # the chosen theta of layer 0 (host list, no sync)
-                    key = ",".join(f"{x:g}" for x in cfg.theta_grid[int(best[0])])  # host-ok: extend
-                    self.stats.theta_counts[key] = self.stats.theta_counts.get(key, 0) + 1
-            theta = st.theta[layers, row]  # [Lc, 3]
-            lv = st.level[layers, row, :, :nb_used]  # copies [Lc, Hk, nb]
-            tr = st.trend[layers, row, :, :nb_used]
-            ni = st.n_init[layers, row]
-            for p in range(Phi):
-                ops.holt_update(lv, tr, ni, scores[:, p].contiguous(),
-                                nblk[p:p + 1].expand(Lc).contiguous(), theta[:, 0].contiguous(),
-                                theta[:, 1].contiguous())
-            st.level[layers, row, :, :nb_used] = lv
-            st.trend[layers, row, :, :nb_used] = tr
-            st.n_init[layers, row] = ni
-            nb_next = ref.num_blocks(torch.full((Lc,), total + 1, device=self.device), self.page)
-            p_idx, p_cnt = ops.predict_set(st.level[layers, row], st.trend[layers, row],
-                                           theta[:, 2].contiguous(), ni, nb_next, self.n_pred,
-                                           cfg.sink_blocks, cfg.local_blocks)
-            st.p_idx[layers, row] = p_idx
-            st.p_cnt[layers, row] = p_cnt
+        """Eqs 4-5 for every sampled layer of each request at once; see ``Calibrator.run``."""
+        if self._ext_plan is not None:
+            self.calibrator.run(self._ext_plan)
 
     # ------------------------------------------------------------------ decode
     def forward_decode(self, q, k, v, layer, fb, save_kv_cache=True, **kwargs):
@@ -540,15 +506,17 @@ class PRRBackend:
         return o.reshape(B, Hq * Dv)
 
 
-def _decode_step(runner, cfg: PRRConfig, device: torch.device) -> DecodeStep:
+def _decode_step(runner, cfg: PRRConfig, device: torch.device,
+                 budget: BudgetPolicy) -> DecodeStep:
     """The runner's ``DecodeStep`` (one per model runner: its side stream and events are shared
     by the runner's backends, whose layers run in order)."""
     step = getattr(runner, "_prr_step", None)
     if step is None:
         step = DecodeStep(cfg.method, cfg.top_k_blocks, cfg.predicted_blocks, cfg.sink_blocks,
                           cfg.local_blocks, cfg.block_size, cfg.min_context,
-                          exact=cfg.mode == "exact", serial=cfg.serial, device=device,
-                          skip_repair=os.environ.get(ENV_SKIP_REPAIR) == "1")
+                          exact=cfg.mode == "exact", serial=not budget.may_speculate(),
+                          device=device, skip_repair=os.environ.get(ENV_SKIP_REPAIR) == "1",
+                          budget=budget.predicted_blocks if budget.profile else None)
         try:
             runner._prr_step = step
         except AttributeError:

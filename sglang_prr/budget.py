@@ -1,99 +1,204 @@
-"""Speculation budget delta (PRR.md section 7): how large P may be at a given context length.
+"""Speculation budget (PRR.md section 7): whether to speculate at all, and with which delta.
 
 ``min |A \\ P|  s.t.  |P| <= delta |A|``: a larger delta covers more of A, but the speculative pass
-must fit inside the selection window or it lengthens the critical path. ``--prr-budget auto``
-reads an offline profile measured once per (model shape, GPU, DSA method):
+over P runs beside the selection and must fit in its window, or it lengthens the critical path;
+when even P = A does not fit, serial DSA (no P, no side stream) is the faster step. Which of these
+holds depends on the GPU, the layer's shape, the context and above all the batch size, so
+``--prr-budget auto`` reads a profile measured once on the serving GPU by
+``python -m sglang_prr.profile_budget`` (format version 2)::
 
-```json
-{"shape": {"num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128, "page_size": 64},
- "gpu": "NVIDIA H200", "method": "quest", "top_k_tokens": 2048,
- "selection_us": {"4096": 6.1, "32768": 7.0, "131072": 9.5},
- "spec_attn_us": {"1.0": 5.2, "1.5": 6.0, "2.0": 6.9, "3.0": 8.8, "4.0": 10.7}}
-```
+    {"version": 2, "gpu": "NVIDIA H200",
+     "shape": {"method": "quest", "num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+               "page_size": 64, "top_k_tokens": 2048},
+     "hit_rate": 0.7, "layers": 4, ...,
+     "layer_us": [{"batch": 1, "context": 32768, "delta": 0.0, "us": 151.2}, ...]}
 
-``selection_us`` maps context length to the selection latency, ``spec_attn_us`` maps delta to the
-latency of the speculative attention over ``delta * K`` blocks. The policy picks the largest delta
-whose speculative pass still fits in the selection window at the batch's longest context
-(selection latency interpolated linearly in log-context), clamped to ``[1, max_budget]``. It runs
-on the host at plan time (``seq_lens`` on the CPU are known then), never inside the decode graph:
-the graph's P has the static width of ``max_budget`` and only its device-side count changes.
+``layer_us`` is the time of one decoder layer (attention step plus the rest of the layer's GEMMs)
+in a CUDA graph; ``delta`` 0 is serial DSA. SGLang captures one decode graph per batch size, so
+the choice is made per batch size and stays static inside each graph: for batch ``b`` the policy
+takes the profiled batch size nearest to ``b`` (in log2, ties to the larger), averages over the
+profiled contexts each delta's time relative to serial DSA, and picks the fastest delta, or serial
+DSA when no delta saves at least ``1 - SPECULATE_MARGIN`` of the layer. The choice is made on the
+host when a forward is planned, never inside a graph.
 """
 
 from __future__ import annotations
 
-import bisect
 import json
 import math
-from dataclasses import dataclass
-from typing import Dict, Optional
+from dataclasses import dataclass, field
+from typing import Dict, List, Mapping, Optional, Tuple
 
-from .config import PRRConfig
+from .config import PRRConfig, PRRConfigError
 
-# Without a profile, 'auto' uses the paper's default operating point.
-FALLBACK_DELTA = 1.5
+PROFILE_VERSION = 2
+# The deltas the profiler measures by default (0 = serial DSA).
+DEFAULT_DELTAS = (0.0, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
+# Speculate only when it saves at least 1% of the layer: smaller gains are within the noise of a
+# profile, and serial DSA has no side stream to get wrong.
+SPECULATE_MARGIN = 0.99
+SHAPE_KEYS = ("method", "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "top_k_tokens")
 
 
 @dataclass
 class BudgetProfile:
-    selection_us: Dict[int, float]
-    spec_attn_us: Dict[float, float]
+    """A measured profile: ``layer_us[(batch, context, delta)]`` in microseconds per layer."""
 
+    shape: Dict[str, object]
+    layer_us: Dict[Tuple[int, int, float], float]
+    meta: Dict[str, object] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ file format
     @classmethod
     def load(cls, path: str) -> "BudgetProfile":
         with open(path) as f:
-            d = json.load(f)
-        try:
-            sel = {int(k): float(v) for k, v in d["selection_us"].items()}
-            spec = {float(k): float(v) for k, v in d["spec_attn_us"].items()}
-        except (KeyError, TypeError, ValueError) as e:
-            raise ValueError(f"PRR profile {path!r} lacks selection_us/spec_attn_us maps: {e}")
-        if not sel or not spec:
-            raise ValueError(f"PRR profile {path!r} has an empty selection_us or spec_attn_us map")
-        if any(k < 1.0 for k in spec):
-            raise ValueError(f"PRR profile {path!r}: spec_attn_us keys are deltas >= 1, got "
-                             f"{sorted(spec)}")
-        return cls(sel, spec)
+            try:
+                d = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"PRR profile {path!r} is not JSON: {e}") from None
+        return cls.from_dict(d, where=repr(path))
 
-    def selection_at(self, context: int) -> float:
-        """Selection latency at ``context`` tokens, linear in log-context between the points."""
-        xs = sorted(self.selection_us)
-        if context <= xs[0]:
-            return self.selection_us[xs[0]]
-        if context >= xs[-1]:
-            return self.selection_us[xs[-1]]
-        i = bisect.bisect_right(xs, context)
-        x0, x1 = xs[i - 1], xs[i]
-        t = (math.log(context) - math.log(x0)) / (math.log(x1) - math.log(x0))
-        return self.selection_us[x0] * (1 - t) + self.selection_us[x1] * t
+    @classmethod
+    def from_dict(cls, d: Mapping, where: str = "profile") -> "BudgetProfile":
+        if not isinstance(d, Mapping) or d.get("version") != PROFILE_VERSION:
+            got = d.get("version") if isinstance(d, Mapping) else type(d).__name__
+            raise ValueError(f"PRR profile {where} has version {got!r}, expected "
+                             f"{PROFILE_VERSION} (make it with python -m "
+                             f"sglang_prr.profile_budget)")
+        shape = d.get("shape")
+        if not isinstance(shape, Mapping) or any(k not in shape for k in SHAPE_KEYS):
+            raise ValueError(f"PRR profile {where}: 'shape' must hold {list(SHAPE_KEYS)}, got "
+                             f"{shape!r}")
+        us: Dict[Tuple[int, int, float], float] = {}
+        for i, e in enumerate(d.get("layer_us") or []):
+            try:
+                key = (int(e["batch"]), int(e["context"]), float(e["delta"]))
+                t = float(e["us"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"PRR profile {where}: layer_us[{i}] = {e!r} needs batch, "
+                                 f"context, delta and us ({err})") from None
+            if key[0] < 1 or key[1] < 1 or not (key[2] == 0.0 or key[2] >= 1.0):
+                raise ValueError(f"PRR profile {where}: layer_us[{i}] has batch {key[0]}, "
+                                 f"context {key[1]}, delta {key[2]} (need batch, context >= 1 "
+                                 f"and delta 0 or >= 1)")
+            if not (math.isfinite(t) and t > 0):
+                raise ValueError(f"PRR profile {where}: layer_us[{i}] has us = {t} (need a "
+                                 f"finite time > 0)")
+            us[key] = t
+        if not us:
+            raise ValueError(f"PRR profile {where} has no layer_us entries")
+        prof = cls(dict(shape), us, {k: v for k, v in d.items()
+                                     if k not in ("shape", "layer_us")})
+        for b in prof.batch_sizes:
+            for c in prof.contexts:
+                if (b, c, 0.0) not in us:
+                    raise ValueError(f"PRR profile {where} lacks serial DSA (delta 0) at batch "
+                                     f"{b}, context {c}: every point needs its baseline")
+        return prof
 
-    def delta_for(self, context: int, max_budget: float) -> float:
-        """Largest profiled delta <= max_budget whose speculative pass fits the selection window;
-        1.0 when none fits (P = |A| still overlaps the most it can)."""
-        window = self.selection_at(context)
-        best = 1.0
-        for d, us in sorted(self.spec_attn_us.items()):
-            if d <= max_budget and us <= window:
-                best = max(best, d)
-        return best
+    def to_dict(self) -> Dict[str, object]:
+        rows = [{"batch": b, "context": c, "delta": dl, "us": round(t, 3)}
+                for (b, c, dl), t in sorted(self.layer_us.items())]
+        return {**self.meta, "version": PROFILE_VERSION, "shape": self.shape, "layer_us": rows}
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+            f.write("\n")
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def batch_sizes(self) -> List[int]:
+        return sorted({b for b, _, _ in self.layer_us})
+
+    @property
+    def contexts(self) -> List[int]:
+        return sorted({c for _, c, _ in self.layer_us})
+
+    def nearest_batch(self, batch: int) -> int:
+        """The profiled batch size nearest to ``batch`` in log2 (ties to the larger)."""
+        lb = math.log2(max(int(batch), 1))
+        return min(self.batch_sizes, key=lambda b: (abs(math.log2(b) - lb), -b))
+
+    def relative(self, batch: int) -> Dict[float, float]:
+        """delta -> mean over the profiled contexts of its layer time relative to serial DSA,
+        at the profiled batch size nearest to ``batch`` (deltas measured at every context)."""
+        b = self.nearest_batch(batch)
+        ctxs = self.contexts
+        deltas = sorted({dl for bb, _, dl in self.layer_us if bb == b})
+        out = {}
+        for dl in deltas:
+            if all((b, c, dl) in self.layer_us for c in ctxs):
+                out[dl] = sum(self.layer_us[(b, c, dl)] / self.layer_us[(b, c, 0.0)]
+                              for c in ctxs) / len(ctxs)
+        return out
+
+    def choose(self, batch: int, max_budget: float) -> float:
+        """The delta for batch size ``batch`` (0.0: serial DSA), at most ``max_budget``."""
+        rel = {dl: r for dl, r in self.relative(batch).items() if dl <= max_budget + 1e-9}
+        spec = {dl: r for dl, r in rel.items() if dl > 0}
+        if not spec:
+            return 0.0
+        best = min(spec, key=lambda dl: (spec[dl], dl))
+        return best if spec[best] <= SPECULATE_MARGIN else 0.0
+
+    def check_shape(self, shape: Mapping[str, object]) -> None:
+        """Raise ``PRRConfigError`` unless the profile was measured for ``shape``."""
+        diff = {k: (self.shape.get(k), shape.get(k)) for k in SHAPE_KEYS
+                if k in shape and self.shape.get(k) != shape.get(k)}
+        if diff:
+            detail = ", ".join(f"{k}: profile {a!r} vs server {b!r}" for k, (a, b) in diff.items())
+            raise PRRConfigError(
+                f"invalid PRR option --prr-profile: measured for another layer shape ({detail}); "
+                f"make one for this model with python -m sglang_prr.profile_budget")
 
 
 class BudgetPolicy:
-    """Chooses delta per batch on the host; fixed when ``cfg.budget`` is a number."""
+    """The speculation budget of each decode batch size: ``delta(batch)`` (0.0 = serial DSA).
 
-    def __init__(self, cfg: PRRConfig):
+    Fixed by the config (``--prr-serial``: 0; a number: that delta for every batch) or, with
+    ``--prr-budget auto``, chosen from the profile. ``shape`` (``SHAPE_KEYS``) is checked
+    against the profile's when given.
+    """
+
+    def __init__(self, cfg: PRRConfig, shape: Optional[Mapping[str, object]] = None):
         self.cfg = cfg
         self.profile: Optional[BudgetProfile] = None
-        if cfg.budget == "auto" and cfg.profile:
+        if cfg.enabled and not cfg.serial and cfg.budget == "auto":
+            if not cfg.profile:
+                raise PRRConfigError("invalid PRR option --prr-budget auto without "
+                                     "--prr-profile (see python -m sglang_prr.profile_budget)")
             self.profile = BudgetProfile.load(cfg.profile)
+            if shape is not None:
+                self.profile.check_shape(shape)
+        self._cache: Dict[int, float] = {}
 
-    def delta(self, max_context: int) -> float:
-        if self.cfg.budget != "auto":
-            return float(self.cfg.budget)
+    def delta(self, batch: int) -> float:
+        if self.cfg.serial or not self.cfg.enabled:
+            return 0.0
         if self.profile is None:
-            return min(FALLBACK_DELTA, self.cfg.max_budget)
-        return self.profile.delta_for(max_context, self.cfg.max_budget)
+            return float(self.cfg.budget)
+        if batch not in self._cache:
+            self._cache[batch] = self.profile.choose(batch, self.cfg.max_budget)
+        return self._cache[batch]
 
-    def predicted_blocks(self, max_context: int) -> int:
-        """|P| in middle blocks for the batch: floor(delta * K), within the static width."""
-        k = self.cfg.top_k_blocks
-        return min(self.cfg.predicted_blocks, max(k, int(math.floor(self.delta(max_context) * k + 1e-9))))
+    def predicted_blocks(self, batch: int) -> int:
+        """|P| in middle blocks for batch size ``batch``; 0 for serial DSA."""
+        d = self.delta(batch)
+        return 0 if d == 0 else self.cfg.predicted_blocks_for(d)
+
+    def may_speculate(self) -> bool:
+        """False when no batch size ever speculates (calibration is then useless)."""
+        if self.cfg.serial or not self.cfg.enabled:
+            return False
+        if self.profile is None:
+            return True
+        return any(self.profile.choose(b, self.cfg.max_budget) > 0
+                   for b in self.profile.batch_sizes)
+
+    def describe(self) -> Dict[str, float]:
+        """The choice per profiled batch size (or the fixed delta under ``"*"``)."""
+        if self.profile is None:
+            return {"*": self.delta(1)}
+        return {str(b): self.profile.choose(b, self.cfg.max_budget)
+                for b in self.profile.batch_sizes}

@@ -53,12 +53,13 @@ class PRRConfig:
     top_k_unit: str = field(default="tokens", metadata=_meta(
         "Unit of --prr-top-k: tokens (rounded up to whole blocks) or blocks.", choices=TOPK_UNITS))
     budget: Union[float, str] = field(default=1.5, metadata=_meta(
-        "Speculation budget delta: |P| <= delta*|A|; a number >= 1, or 'auto' to pick it from the "
-        "offline profile (--prr-profile)."))
+        "Speculation budget delta: |P| <= delta*|A|; a number >= 1, or 'auto': per decode batch "
+        "size, serial DSA or the fastest delta, from the latency profile (--prr-profile)."))
     max_budget: float = field(default=4.0, metadata=_meta(
         "Largest delta 'auto' may choose; fixes the static size of P in decode graphs."))
     profile: Optional[str] = field(default=None, metadata=_meta(
-        "Offline latency profile (JSON) read by --prr-budget auto."))
+        "Latency profile (JSON) read by --prr-budget auto; made on the serving GPU by python -m "
+        "sglang_prr.profile_budget."))
     mode: str = field(default="exact", metadata=_meta(
         "exact: attend exactly the selected set A (serial DSA semantics); union: attend P u A "
         "(the paper's kernel behaviour).", choices=MODES))
@@ -128,8 +129,13 @@ class PRRConfig:
     def predicted_blocks(self) -> int:
         """|P| in middle blocks: floor(delta * K), at least K, at most ``max_context_blocks``
         (this is the static width of P in the predictor state and the decode graphs)."""
+        return self.predicted_blocks_for(self.delta)
+
+    def predicted_blocks_for(self, delta: float) -> int:
+        """|P| in middle blocks at budget ``delta`` (>= 1): floor(delta * K), at least K, at most
+        ``max_context_blocks``."""
         k = self.top_k_blocks
-        p = max(k, int(math.floor(self.delta * k + 1e-9)))
+        p = max(k, int(math.floor(float(delta) * k + 1e-9)))
         if self.max_context_blocks is not None:
             p = min(p, int(self.max_context_blocks))
         return p
@@ -238,10 +244,10 @@ class PRRConfig:
     def check_budget_profile(self) -> "PRRConfig":
         """The server-level rule for ``budget='auto'``: it needs a readable profile.
 
-        Not part of ``validate()``: the library keeps a fallback delta for 'auto' without a
-        profile (``budget.FALLBACK_DELTA``), but a server started with ``--prr-budget auto`` and
-        no ``--prr-profile`` would silently run that fixed delta, and a bad profile would only
-        fail in the scheduler; the launcher refuses both up front.
+        Not part of ``validate()`` (a config may be built before its profile exists), but a
+        server started with ``--prr-budget auto`` and no readable ``--prr-profile`` would only
+        fail in the scheduler; the launcher refuses both up front. Whether the profile was
+        measured for the model's shape is checked where the shape is known (the backend).
         """
         if not (self.enabled and self.budget == "auto"):
             return self
@@ -249,8 +255,8 @@ class PRRConfig:
             raise PRRConfigError(
                 "invalid PRR option --prr-budget auto without --prr-profile: 'auto' picks delta "
                 "from an offline latency profile; give --prr-profile PATH (a profile JSON made by "
-                "the budget profiler, format in sglang_prr/budget.py) or a fixed number, e.g. "
-                "--prr-budget 1.5")
+                "`python -m sglang_prr.profile_budget --model-path MODEL --out PROFILE.json` on the "
+                "serving GPU) or a fixed number, e.g. --prr-budget 1.5")
         from .budget import BudgetProfile
 
         try:
@@ -258,7 +264,7 @@ class PRRConfig:
         except (OSError, ValueError) as e:
             raise PRRConfigError(
                 f"invalid PRR option --prr-profile={self.profile!r} for --prr-budget auto: {e} "
-                f"(allowed: a profile JSON made by the budget profiler)") from e
+                f"(allowed: a profile JSON made by python -m sglang_prr.profile_budget)") from e
         return self
 
     def to_dict(self) -> Dict[str, Any]:

@@ -19,6 +19,12 @@ last reader of P(t); it then runs beside the rest of the layer (output projectio
 next layers. The side stream joins the main stream once per forward, after the last sparse layer
 (``run(..., join=True)``), which also ends every fork before a graph capture ends.
 
+Whether a forward speculates, and over how many blocks, is decided per batch size when it is
+planned (``budget``: the ``--prr-budget auto`` policy, ``budget.BudgetPolicy``): SGLang captures
+one decode graph per batch size, so the choice is static inside each graph. A forward that does
+not speculate runs serial DSA and leaves the predictor state as it was (P is then stale, which
+costs hit rate, never exactness).
+
 Rows shorter than ``min_context`` tokens take the same kernels with A = every block (DSA with K >=
 all blocks is dense attention), so no batch needs a second attention pass; the selection kernel
 leaves them out of the statistics.
@@ -28,7 +34,7 @@ On CPU (and other devices) every op is the torch reference and the stages run on
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -45,6 +51,7 @@ class DecodeBatch(NamedTuple):
     nblk: Tensor       # [B] int64 blocks now
     nblk_next: Tensor  # [B] int64 blocks at the next step (for P(t+1))
     dense_row: Tensor  # [B] bool: shorter than min_context, attends every block
+    n_pred: int        # |P| in blocks this forward predicts; 0: serial DSA
 
 
 class LayerState(NamedTuple):
@@ -62,14 +69,17 @@ class DecodeStep:
     """Serial DSA or PRR decode of one layer (see the module docstring).
 
     method: ``quest`` | ``infllm_v2``; k / n_pred: K and |P| max in blocks; sink / local: kept
-    blocks; exact: attend exactly A (else P u A); serial: serial DSA instead of PRR;
-    skip_repair: debug negative control (M forced empty, so PRR(exact) != serial DSA).
+    blocks; exact: attend exactly A (else P u A); serial: serial DSA instead of PRR, always;
+    budget: batch size -> |P| in blocks (at most ``n_pred``; 0: serial DSA for that batch size),
+    ``n_pred`` for every batch size when None; skip_repair: debug negative control (M forced
+    empty, so PRR(exact) != serial DSA).
     """
 
     def __init__(self, method: str, k: int, n_pred: int, sink: int, local: int, page_size: int,
                  min_context: int, exact: bool, serial: bool, device: torch.device,
-                 skip_repair: bool = False):
+                 skip_repair: bool = False, budget: Optional[Callable[[int], int]] = None):
         self.method, self.k, self.n_pred = method, int(k), int(n_pred)
+        self.budget = budget
         self.sink, self.local, self.page = int(sink), int(local), int(page_size)
         self.min_context = int(min_context)
         self.exact, self.serial, self.skip_repair = bool(exact), bool(serial), bool(skip_repair)
@@ -92,13 +102,20 @@ class DecodeStep:
 
         req_to_token: ``[R, max_ctx]`` int32 slots; req_pool_indices, seq_lens: ``[B]``."""
         p = self.page
+        n_pred = 0 if self.serial else self.n_pred
+        if n_pred and self.budget is not None:
+            n_pred = int(self.budget(int(seq_lens.shape[0])))
+            if not 0 <= n_pred <= self.n_pred:
+                raise ValueError(f"budget gave |P| = {n_pred} blocks for batch "
+                                 f"{seq_lens.shape[0]}; allowed: 0..{self.n_pred} (the static "
+                                 f"width)")
         table = req_to_token[:, ::p].index_select(0, req_pool_indices)  # [B, NB] first slots
         table = table.div_(p, rounding_mode="floor")
         s = seq_lens.long()
         return DecodeBatch(rows=req_pool_indices, table=table, seq_lens=seq_lens,
                            nblk=(s + (p - 1)).div_(p, rounding_mode="floor"),
                            nblk_next=s.div(p, rounding_mode="floor").add_(1),
-                           dense_row=seq_lens < self.min_context)
+                           dense_row=seq_lens < self.min_context, n_pred=n_pred)
 
     # ------------------------------------------------------------------ once per layer
     def run(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor],
@@ -112,10 +129,13 @@ class DecodeStep:
         stats: ``[4]`` int64 counters (``reference.accumulate_stats``) or None; join: end this
         forward's side-stream work here (the last sparse layer)."""
         b = batch
-        sel = dict(nblk=b.nblk, n_out=self.n_out, dense_row=b.dense_row, stats=stats)
+        # A serial forward of a speculating server leaves the PRR counters alone (its M = A
+        # would read as misses); the host counts those steps.
+        sel = dict(nblk=b.nblk, n_out=self.n_out, dense_row=b.dense_row,
+                   stats=stats if (b.n_pred or self.serial) else None)
         args = (self.method, q, list(summary), b.table, b.seq_lens, self.page, sm_scale, self.k,
                 self.sink, self.local)
-        if self.serial:
+        if b.n_pred == 0:
             _, a_idx, a_cnt, _, _ = ops.select_fused(*args, **sel)
             return ops.sparse_attn_merge(q, k_buf, v_buf, b.table, b.seq_lens, a_idx, a_cnt,
                                          self.page, sm_scale, None, None, None, None, None, None,
@@ -147,7 +167,7 @@ class DecodeStep:
                                      a_cnt, b.table.shape[1], self.exact, p_rows=b.rows,
                                      out_dtype=out_dtype)
         predict = (st.level, st.trend, st.n_init, st.p_idx, st.p_cnt, st.theta, b.rows, scores,
-                   b.nblk, b.nblk_next, self.n_pred, self.sink, self.local)
+                   b.nblk, b.nblk_next, b.n_pred, self.sink, self.local)
         if not self.cuda:
             ops.predict_update_rows(*predict)
             return o

@@ -67,7 +67,7 @@ class World:
         self.pool = Pool(layers, hk, 160)
         self.req = ReqPool()
         mc = SimpleNamespace(get_num_kv_heads=lambda tp: hk, head_dim=D,
-                             num_hidden_layers=layers)
+                             num_hidden_layers=layers, get_num_attention_heads=lambda tp: hq)
         self.runner = SimpleNamespace(
             device="cpu", server_args=SimpleNamespace(page_size=PAGE, enable_metrics=False),
             token_to_kv_pool=self.pool, req_to_token_pool=self.req, model_config=mc,
@@ -398,3 +398,69 @@ def test_calibration_batched_over_layers_equals_per_layer(method):
     assert torch.equal(a.n_init, b.n_init) and torch.equal(a.p_cnt, b.p_cnt)
     assert torch.equal(a.p_idx[:, 1:3], b.p_idx[:, 1:3])
     assert float(n.h_cnt.abs().sum()) == 0 and not torch.equal(a.p_cnt, n.p_cnt)
+
+
+def _auto_profile(tmp_path, hq, hk, rel):
+    """A budget profile for the World's layer shape: at batch b, delta d takes rel[b][d] x serial."""
+    import json
+
+    rows = []
+    for b, by_delta in rel.items():
+        rows.append(dict(batch=b, context=200, delta=0.0, us=10.0))
+        rows += [dict(batch=b, context=200, delta=d, us=10.0 * r) for d, r in by_delta.items()]
+    shape = dict(method="quest", num_qo_heads=hq, num_kv_heads=hk, head_dim=D, page_size=PAGE,
+                 top_k_tokens=2 * PAGE)
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"version": 2, "shape": shape, "layer_us": rows}))
+    return str(path)
+
+
+def test_budget_auto_in_backend(tmp_path):
+    """--prr-budget auto: batch 1 runs serial DSA and batch 3 speculates (delta 1.5), as the
+    profile says; every step equals serial DSA; the statistics report the choice and the serial
+    steps. A profile where speculation never pays turns calibration off (control: the first
+    server calibrated)."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    base = dict(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40, calib_queries=6)
+    mixed = _auto_profile(tmp_path, 4, 2, {1: {1.0: 1.1, 1.5: 1.2}, 4: {1.0: 0.9, 1.5: 0.8}})
+    cfgs = {"auto": PRRConfig(budget="auto", profile=mixed, **base),
+            "serial": PRRConfig(serial=True, **base)}
+    worlds = {m: World(2, 4, 2, cfgs[m], seed) for m in cfgs}
+    backs = {m: _backends(worlds[m], {m: cfgs[m]})[m] for m in cfgs}
+    auto = backs["auto"]
+    assert auto.calibrates and auto.stats.budget == {"1": 0.0, "4": 1.5}
+    steps = [([1, 2, 3], [64, 60, 80]), ([1, 2, 3], [60, 90, 50])]
+    steps += [([1, 2, 3], [1, 1, 1]), ([2], [1])] * 4
+    gap, n_pred = 0.0, set()
+    for rows, new in steps:
+        outs = {}
+        for m, w in worlds.items():
+            fb, q, k, v = w.batch(rows, new)
+            outs[m] = _forward(backs[m], w, fb, q, k, v)
+            if m == "auto" and fb.forward_mode.is_decode():
+                n_pred.add((len(rows), fb._prr_batch.n_pred))
+        if fb.forward_mode.is_decode():
+            gap = max(gap, (outs["auto"] - outs["serial"]).abs().max().item())
+    assert n_pred == {(3, 3), (1, 0)}  # |P| = floor(1.5 * 2) at batch 3 (nearest: 4); serial at 1
+    assert gap < 1e-5, f"auto vs serial DSA: {gap} (seed {seed})"
+    snap = auto.stats.snapshot()
+    assert snap["serial_steps"] == 4 * 2 and snap["decode_steps"] == 8 * 2, snap
+    assert snap["mean_repair_blocks"] is not None and snap["hit_rate"] is not None
+    assert snap["budget"] == {"1": 0.0, "4": 1.5} and auto.stats.calibrations > 0
+
+    never = _auto_profile(tmp_path, 4, 2, {1: {1.0: 1.1}, 4: {1.5: 1.05}})
+    cfg = PRRConfig(budget="auto", profile=never, **base)
+    w = World(2, 4, 2, cfg, seed)
+    b = _backends(w, {"never": cfg})["never"]
+    assert not b.calibrates and b.step.serial
+    for rows, new in steps[:3]:
+        fb, q, k, v = w.batch(rows, new)
+        _forward(b, w, fb, q, k, v)
+    snap = b.stats.snapshot()
+    assert b.stats.calibrations == 0 and snap["hit_rate"] is None and snap["decode_steps"] == 2
+    # A profile of another shape stops the backend with the reason.
+    wrong = _auto_profile(tmp_path, 8, 2, {1: {1.0: 0.9}})
+    with pytest.raises(ValueError, match="num_qo_heads: profile 8 vs server 4"):
+        _backends(World(2, 4, 2, cfg, seed), {"x": PRRConfig(budget="auto", profile=wrong,
+                                                             **base)})

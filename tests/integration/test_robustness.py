@@ -173,7 +173,7 @@ def test_budget_auto_without_profile_exits_2(clean_env, capsys):
     err = capsys.readouterr().err
     assert e.value.code == 2
     assert "--prr-budget auto" in err and "--prr-profile" in err, err[-2000:]
-    assert "budget profiler" in err, err[-2000:]
+    assert "python -m sglang_prr.profile_budget" in err, err[-2000:]
     with pytest.raises(SystemExit) as e:  # a profile that cannot be read: also refused
         launch_server.prepare(["--model-path", "/nonexistent-model", "--prr-budget", "auto",
                                "--prr-profile", "/nonexistent-profile.json"])
@@ -184,8 +184,10 @@ def test_budget_auto_without_profile_exits_2(clean_env, capsys):
 def test_budget_auto_with_profile_is_accepted(clean_env, tmp_path, demo_model):
 
     prof = tmp_path / "profile.json"
-    prof.write_text(json.dumps({"selection_us": {"4096": 6.0},
-                                "spec_attn_us": {"1.0": 5.0, "2.0": 7.0}}))
+    prof.write_text(json.dumps({"version": 2, "shape": dict(
+        method="quest", num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=16,
+        top_k_tokens=64), "layer_us": [{"batch": 1, "context": 300, "delta": 0, "us": 5.0},
+                                       {"batch": 1, "context": 300, "delta": 1.0, "us": 4.0}]}))
     _, cfg, _ = launch_server.prepare(["--model-path", demo_model, "--prr-budget", "auto",
                                        "--prr-profile", str(prof)])
     assert cfg.budget == "auto" and cfg.profile == str(prof)

@@ -1,43 +1,242 @@
-"""Delta policy: fixed budgets pass through; 'auto' picks the largest delta that fits the window."""
+"""Speculation budget: the profile format, the policy's choice per batch size, and the decode
+step that follows it (serial DSA where speculation does not pay, the best delta elsewhere)."""
+
+from __future__ import annotations
 
 import json
+import random
 
 import pytest
+import torch
 
-from sglang_prr.budget import FALLBACK_DELTA, BudgetPolicy, BudgetProfile
-from sglang_prr.config import PRRConfig
+from sglang_prr import ops, profile_budget
+from sglang_prr.budget import SPECULATE_MARGIN, BudgetPolicy, BudgetProfile
+from sglang_prr.config import PRRConfig, PRRConfigError
+from sglang_prr.step import DecodeStep, LayerState
+from sglang_prr.synthetic import paged_kv
+
+SHAPE = dict(method="quest", num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
+             top_k_tokens=2048)
 
 
-def _profile(tmp_path, sel, spec):
-    p = tmp_path / "profile.json"
-    p.write_text(json.dumps({"selection_us": sel, "spec_attn_us": spec}))
+def _profile(rel, contexts=(32768, 131072), base=100.0, shape=SHAPE):
+    """A profile whose delta d at batch b takes ``rel[b][d]`` x serial DSA at every context."""
+    rows = []
+    for b, by_delta in rel.items():
+        for c in contexts:
+            rows.append(dict(batch=b, context=c, delta=0.0, us=base * (1 + c / 1e6)))
+            rows += [dict(batch=b, context=c, delta=d, us=base * (1 + c / 1e6) * r)
+                     for d, r in by_delta.items()]
+    return {"version": 2, "shape": dict(shape), "layer_us": rows}
+
+
+def _write(tmp_path, d, name="profile.json"):
+    p = tmp_path / name
+    p.write_text(json.dumps(d))
     return str(p)
 
 
-def test_fixed_budget_and_fallback():
-    assert BudgetPolicy(PRRConfig(budget=2.0).validate()).delta(10**6) == 2.0
-    auto = BudgetPolicy(PRRConfig(budget="auto", max_budget=4).validate())
-    assert auto.delta(1000) == FALLBACK_DELTA
+def _cfg(path=None, **kw):
+    base = dict(budget="auto", profile=path, top_k=2048, top_k_unit="tokens", block_size=64)
+    return PRRConfig(**{**base, **kw}).validate()
 
 
-def test_auto_grows_with_the_selection_window(tmp_path):
-    path = _profile(tmp_path, {"4096": 5.0, "131072": 12.0},
-                    {"1.0": 4.0, "1.5": 6.0, "2.0": 8.0, "3.0": 11.0, "4.0": 14.0})
-    pol = BudgetPolicy(PRRConfig(budget="auto", max_budget=4, profile=path, top_k=640,
-                                 block_size=64).validate())
-    assert pol.delta(4096) == 1.0          # window 5 us: only delta 1 fits
-    assert pol.delta(131072) == 3.0        # window 12 us: delta 3 fits, 4 does not
-    mid = pol.delta(23170)                 # ~halfway in log-context: window ~8.5 us
-    assert mid == 2.0
-    assert pol.predicted_blocks(131072) == 30 and pol.predicted_blocks(4096) == 10
-    capped = BudgetPolicy(PRRConfig(budget="auto", max_budget=2, profile=path).validate())
-    assert capped.delta(131072) == 2.0     # never above max_budget (the static width)
+def test_policy_picks_serial_where_speculation_does_not_pay(tmp_path):
+    prof = _profile({1: {1.0: 1.05, 1.5: 1.10, 2.0: 1.2},     # PRR slower: serial
+                     8: {1.0: 0.97, 1.5: 0.93, 2.0: 0.95},     # PRR faster: the best delta
+                     32: {1.0: 0.995, 1.5: 1.0, 2.0: 1.01}})   # within the margin: serial
+    pol = BudgetPolicy(_cfg(_write(tmp_path, prof)), SHAPE)
+    assert pol.delta(1) == 0.0 and pol.predicted_blocks(1) == 0
+    assert pol.delta(8) == 1.5 and pol.predicted_blocks(8) == 48  # floor(1.5 * 32)
+    assert pol.delta(32) == 0.0  # 0.995 > SPECULATE_MARGIN
+    assert SPECULATE_MARGIN < 0.995
+    # Unprofiled batch sizes take the nearest profiled one in log2 (ties to the larger).
+    assert pol.delta(2) == 0.0 and pol.delta(3) == 1.5 and pol.delta(5) == 1.5
+    assert pol.delta(16) == 0.0 and pol.delta(160) == 0.0
+    assert pol.may_speculate()
+    assert pol.describe() == {"1": 0.0, "8": 1.5, "32": 0.0}
+    # Never above max_budget (the static width of P).
+    capped = BudgetPolicy(_cfg(_write(tmp_path, prof), max_budget=1.25), SHAPE)
+    assert capped.delta(8) == 1.0
 
 
-def test_bad_profile_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="selection_us"):
-        BudgetProfile.load(_profile(tmp_path, {}, {"1.0": 1.0}))
-    p = tmp_path / "bad.json"
-    p.write_text(json.dumps({"selection_us": {"10": 1}, "spec_attn_us": {"0.5": 1}}))
-    with pytest.raises(ValueError, match="deltas >= 1"):
-        BudgetProfile.load(str(p))
+def test_policy_averages_over_contexts(tmp_path):
+    """A delta that wins at one context and loses more at another is not chosen."""
+    rows = []
+    for c, r in ((32768, 0.9), (131072, 1.2)):
+        rows += [dict(batch=1, context=c, delta=0.0, us=50.0),
+                 dict(batch=1, context=c, delta=1.5, us=50.0 * r)]
+    pol = BudgetPolicy(_cfg(_write(tmp_path, {"version": 2, "shape": SHAPE,
+                                              "layer_us": rows})), SHAPE)
+    assert pol.delta(1) == 0.0 and not pol.may_speculate()
+    rows[-1]["us"] = 50.0 * 1.05  # mean ratio (0.9 + 1.05) / 2 < margin
+    pol = BudgetPolicy(_cfg(_write(tmp_path, {"version": 2, "shape": SHAPE,
+                                              "layer_us": rows})), SHAPE)
+    assert pol.delta(1) == 1.5
+
+
+def test_fixed_and_serial_budgets():
+    assert BudgetPolicy(PRRConfig(budget=2.0).validate()).delta(7) == 2.0
+    assert BudgetPolicy(PRRConfig(serial=True).validate()).delta(7) == 0.0
+    assert not BudgetPolicy(PRRConfig(serial=True).validate()).may_speculate()
+    with pytest.raises(PRRConfigError, match="--prr-profile"):
+        BudgetPolicy(PRRConfig(budget="auto").validate())
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d.update(version=1), "version"),
+    (lambda d: d.pop("shape"), "shape"),
+    (lambda d: d["shape"].pop("head_dim"), "shape"),
+    (lambda d: d.update(layer_us=[]), "no layer_us"),
+    (lambda d: d["layer_us"][1].update(us=float("nan")), "finite"),
+    (lambda d: d["layer_us"][1].update(delta=0.5), "delta 0 or >= 1"),
+    (lambda d: d["layer_us"][1].pop("batch"), "needs batch"),
+    (lambda d: d.update(layer_us=[r for r in d["layer_us"] if r["delta"] != 0.0]),
+     "lacks serial DSA"),
+])
+def test_bad_profile_is_a_clear_error(tmp_path, mutate, match):
+    d = _profile({1: {1.5: 0.9}})
+    BudgetProfile.from_dict(json.loads(json.dumps(d)))  # control: the unmutated one loads
+    mutate(d)
+    with pytest.raises(ValueError, match=match):
+        BudgetProfile.load(_write(tmp_path, d))
+    # The launcher's rule names the flag.
+    with pytest.raises(PRRConfigError, match="--prr-profile"):
+        _cfg(_write(tmp_path, d)).check_budget_profile()
+
+
+def test_profile_of_another_shape_is_refused(tmp_path):
+    path = _write(tmp_path, _profile({1: {1.5: 0.9}}))
+    BudgetPolicy(_cfg(path), SHAPE)  # control
+    with pytest.raises(PRRConfigError, match="head_dim: profile 128 vs server 64"):
+        BudgetPolicy(_cfg(path), {**SHAPE, "head_dim": 64})
+
+
+def test_profile_round_trip(tmp_path):
+    prof = BudgetProfile.from_dict(_profile({1: {1.0: 1.1}, 4: {1.5: 0.9}}))
+    prof.save(str(tmp_path / "p.json"))
+    back = BudgetProfile.load(str(tmp_path / "p.json"))
+    assert back.layer_us == pytest.approx(prof.layer_us, abs=1e-3) and back.shape == prof.shape
+    assert back.batch_sizes == [1, 4] and back.contexts == [32768, 131072]
+
+
+# ----------------------------------------------------------------------------- the step
+def _step_world(seed, batch, ctx, page=16, hq=4, hk=2, d=16):
+    g = torch.Generator().manual_seed(seed)
+    kv = paged_kv(batch, ctx, page, hk, d, dtype=torch.float32, device=torch.device("cpu"),
+                  generator=g, spare_tokens=page)
+    q = torch.randn(batch, hq, d, generator=g) * 3
+    return kv, q
+
+
+def _state(rows, hk, nb, width):
+    return LayerState(torch.full((rows, hk, width), -1, dtype=torch.int32),
+                      torch.zeros(rows, hk, dtype=torch.int32), torch.zeros(rows, hk, nb),
+                      torch.zeros(rows, hk, nb), torch.zeros(rows, dtype=torch.long),
+                      torch.tensor([[0.5, 0.3, 0.2]]).repeat(rows, 1))
+
+
+def test_step_follows_the_budget_per_batch_size():
+    """Batch 1 runs serial DSA (P untouched), batch 3 speculates over its budget's |P|; both
+    equal serial DSA (exact), and P(t+1) has the chosen width's count."""
+    seed = random.randrange(1 << 30)
+    page, k, sink, local, width = 16, 2, 1, 1, 6
+    kv, q = _step_world(seed, 3, 200, page)
+    nb = kv.table.shape[1]
+    budget = {1: 0, 3: 3}.__getitem__
+    auto = DecodeStep("quest", k, width, sink, local, page, 0, exact=True, serial=False,
+                      device=torch.device("cpu"), budget=budget)
+    serial = DecodeStep("quest", k, width, sink, local, page, 0, exact=True, serial=True,
+                        device=torch.device("cpu"))
+    st = _state(4, 2, nb, width + sink + local)
+    seq = torch.full((3,), 200)
+    g = torch.Generator().manual_seed(seed + 1)
+    for rows in ([1, 2, 3], [2], [1, 2, 3], [3]):
+        r = torch.tensor(rows)
+        q = torch.randn(3, 4, 16, generator=g) * 3  # a new query every step
+        b = auto.plan(kv.req_to_token, r, seq[: len(rows)])
+        assert b.n_pred == budget(len(rows))
+        before = (st.p_idx.clone(), st.level.clone())
+        o = auto.run(q[r - 1], kv.k_buf, kv.v_buf, [kv.kmin, kv.kmax], b, st, None, 0.25,
+                     torch.float32)
+        ref = serial.run(q[r - 1], kv.k_buf, kv.v_buf, [kv.kmin, kv.kmax],
+                         serial.plan(kv.req_to_token, r, seq[: len(rows)]), None, None, 0.25,
+                         torch.float32)
+        assert (o - ref).abs().max() < 1e-5, f"seed {seed}: rows {rows}"
+        if b.n_pred == 0:  # serial forward: the predictor state is left alone
+            assert torch.equal(st.p_idx, before[0]) and torch.equal(st.level, before[1])
+        else:  # speculative forward: P(t+1) of |P| = 3 middle blocks + kept ones, in place
+            assert not torch.equal(st.level, before[1])
+            cnt = st.p_cnt[r]
+            assert int(cnt.max()) <= 3 + sink + local and int(cnt.min()) > 0
+            assert (st.p_idx[r][..., 3 + sink + local:] == -1).all()
+    with pytest.raises(ValueError, match="budget gave"):
+        DecodeStep("quest", k, width, sink, local, page, 0, exact=True, serial=False,
+                   device=torch.device("cpu"), budget=lambda b: width + 1
+                   ).plan(kv.req_to_token, torch.tensor([1]), seq[:1])
+
+
+def test_predict_rows_into_a_wider_pool_matches_the_exact_width():
+    """P(t+1) written into the pool's wider P equals the exact-width result, -1 padded."""
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    R, Hk, NB, n_pred, sink, local = 5, 2, 24, 4, 1, 2
+    mk = lambda: (torch.randn(R, Hk, NB, generator=g), torch.zeros(R, Hk, NB))
+    level, trend = mk()
+    scores = torch.randn(3, Hk, NB, generator=g)
+    rows, nblk = torch.tensor([4, 1, 2]), torch.tensor([20, 24, 9])
+    theta = torch.rand(R, 3, generator=g)
+    outs = []
+    for width in (n_pred + sink + local, n_pred + sink + local + 5):
+        st = [level.clone(), trend.clone(), torch.zeros(R, dtype=torch.long),
+              torch.full((R, Hk, width), 7, dtype=torch.int32), torch.zeros(R, Hk, dtype=torch.int32)]
+        ops.predict_update_rows(st[0], st[1], st[2], st[3], st[4], theta, rows, scores, nblk,
+                                nblk, n_pred, sink, local)
+        outs.append(st)
+    narrow, wide = outs
+    w = narrow[3].shape[-1]
+    assert torch.equal(wide[3][rows, :, :w], narrow[3][rows]) and torch.equal(wide[4], narrow[4])
+    assert (wide[3][rows, :, w:] == -1).all()
+    assert (wide[3][0] == 7).all()  # rows outside the batch untouched (control)
+    with pytest.raises(ValueError, match="p_idx.shape"):
+        ops.predict_update_rows(level, trend, torch.zeros(R, dtype=torch.long),
+                                torch.zeros(R, Hk, 2, dtype=torch.int32),
+                                torch.zeros(R, Hk, dtype=torch.int32), theta, rows, scores, nblk,
+                                nblk, n_pred, sink, local)
+
+
+# ----------------------------------------------------------------------------- the profiler
+def test_profiler_plumbing_on_cpu(tmp_path, capsys):
+    """The profiler's whole path on CPU (eager): a profile the policy loads and decides from."""
+    out = tmp_path / "p.json"
+    rc = profile_budget.main([
+        "--device", "cpu", "--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
+        "--hidden-size", "32", "--prr-block-size", "16", "--prr-top-k", "3",
+        "--prr-top-k-unit", "blocks", "--prr-min-context", "64", "--contexts", "200",
+        "--batch-sizes", "1,2", "--deltas", "1,2", "--iters", "1", "--repeats", "1",
+        "--layers", "2", "--dtype", "float32", "--out", str(out)])
+    assert rc == 0
+    prof = BudgetProfile.load(str(out))
+    assert prof.batch_sizes == [1, 2] and prof.contexts == [200]
+    assert sorted({d for _, _, d in prof.layer_us}) == [0.0, 1.0, 2.0]  # serial added
+    assert prof.shape == dict(method="quest", num_qo_heads=4, num_kv_heads=2, head_dim=16,
+                              page_size=16, top_k_tokens=48)
+    assert "choice" in capsys.readouterr().out
+    pol = BudgetPolicy(_cfg(str(out), top_k=3, top_k_unit="blocks", block_size=16),
+                       prof.shape)
+    assert pol.delta(1) in (0.0, 1.0, 2.0)
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--contexts", "0"], "integers >= 1"),
+    (["--deltas", "0.5"], "deltas are 0"),
+    (["--deltas", "8"], "max-budget"),
+    (["--hit-rate", "1.5"], "hit-rate"),
+    (["--prr-method", "dense"], "nothing to profile"),
+    (["--num-kv-heads", "3"], "must divide"),
+])
+def test_profiler_rejects_bad_flags(tmp_path, capsys, argv, match):
+    base = ["--device", "cpu", "--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
+            "--out", str(tmp_path / "p.json")]
+    with pytest.raises(SystemExit) as e:
+        profile_budget.parse_args(base + argv)
+    assert e.value.code == 2 and match in capsys.readouterr().err

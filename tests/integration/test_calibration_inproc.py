@@ -1,0 +1,99 @@
+"""The backend's prefill calibration (``calibration.Calibrator``) driven in-process, as in
+test_backend_inproc: its grid search gives bit for bit what the reference grid search
+(``reference.calibrate``) gives in its place (theta*, the accumulated objective, the replayed
+state, P and the decode outputs), over a chunked prefill of a batch; its plan samples the queries
+and reads the block table the reference way. Negative control: the objective read in reverse
+candidate order changes theta*."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+pytest.importorskip("sglang")
+
+from test_backend_inproc import PAGE, World, _backends, _forward  # noqa: E402
+
+from sglang_prr import calibration as cal  # noqa: E402
+from sglang_prr import reference as ref  # noqa: E402
+from sglang_prr.config import PRRConfig  # noqa: E402
+
+
+def _reference_grid(scores, nblk, k, n_pred, sink, local, alphas, betas, gammas):
+    """``reference.calibrate`` over the product grid, alpha-major (what the backend ran before)."""
+    A, B, G = alphas.numel(), betas.numel(), gammas.numel()
+    cols = [x.view(*s).expand(A, B, G).reshape(-1) for x, s in
+            ((alphas, (A, 1, 1)), (betas, (1, B, 1)), (gammas, (1, 1, G)))]
+    return ref.calibrate(scores, nblk, k, n_pred, sink, local, *cols)
+
+
+_GRID = cal.grid_hit_rates  # the product's, kept from the monkeypatching below
+
+
+def _reversed_grid(*args):
+    """The product's objective read in reverse candidate order (no candidate maps to itself)."""
+    return _GRID(*args).flip(-1)
+
+
+def _run(method, grid_fn, seed, monkeypatch):
+    monkeypatch.setattr(cal, "grid_hit_rates", grid_fn)
+    # Sizes where the objective tells the candidates apart for both methods (checked below).
+    cfg = PRRConfig(method=method, block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40,
+                    calib_queries=16).validate()
+    w = World(2, 4, 2, cfg, seed)
+    b = _backends(w, {"prr": cfg})["prr"]
+    rows = [1, 2, 3]
+    outs = []
+    for new in ([200, 150, 250], [100, 60, 30], [1, 1, 1], [1, 1, 1]):
+        fb, q, k, v = w.batch(rows, new)
+        outs.append(_forward(b, w, fb, q, k, v))
+    monkeypatch.undo()
+    return b, torch.cat([o.flatten() for o in outs])
+
+
+@pytest.mark.parametrize("method", ["quest", "infllm_v2"])
+def test_backend_calibration_is_bitwise_the_reference_grid_search(method, monkeypatch):
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed} method={method}")
+    fast, o_fast = _run(method, _GRID, seed, monkeypatch)
+    slow, o_slow = _run(method, _reference_grid, seed, monkeypatch)
+    a, b = fast.state, slow.state
+    assert float(a.h_cnt[:, 1:4].min()) > 0, "every request was calibrated"
+    h = a.h_sum[:, 1:4]
+    assert float((h.amax(-1) - h.amin(-1)).min()) > 0, "the objective tells candidates apart"
+    for name in ("h_sum", "h_cnt", "theta", "level", "trend", "n_init", "p_cnt"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num()), name
+    assert torch.equal(a.p_idx[:, 1:4], b.p_idx[:, 1:4])
+    assert torch.equal(o_fast, o_slow)
+    assert fast.stats.theta_counts == slow.stats.theta_counts
+    # Negative control: the same objective read in the wrong candidate order moves theta*.
+    wrong, _ = _run(method, _reversed_grid, seed, monkeypatch)
+    assert not torch.equal(wrong.state.theta[:, 1:4], a.theta[:, 1:4]), f"seed {seed}"
+
+
+def test_plan_samples_the_chunk_and_reads_the_table_the_reference_way():
+    """Offsets spaced evenly over each chunk (its first and last token included), distinct
+    without ``unique``; the table is the request's pages for the blocks the chunk can see."""
+    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", calib_queries=8).validate()
+    w = World(1, 4, 2, cfg, 0)
+    b = _backends(w, {"prr": cfg})["prr"]
+    fb, *_ = w.batch([1, 2], [9, 70])  # 9 new tokens: phi = 8 < 9, the offsets are 1-2 apart
+    fb2, *_ = w.batch([2, 1], [33, 5])
+    for batch in (fb, fb2):
+        plan = b.calibrator.plan(w.req.req_to_token, batch.req_pool_indices,
+                                 batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu)
+        start = 0
+        for r, row, n_new, n_pre in zip(plan.reqs, batch.req_pool_indices.tolist(),
+                                        batch.extend_seq_lens_cpu, batch.extend_prefix_lens_cpu):
+            phi = min(8, n_new)
+            want = torch.linspace(0, n_new - 1, phi).round().long().unique()
+            assert torch.equal(r.offs, want) and r.s0 == start and r.row == row
+            assert r.offs[0] == 0 and r.offs[-1] == n_new - 1
+            assert torch.equal(r.seq, n_pre + want + 1)
+            table = ref.block_table(w.req.req_to_token, torch.full_like(want, row), PAGE)
+            assert torch.equal(r.table, table[:, :r.nb_used])
+            assert r.nb_used == -(-(n_pre + n_new) // PAGE) and r.total == n_pre + n_new
+            start += n_new
