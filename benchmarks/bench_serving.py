@@ -2,7 +2,9 @@
 with serial DSA?
 
 Starts ``python -m sglang_prr.launch_server`` once per variant (dense: ``--prr-method dense``,
-i.e. SGLang's own FlashInfer attention; serial DSA: ``--prr-serial``; PRR exact), on a model of
+i.e. SGLang's own FlashInfer attention; serial DSA: ``--prr-serial``; PRR exact; PRR with
+``--prr-budget auto`` and the profile of ``--budget-profile``, which decides per batch size
+whether to speculate), on a model of
 Llama-3-8B's shape with random weights (``--load-format dummy``, the demo's offline tokenizer),
 FlashInfer backend, decode in CUDA graphs, page (= PRR block) 64, K = 2048 tokens, delta 1.5,
 and sends ``batch`` concurrent streamed requests of ``ctx`` random token ids, ``out`` greedy
@@ -69,8 +71,10 @@ VARIANTS = {
     "dense": ["--prr-method", "dense"],
     "serial": ["--prr-serial"],
     "prr": [],
+    "auto": [],  # --prr-budget auto --prr-profile (--budget-profile), see server_cmd
 }
-LABELS = {"dense": "dense (FlashInfer)", "serial": "serial DSA", "prr": "PRR (exact)"}
+LABELS = {"dense": "dense (FlashInfer)", "serial": "serial DSA", "prr": "PRR (exact)",
+          "auto": "PRR auto budget"}
 WARMUP_OUT = 4  # output tokens of the warm-up request: prefill plus a few decode graph replays
 PROFILE_WAIT_S = 60  # how long a trace may take to appear once the requests are done
 COLUMNS = ["variant", "label", "ctx", "batch", "out", "median_itl_ms", "p90_itl_ms",
@@ -124,8 +128,9 @@ def server_cmd(model: str, port: int, variant: str, points: list, a) -> list:
             "--context-length", str(ctx_len), "--random-seed", "0",
             "--skip-server-warmup", "--log-level", "warning", "--page-size", str(a.page),
             "--prr-block-size", str(a.page), "--prr-top-k", str(a.top_k),
-            "--prr-top-k-unit", "tokens", "--prr-budget", str(a.budget),
-            "--prr-min-context", str(a.min_context)] + dev + VARIANTS[variant]
+            "--prr-top-k-unit", "tokens", "--prr-min-context", str(a.min_context)] + dev + \
+        (["--prr-budget", "auto", "--prr-profile", a.budget_profile] if variant == "auto"
+         else ["--prr-budget", str(a.budget)]) + VARIANTS[variant]
 
 
 def wait_ready(proc, url: str, log: Path, timeout: float) -> None:
@@ -329,7 +334,7 @@ def run_variant(variant: str, points: list, model: str, a, workdir: Path):
                 median_ttft_ms=round(r["median_ttft_ms"], 1),
                 output_tok_s=round(r["output_tok_s"], 1),
                 completed=r["completed"],
-                hit_rate=_hit(before, after) if variant == "prr" else None,
+                hit_rate=_hit(before, after) if variant in ("prr", "auto") else None,
                 kernels_per_step=round(s["kernels_per_step"], 2) if s else None,
                 gpu_busy_ms_per_step=round(s["gpu_busy_ms_per_step"], 4) if s else None,
                 kernels_per_layer=round(s["kernels_per_layer"], 3) if s else None,
@@ -419,7 +424,11 @@ def main(argv=None):
     ap.add_argument("--out", type=int, default=128, help="output tokens per request")
     ap.add_argument("--page", type=int, default=64, help="KV page = PRR block, tokens")
     ap.add_argument("--top-k", type=int, default=2048, help="K, tokens")
-    ap.add_argument("--budget", default="1.5", help="--prr-budget (delta)")
+    ap.add_argument("--budget", default="1.5", help="--prr-budget (delta) of the prr variant")
+    ap.add_argument("--budget-profile", default=str(ROOT / "benchmarks" / "results" /
+                                                    "budget_profile_h200.json"),
+                    help="--prr-profile of the auto variant (python -m "
+                         "sglang_prr.profile_budget)")
     ap.add_argument("--min-context", type=int, default=4096, help="--prr-min-context")
     ap.add_argument("--layers", type=int, default=LLAMA3_8B["num_hidden_layers"])
     ap.add_argument("--shape", choices=["llama3-8b", "demo"], default="llama3-8b",
@@ -442,6 +451,9 @@ def main(argv=None):
     if a.plot_only:
         plot(a.plot_only, os.path.splitext(a.plot_only)[0] + ".png")
         return []
+    if "auto" in a.variants and not os.path.exists(a.budget_profile):
+        ap.error(f"the auto variant needs its budget profile {a.budget_profile!r}: make it with "
+                 f"python -m sglang_prr.profile_budget (or leave auto out of --variants)")
     from sglang_prr import demo
 
     # `timeout` sends SIGTERM: exit through the finally blocks, which stop the server (a server
