@@ -36,7 +36,7 @@ COMMON = ["--prr-block-size", "16", "--prr-top-k", "2", "--prr-top-k-unit", "blo
           "--skip-server-warmup", "--context-length", "1024"]
 CONFIGS = {
     "prr": (COMMON + ["--chunked-prefill-size", "128", "--prr-metrics-interval", "20",
-                      "--enable-metrics"], {},
+                      "--enable-metrics"], {"SGLANG_PRR_DEFAULT_MODEL": "demo-tiny"},
             False),
     "serial": (COMMON + ["--chunked-prefill-size", "128", "--prr-serial"], {}, True),
     "norep": (COMMON + ["--chunked-prefill-size", "128"], {"SGLANG_PRR_DEBUG_SKIP_REPAIR": "1"},
