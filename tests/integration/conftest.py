@@ -7,7 +7,8 @@ model's attention is peaked; ``test_dsa_small_k_differs_from_dense`` checks it).
 
 Configurations:
   prr     PRR (exact), chunked prefill of 128 tokens, --enable-metrics, no --model-path
-          (the demo default)
+          (the launcher's default model, pinned to the demo by SGLANG_PRR_DEFAULT_MODEL=demo-tiny:
+          the real default, SmolLM2, has its own servers in test_real_model.py)
   serial  serial DSA (--prr-serial), same K, same chunking: the baseline PRR(exact) must equal
   norep   PRR (exact) with the repair step disabled (negative control; debug env switch)
   full    PRR (exact) with K covering every block, chunked prefill
