@@ -10,10 +10,15 @@ the hit rate |P n A| / |A| measured during the replays is reported beside the ti
   python benchmarks/bench_layer.py --quick --device cpu  # smoke run of the same code on CPU
 
 Variants: dense = FlashInfer paged decode over every page (skipped when FlashInfer is missing);
-serial = selection then attention over A on one stream; prr = ``pipeline.PRRStep`` (speculative
-attention over P beside selection, then repair over M and the exact merge). Stage rows time the
-selection (scores, A, M), the predictor step, the speculative pass, the repair, the merge and the
-repair with its merge (one op) alone. ``SGLANG_PRR_FUSED_MERGE=1`` makes that op one launch.
+serial = ``step.DecodeStep(serial=True)``: selection then attention over A on one stream; prr =
+``step.DecodeStep(serial=False)``, what the server runs: speculative attention over P beside the
+selection, then repair over M with the exact merge, and the predictor step writing P(t+1) in place
+(one layer per forward, so the side stream joins after it). As in the server, the predictor state
+lives in pool-shaped tensors ``[R, Hk, ...]`` (row 0: SGLang's padding row) read and written at
+the batch's request slots, and the per-forward values come from ``DecodeStep.plan``, made once
+outside the timed graph (every layer of a forward shares them). Stage rows time the selection
+(scores, A, M), the predictor step, the speculative pass, the repair, the merge and the repair
+with its merge (one op) alone. ``SGLANG_PRR_FUSED_MERGE=1`` makes that op one launch.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from sglang_prr import ops  # noqa: E402
-from sglang_prr.pipeline import PRRStep  # noqa: E402
+from sglang_prr.step import DecodeStep, LayerState  # noqa: E402
 from sglang_prr.synthetic import paged_kv  # noqa: E402
 
 
@@ -46,7 +51,18 @@ def build(batch, ctx, page, hq, hk, d, dtype, dev, n_queries, seed=0):
           + torch.randn(n_queries, batch, hq, d, generator=g)).to(dev, dtype)
     seq = torch.full((batch,), ctx, device=dev, dtype=torch.long)
     return dict(k_buf=kv.k_buf, v_buf=kv.v_buf, qs=qs, table=kv.table, kmin=kv.kmin,
-                kmax=kv.kmax, seq=seq, pages=kv.pages, n_pages=kv.n_pages)
+                kmax=kv.kmax, seq=seq, pages=kv.pages, n_pages=kv.n_pages,
+                req_to_token=kv.req_to_token, rows=kv.rows)
+
+
+def pool_state(R, hk, nb, width, dev):
+    """Fresh predictor state of one layer over ``R`` request slots (as ``state.PRRState`` holds
+    it): P ``[R, Hk, width]`` empty, no history, theta = (0.6, 0.3, 0.5)."""
+    return LayerState(torch.full((R, hk, width), -1, dtype=torch.int32, device=dev),
+                      torch.zeros(R, hk, dtype=torch.int32, device=dev),
+                      torch.zeros(R, hk, nb, device=dev), torch.zeros(R, hk, nb, device=dev),
+                      torch.zeros(R, dtype=torch.long, device=dev),
+                      torch.tensor([[0.6, 0.3, 0.5]] * R, device=dev))
 
 
 def flashinfer_dense(env, batch, ctx, page, hq, hk, d, dev):
@@ -183,77 +199,78 @@ def main(argv=None):
     for ctx in a.contexts:
         for batch in a.batches:
             env = build(batch, ctx, a.page, hq, hk, d, dtype, dev, n_queries=64)
-            nb = env["table"].shape[1]
             q_buf = env["qs"][0].clone()
             summ = [env["kmin"], env["kmax"]]
-            common = (env["k_buf"], env["v_buf"], summ, env["table"], env["seq"])
+            kv = (env["k_buf"], env["v_buf"], summ)
             res = {}
             dense = flashinfer_dense(env, batch, ctx, a.page, hq, hk, d, dev)
             if dense is not None:
                 res["dense (FlashInfer)"] = time_graph(dense, q_buf, env["qs"], dev, a.iters)
+            # Quest, one sink and one local block, no dense rows (min_context 0), as before.
+            serial, step = (DecodeStep("quest", k, n_pred, 1, 1, a.page, 0, exact=True,
+                                       serial=s, device=dev) for s in (True, False))
+            # The per-forward values (block table, block counts), shared by every layer.
+            b_ser = serial.plan(env["req_to_token"], env["rows"], env["seq"])
+            b = step.plan(env["req_to_token"], env["rows"], env["seq"])
+            table, seq, slots = b.table, b.seq_lens, b.rows  # slots: the state rows
+            nb = table.shape[1]
             res["serial DSA"] = time_graph(
-                lambda q: ops.dsa_decode(q, *common, "quest", k, 1, 1, a.page, scale),
+                lambda q: serial.run(q, *kv, b_ser, None, None, scale, dtype),
                 q_buf, env["qs"], dev, a.iters)
-            step = PRRStep(dev)
-            level = torch.zeros(batch, hk, nb, device=dev)
-            trend, n_init = torch.zeros_like(level), torch.zeros(batch, dtype=torch.long, device=dev)
-            theta = torch.tensor([[0.6, 0.3, 0.5]] * batch, device=dev)
-            p_idx = torch.full((batch, hk, n_pred + 2), -1, dtype=torch.int32, device=dev)
-            p_cnt = torch.zeros(batch, hk, dtype=torch.int32, device=dev)
-            hits = torch.zeros(2, device=dev)  # sum |M|, sum |A| accumulated on the device
+            st = pool_state(batch + 1, hk, nb, n_pred + 2, dev)  # row 0: the padding row
+            stats = torch.zeros(4, dtype=torch.int64, device=dev)  # sum |A|, |M|, |P|, rows
 
             def prr(q, count_hits=False):
-                o, a_idx, a_cnt, m_idx, m_cnt, _, _ = step.run(
-                    q, *common, p_idx, p_cnt, level, trend, n_init, theta, "quest", k, n_pred,
-                    1, 1, a.page, scale)
-                if count_hits:
-                    hits.add_(torch.stack([m_cnt.sum(), a_cnt.sum()]).float())
-                return o
+                return step.run(q, *kv, b, st, stats if count_hits else None, scale, dtype)
 
             res["PRR (exact)"] = time_graph(prr, q_buf, env["qs"], dev, a.iters)
             # The hit rate, from untimed steps that continue the same query stream (its
-            # bookkeeping launches are not part of PRR and stay out of the timed graph).
+            # bookkeeping is not part of PRR's timing and stays out of the timed graph).
             for i in range(min(a.iters, env["qs"].shape[0])):
                 q_buf.copy_(env["qs"][i])
                 prr(q_buf, count_hits=True)
-            m_sum, a_sum = hits.tolist()  # host-ok: benchmark readout
+            a_sum, m_sum = stats[:2].tolist()  # host-ok: benchmark readout
             hit = 1.0 - m_sum / max(a_sum, 1.0)
-            # Stages alone, for the timeline.
-            nblk = ops.num_blocks(env["seq"], a.page)
+            # Stages alone, for the timeline (the step's ops, on the same pool-row state).
+            sel = dict(nblk=b.nblk, n_out=step.n_out, dense_row=b.dense_row, p_rows=slots)
             res["stage: selection"] = time_graph(
-                lambda q: ops.select_fused("quest", q, summ, env["table"], env["seq"], a.page,
-                                           scale, k, 1, 1, p_idx, p_cnt)[1],
+                lambda q: ops.select_fused("quest", q, summ, table, seq, a.page, scale, k, 1, 1,
+                                           st.p_idx, st.p_cnt, **sel)[1],
                 q_buf, env["qs"], dev, a.iters)
-            scores = ops.quest_scores(q_buf, env["kmin"], env["kmax"], env["table"], nblk)
-            lv, tr, ni = level.clone(), trend.clone(), n_init.clone()
-            nblk_next = ops.num_blocks(env["seq"] + 1, a.page)
+            scores = ops.quest_scores(q_buf, env["kmin"], env["kmax"], table, b.nblk)
+            scratch = LayerState(*(t.clone() for t in st))  # the predictor writes it in place
             res["stage: predictor"] = time_graph(
-                lambda q: ops.predict_update(lv, tr, ni, scores, nblk, theta, nblk_next, n_pred,
-                                             1, 1)[0], q_buf, env["qs"], dev, a.iters)
+                lambda q: ops.predict_update_rows(
+                    scratch.level, scratch.trend, scratch.n_init, scratch.p_idx, scratch.p_cnt,
+                    scratch.theta, slots, scores, b.nblk, b.nblk_next, n_pred, 1, 1),
+                q_buf, env["qs"], dev, a.iters)
             res["stage: spec attention"] = time_graph(
-                lambda q: ops.sparse_attn_partials(q, env["k_buf"], env["v_buf"], env["table"],
-                                                   env["seq"], p_idx, p_cnt, a.page, scale),
+                lambda q: ops.sparse_attn_partials(q, env["k_buf"], env["v_buf"], table, seq,
+                                                   st.p_idx, st.p_cnt, a.page, scale,
+                                                   idx_rows=slots),
                 q_buf, env["qs"], dev, a.iters)
-            # Repair over the last step's M and the exact merge, alone (PRR's critical path after
+            # Repair over this step's M and the exact merge, alone (PRR's critical path after
             # the join).
-            _, a_idx, a_cnt, m_idx, m_cnt, _, _ = step.run(
-                q_buf, *common, p_idx.clone(), p_cnt.clone(), level.clone(), trend.clone(),
-                n_init.clone(), theta, "quest", k, n_pred, 1, 1, a.page, scale, update_p=False)
+            _, a_idx, a_cnt, m_idx, m_cnt = ops.select_fused(
+                "quest", q_buf, summ, table, seq, a.page, scale, k, 1, 1, st.p_idx, st.p_cnt,
+                **sel)
             res["stage: repair over M"] = time_graph(
-                lambda q: ops.sparse_attn_partials(q, env["k_buf"], env["v_buf"], env["table"],
-                                                   env["seq"], m_idx, m_cnt, a.page, scale),
+                lambda q: ops.sparse_attn_partials(q, env["k_buf"], env["v_buf"], table, seq,
+                                                   m_idx, m_cnt, a.page, scale),
                 q_buf, env["qs"], dev, a.iters)
-            o_s, l_s = ops.sparse_attn_partials(q_buf, env["k_buf"], env["v_buf"], env["table"],
-                                                env["seq"], p_idx, p_cnt, a.page, scale)
-            o_r, l_r = ops.sparse_attn_partials(q_buf, env["k_buf"], env["v_buf"], env["table"],
-                                                env["seq"], m_idx, m_cnt, a.page, scale)
+            o_s, l_s = ops.sparse_attn_partials(q_buf, env["k_buf"], env["v_buf"], table, seq,
+                                                st.p_idx, st.p_cnt, a.page, scale, idx_rows=slots)
+            o_r, l_r = ops.sparse_attn_partials(q_buf, env["k_buf"], env["v_buf"], table, seq,
+                                                m_idx, m_cnt, a.page, scale)
+            p_idx, p_cnt = st.p_idx[slots], st.p_cnt[slots]  # prr_merge reads batch-ordered P
             res["stage: merge"] = time_graph(
                 lambda q: ops.prr_merge(o_s, l_s, p_idx, p_cnt, a_idx, a_cnt, o_r, l_r, nb, True),
                 q_buf, env["qs"], dev, a.iters)
             res["stage: repair + merge"] = time_graph(
-                lambda q: ops.sparse_attn_merge(q, env["k_buf"], env["v_buf"], env["table"],
-                                                env["seq"], m_idx, m_cnt, a.page, scale, o_s, l_s,
-                                                p_idx, p_cnt, a_idx, a_cnt, nb, True),
+                lambda q: ops.sparse_attn_merge(q, env["k_buf"], env["v_buf"], table, seq, m_idx,
+                                                m_cnt, a.page, scale, o_s, l_s, st.p_idx,
+                                                st.p_cnt, a_idx, a_cnt, nb, True, p_rows=slots,
+                                                out_dtype=dtype),
                 q_buf, env["qs"], dev, a.iters)
             for name, (med, p10, p90) in res.items():
                 rows.append(dict(device=str(dev), ctx=ctx, batch=batch, page=a.page,
