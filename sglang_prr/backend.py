@@ -90,7 +90,8 @@ class _Stats:
         self.speculates = not cfg.serial  # False: serial DSA only (no hit rate, |M| or delta)
         self.extend_batches = 0
         self.calibrations = 0
-        self.theta_counts: Dict[str, int] = {}
+        self.theta_counts: Dict[str, int] = {}  # layer 0's theta*, drained from theta_hist
+        self.theta_hist = torch.zeros(len(cfg.theta_grid), dtype=torch.int64, device=device)
         self._last_flush = 0.0
         self._last_logged = 0
         self._gauges = None
@@ -103,6 +104,11 @@ class _Stats:
         for i, x in enumerate(self.counters.tolist()):  # host-ok: outside decode
             self.totals[i] += int(x)
         self.counters.zero_()
+        for i, n in enumerate(self.theta_hist.tolist()):  # host-ok: outside decode
+            if n:
+                key = ",".join(f"{x:g}" for x in self.cfg.theta_grid[i])
+                self.theta_counts[key] = self.theta_counts.get(key, 0) + int(n)
+        self.theta_hist.zero_()
 
     def snapshot(self) -> Dict[str, Any]:
         self.drain()
@@ -311,7 +317,12 @@ class PRRBackend:
         start = getattr(self.kv_pool, "start_layer", 0) or 0
         end = getattr(self.kv_pool, "end_layer", None)
         n = getattr(self.kv_pool, "layer_num", None)  # KV layers; differs with extra layers
-        if start != 0 or end not in (None, self.num_layers - 1) or n not in (None, self.num_layers):
+        # SGLang's model runner hands the pool the model's end_layer, exclusive (num_layers when
+        # this process runs every layer); KVCache's own default is inclusive (num_layers - 1).
+        # Both mean the last layer. Accepting only the inclusive one made every server calibrate
+        # (and join the side stream) after each layer, ~L times the launches (issue 10).
+        if (start != 0 or end not in (None, self.num_layers - 1, self.num_layers)
+                or n not in (None, self.num_layers)):
             return None
         ids = [i for i in range(self.num_layers) if i not in self.dense_layers]
         return ids[-1] if ids else None

@@ -43,7 +43,7 @@ writes the predictor state it is given (``state.PRRState``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -190,8 +190,9 @@ class Calibrator:
     """Prefill calibration of one attention backend (see the module docstring).
 
     cfg: ``PRRConfig``; state: ``PRRState`` (written in place: ``h_sum``, ``h_cnt``, ``theta``,
-    ``level``, ``trend``, ``n_init``, ``p_idx``, ``p_cnt``); stats: an object with
-    ``calibrations`` (int) and ``theta_counts`` (dict) host counters.
+    ``level``, ``trend``, ``n_init``, ``p_idx``, ``p_cnt``); stats: an object with a
+    ``calibrations`` host counter and ``theta_hist``, a ``[C]`` int64 device histogram of layer
+    0's theta* (drained with the other device counters, so nothing here waits for the device).
     """
 
     def __init__(self, cfg, state, stats, page_size: int, device: torch.device):
@@ -207,6 +208,10 @@ class Calibrator:
         self.alphas, self.betas, self.gammas = (
             f32(cfg.calib_alphas), f32(cfg.calib_betas), f32(cfg.calib_gammas))
         self.grid = f32(cfg.theta_grid)  # [C, 3]
+        self._one = torch.ones(1, dtype=torch.int64, device=self.device)
+        # Layer ids as device tensors, made once per set of layers: building them from a host
+        # list each chunk would wait for the device (the layers of a forward never change).
+        self._layer_ids: Dict[Tuple[int, ...], Tensor] = {}
 
     def plan(self, req_to_token: Tensor, req_pool_indices: Tensor,
              extend_seq_lens_cpu: Sequence[int], extend_prefix_lens_cpu: Sequence[int]
@@ -256,7 +261,10 @@ class Calibrator:
             if not taken:
                 continue
             row, nb_used = r.row, r.nb_used
-            layers = torch.tensor([l for l, _ in taken], device=self.device)  # [Lc]
+            key = tuple(l for l, _ in taken)
+            layers = self._layer_ids.get(key)
+            if layers is None:
+                layers = self._layer_ids[key] = torch.tensor(key, device=self.device)  # [Lc]
             scores = torch.stack([sc for _, sc in taken])  # [Lc, Phi, Hk, nb_used]
             Lc, Phi = scores.shape[:2]
             nblk = ref.num_blocks(r.seq, self.page)  # [Phi]
@@ -269,9 +277,8 @@ class Calibrator:
                 best = torch.argmax(st.h_sum[layers, row], dim=-1)  # first max: lower index
                 st.theta[layers, row] = self.grid[best]
                 self.stats.calibrations += Lc
-                if taken[0][0] == 0:  # the chosen theta of layer 0 (host list, no sync)
-                    key = ",".join(f"{x:g}" for x in cfg.theta_grid[int(best[0])])  # host-ok: extend
-                    self.stats.theta_counts[key] = self.stats.theta_counts.get(key, 0) + 1
+                if taken[0][0] == 0:  # the chosen theta of layer 0, counted on the device
+                    self.stats.theta_hist.index_add_(0, best[:1], self._one)
             theta = st.theta[layers, row]  # [Lc, 3]
             lv = st.level[layers, row, :, :nb_used]  # copies [Lc, Hk, nb_used]
             tr = st.trend[layers, row, :, :nb_used]

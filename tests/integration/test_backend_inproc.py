@@ -400,6 +400,26 @@ def test_calibration_batched_over_layers_equals_per_layer(method):
     assert float(n.h_cnt.abs().sum()) == 0 and not torch.equal(a.p_cnt, n.p_cnt)
 
 
+@pytest.mark.parametrize("start, end, n, join", [
+    (0, None, None, 2),  # a pool that says nothing: this process runs every layer
+    (0, 3, 3, 2),  # SGLang's model runner: end_layer exclusive (issue 10: was None)
+    (0, 2, 3, 2),  # KVCache's own default: end_layer inclusive
+    (0, 2, 2, None),  # pipeline parallelism, first stage: not every layer here
+    (1, 3, 2, None),  # pipeline parallelism, last stage
+])
+def test_join_layer_from_sglang_pool(start, end, n, join):
+    """Calibration runs once per forward after the last sparse layer (and the decode side stream
+    joins there) whenever this process runs every layer, whichever convention the pool's
+    ``end_layer`` follows; per layer (None) when it does not."""
+    cfg = PRRConfig(method="quest", block_size=PAGE, top_k=2, top_k_unit="blocks",
+                    min_context=40, calib_queries=4).validate()
+    w = World(3, 4, 2, cfg, 0)
+    w.pool.start_layer = start
+    if end is not None:
+        w.pool.end_layer, w.pool.layer_num = end, n
+    assert _backends(w, {"prr": cfg})["prr"]._join_layer == join
+
+
 def _auto_profile(tmp_path, hq, hk, rel):
     """A budget profile for the World's layer shape: at batch b, delta d takes rel[b][d] x serial."""
     import json

@@ -68,7 +68,8 @@ def test_backend_calibration_is_bitwise_the_reference_grid_search(method, monkey
         assert torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(), y.nan_to_num()), name
     assert torch.equal(a.p_idx[:, 1:4], b.p_idx[:, 1:4])
     assert torch.equal(o_fast, o_slow)
-    assert fast.stats.theta_counts == slow.stats.theta_counts
+    assert fast.stats.snapshot()["theta_chosen"] == slow.stats.snapshot()["theta_chosen"]
+    assert sum(fast.stats.theta_counts.values()) > 0
     # Negative control: the same objective read in the wrong candidate order moves theta*.
     wrong, _ = _run(method, _reversed_grid, seed, monkeypatch)
     assert not torch.equal(wrong.state.theta[:, 1:4], a.theta[:, 1:4]), f"seed {seed}"
