@@ -97,6 +97,9 @@ class _Stats:
         self._gauges = None
         self._enable_metrics = bool(getattr(server_args, "enable_metrics", False))
         self._on_gpu = torch.device(device).type == "cuda"
+        # Under tensor parallelism every rank counts its own KV heads; rank 0 alone writes the
+        # file behind /prr/stats, logs and exports (the ranks would overwrite each other).
+        self.reporter = _attn_tp_rank() == 0
 
     def drain(self) -> None:
         """Move the device counters to the host totals (host-ok: called from
@@ -156,6 +159,8 @@ class _Stats:
             return
         self._last_flush = now
         snap = self.snapshot()
+        if not self.reporter:  # another tensor-parallel rank reports (its heads are alike)
+            return
         from .plugin import stats_path
 
         path = stats_path()
@@ -195,6 +200,25 @@ class _Stats:
             logger.debug("sglang_prr: prometheus export failed (%s)", e)
 
 
+def _attn_tp_size() -> int:
+    """Attention tensor-parallel size (1 without a parallel context, e.g. outside a server)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().attn_tp_size)
+    except Exception:
+        return 1
+
+
+def _attn_tp_rank() -> int:
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().attn_tp_rank)
+    except Exception:
+        return 0
+
+
 def _fmt(v) -> str:
     return "n/a" if v is None else f"{v:.4f}"
 
@@ -220,12 +244,7 @@ class PRRBackend:
             logger.warning("sglang_prr: %s; PRR falls back to dense attention", reason)
             return
         mc = runner.model_config
-        try:
-            from sglang.srt.runtime_context import get_parallel
-
-            tp = get_parallel().attn_tp_size
-        except Exception:  # no parallel context (a backend built outside a server)
-            tp = 1
+        tp = _attn_tp_size()
         self.num_kv_heads = mc.get_num_kv_heads(tp)
         self.head_dim = mc.head_dim
         self.num_layers = mc.num_hidden_layers

@@ -484,3 +484,44 @@ def test_budget_auto_in_backend(tmp_path):
     with pytest.raises(ValueError, match="num_qo_heads: profile 8 vs server 4"):
         _backends(World(2, 4, 2, cfg, seed), {"x": PRRConfig(budget="auto", profile=wrong,
                                                              **base)})
+
+
+def test_tensor_parallel_rank_sizes_and_reporting(tmp_path, monkeypatch):
+    """Under --tp 2 a rank owns half the heads: its summaries, predictor state and calibration
+    are sized from its own KV heads (the model's 8 q / 4 KV heads -> 4 / 2 per rank), its decode
+    equals serial DSA on the same rank, and only rank 0 writes the /prr/stats file (control:
+    rank 0 does)."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    monkeypatch.setattr(bk, "_attn_tp_size", lambda: 2)
+    base = dict(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40, calib_queries=6)
+    outs = {}
+    for name, cfg in (("prr", PRRConfig(**base)), ("serial", PRRConfig(serial=True, **base))):
+        w = World(2, 4, 2, cfg, seed)  # the rank's layers see 4 q / 2 KV heads
+        w.runner.model_config = SimpleNamespace(
+            get_num_kv_heads=lambda tp: 4 // tp, get_num_attention_heads=lambda tp: 8 // tp,
+            head_dim=D, num_hidden_layers=2)
+        b = _backends(w, {name: cfg})[name]
+        assert b.num_kv_heads == 2 and b.state.level.shape[2] == 2
+        assert b.kmin.shape[2] == 2 and b.budget.profile is None
+        res = []
+        for rows, new in (([1, 2], [70, 90]), ([1, 2], [1, 1]), ([1, 2], [1, 1])):
+            fb, q, k, v = w.batch(rows, new)
+            res.append(_forward(b, w, fb, q, k, v))
+        outs[name] = torch.stack(res[1:])
+        if name == "prr":
+            assert b.stats.calibrations > 0 and b.state.h_cnt[:, 1].min() > 0
+    assert (outs["prr"] - outs["serial"]).abs().max() < 1e-5, f"seed {seed}"
+    # Reporting: rank 1 keeps its counters but leaves the file to rank 0.
+    path = tmp_path / "stats.json"
+    monkeypatch.setenv("SGLANG_PRR_STATS_PATH", str(path))
+    from sglang_prr import plugin
+
+    monkeypatch.setattr(plugin, "stats_path", lambda: str(path))
+    cfg = PRRConfig(**base).validate()
+    monkeypatch.setattr(bk, "_attn_tp_rank", lambda: 1)
+    bk._Stats("cpu", cfg, SimpleNamespace(enable_metrics=False)).maybe_flush(force=True)
+    assert not path.exists()
+    monkeypatch.setattr(bk, "_attn_tp_rank", lambda: 0)
+    bk._Stats("cpu", cfg, SimpleNamespace(enable_metrics=False)).maybe_flush(force=True)
+    assert path.exists()
