@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from typing import Dict, List, Optional
 
 import requests
@@ -68,3 +69,17 @@ def first_step_diff(a: Dict, b: Dict) -> float:
         if ta["ids"][i] != tb["ids"][i]:
             break
     return d
+
+
+def flush_cache(server, timeout_s: float = 60.0) -> None:
+    """Flush the server's radix cache (and PRR's state with it). SGLang refuses (400) while a
+    request is still finishing, e.g. an aborted stream of an earlier test: retry until it
+    accepts."""
+    t_end = time.time() + timeout_s
+    while True:
+        r = requests.post(server.url + "/flush_cache", timeout=60)
+        if r.status_code == 200:
+            return
+        if time.time() > t_end:
+            raise AssertionError(f"flush_cache kept failing: {r.status_code} {r.text}")
+        time.sleep(1.0)

@@ -12,7 +12,8 @@ import threading
 import pytest
 import requests
 
-from helpers import TIMEOUT_S, generate, logprob_table, max_logprob_diff, prompt_ids
+from helpers import (TIMEOUT_S, flush_cache, generate, logprob_table, max_logprob_diff,
+                     prompt_ids)
 
 pytestmark = pytest.mark.server
 
@@ -53,9 +54,9 @@ def test_concurrent_equals_alone(prr_server):
     print(f"PRR_TEST_SEED={SEED}")
     rng = random.Random(SEED)
     prompts = [prompt_ids(SEED + 100 + i, rng.randrange(70, 200)) for i in range(16)]
-    requests.post(prr_server.url + "/flush_cache", timeout=60)
+    flush_cache(prr_server)
     alone = [generate(prr_server, p, 6) for p in prompts[:4]]  # a sample, to bound the time
-    requests.post(prr_server.url + "/flush_cache", timeout=60)
+    flush_cache(prr_server)
     together = [None] * 16
     errors = []
 
@@ -82,11 +83,11 @@ def test_radix_prefix_hit_reuses_summaries(prr_server):
     request computed from scratch after a cache flush (which also resets the PRR state)."""
     base = prompt_ids(SEED + 7, 160)
     full = base + prompt_ids(SEED + 8, 41)
-    requests.post(prr_server.url + "/flush_cache", timeout=60)
+    flush_cache(prr_server)
     generate(prr_server, base, 2)
     hit = generate(prr_server, full, 8)
     assert hit["meta_info"]["cached_tokens"] >= 144, hit["meta_info"]
-    assert requests.post(prr_server.url + "/flush_cache", timeout=60).status_code == 200
+    flush_cache(prr_server)
     cold = generate(prr_server, full, 8)
     assert cold["meta_info"]["cached_tokens"] == 0
     d = max_logprob_diff(hit, cold)

@@ -15,13 +15,12 @@ import random
 import subprocess
 import sys
 import threading
-import time
 
 import os
 
 import pytest
 import requests
-from helpers import TIMEOUT_S, generate, max_logprob_diff, prompt_ids
+from helpers import TIMEOUT_S, flush_cache, generate, max_logprob_diff, prompt_ids
 
 pytestmark = pytest.mark.server
 
@@ -55,17 +54,6 @@ def _load(server) -> dict:
             "busy": n.get("num_running_reqs", 0) + n.get("num_waiting_reqs", 0)}
 
 
-def _flush(server) -> None:
-    """Flush the radix cache; SGLang refuses while requests are still finishing (aborted streams
-    end asynchronously), so retry for a while."""
-    for _ in range(60):
-        r = requests.post(server.url + "/flush_cache", timeout=60)
-        if r.status_code == 200:
-            return
-        time.sleep(1.0)
-    raise AssertionError(f"flush_cache kept failing: {r.status_code} {r.text}")
-
-
 def _abort_streams(server, seed: int, out: list) -> None:
     rng = random.Random(seed)
     for i in range(N_ABORTS):
@@ -90,7 +78,7 @@ def test_load_with_aborts_leaks_nothing(prr_server, tmp_path):
     print(f"seed={SEED}")
     fixed = prompt_ids(SEED, 130)
     before = generate(prr_server, fixed, 6)
-    _flush(prr_server)
+    flush_cache(prr_server)
     base = _load(prr_server)
     assert base["busy"] == 0, base
     aborted: list = []
@@ -115,6 +103,6 @@ def test_load_with_aborts_leaks_nothing(prr_server, tmp_path):
     assert stats["sparse_rows"] > 0, stats  # the load ran on the sparse path
     after = generate(prr_server, fixed, 6)
     assert max_logprob_diff(before, after) <= TOL, (before, after)
-    _flush(prr_server)
+    flush_cache(prr_server)
     end = _load(prr_server)
     assert end == base, (base, end)
