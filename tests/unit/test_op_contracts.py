@@ -3,8 +3,8 @@
 Shapes, dtypes and integer arguments are checked (``sglang_prr.contracts``) and a violation
 raises ``ValueError`` naming the argument; values the checks cannot read without a sync have a
 defined result: garbage in K/V slots past a request's length never reaches the output, counts
-and ids outside a list's range are ignored, ``nblk`` past the table is clamped, and an empty
-selection attends nothing. Each property is drawn with hypothesis over fresh random inputs.
+and ids outside a list's range are ignored, a repeated id counts once, ``nblk`` past the table is
+clamped, and an empty selection attends nothing. Each property is drawn with hypothesis over fresh random inputs.
 """
 
 from __future__ import annotations
@@ -153,6 +153,38 @@ def test_out_of_range_counts_ids_and_nblk_have_defined_results(seed, extra):
     clamped = _select(P, kmin, kmax, nblk=torch.full_like(P.nblk, NB))
     for a, b in zip(big[1:], clamped[1:]):
         assert torch.equal(a, b)
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 2**30), reps=st.lists(st.integers(0, 2), min_size=3, max_size=3),
+       exact=st.booleans())
+def test_repeated_ids_count_once(seed, reps, exact):
+    """Duplicates are ignored: a list with ids repeated (ascending) attends, and P with repeats
+    merges, as the list of its distinct ids; control: counting a repeat again differs."""
+    P, _, _ = _case(seed)
+    ids = [0, 2, 3]
+    rep = sorted(sum(([i] * (1 + r) for i, r in zip(ids, reps)), []))
+    n = len(rep)
+    mk = lambda xs, w: torch.tensor([[xs + [-1] * (w - len(xs))] * 2] * 2, dtype=torch.int32)
+    cnt = lambda c: torch.full((2, 2), c, dtype=torch.int32)
+    got = ops.attend_set(P.q, P.k_buf, P.v_buf, P.table, P.seq_lens, mk(rep, n), cnt(n), P.page,
+                         P.sm_scale)[0]
+    want = ops.attend_set(P.q, P.k_buf, P.v_buf, P.table, P.seq_lens, mk(ids, n), cnt(3),
+                          P.page, P.sm_scale)[0]
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
+    # P with repeats: its speculative partials (repeats carry their block's) merged with A = P.
+    o1, l1 = ref.sparse_attn_partials(P.q, P.k_buf, P.v_buf, P.table, P.seq_lens, mk(ids, 3),
+                                      cnt(3), P.page, P.sm_scale)
+    src = torch.tensor([ids.index(x) for x in rep])
+    o_s, l_s = o1[:, :, src], l1[:, :, src]
+    empty = mk([], 1), cnt(0)
+    merged = ops.sparse_attn_merge(P.q, P.k_buf, P.v_buf, P.table, P.seq_lens, *empty, P.page,
+                                   P.sm_scale, o_s, l_s, mk(rep, n), cnt(n), mk(ids, 3), cnt(3),
+                                   P.nb, exact)[0]
+    assert torch.allclose(merged, want, rtol=1e-5, atol=1e-6)
+    if len(set(reps)) > 1:  # control: every entry merged (uneven repeats shift the weights)
+        twice = ref.merge_partials(o_s, l_s)[0]
+        assert not torch.allclose(twice, want, rtol=1e-3, atol=1e-4)
 
 
 def test_an_empty_selection_attends_nothing():
