@@ -170,7 +170,7 @@ def grid_hit_rates(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_block
 @dataclass
 class _Request:
     """One request of an extend batch: its sampled queries, the same for every layer."""
-    row: int  # request pool slot
+    row: Tensor  # [1] request pool slot (device)
     s0: int  # first token of its chunk in the batch
     offs: Tensor  # [Phi] sampled query offsets in the chunk (device)
     seq: Tensor  # [Phi] causal lengths of the sampled queries (device)
@@ -218,11 +218,12 @@ class Calibrator:
              ) -> CalibrationPlan:
         """Per request of an extend batch, ``calib_queries`` queries spaced evenly over its chunk
         (always its last one), their causal lengths and the block table of the blocks the chunk
-        can see (not the request pool's whole width). Host lists in, one host read of the slots
-        (host-ok: extend, once per forward); nothing else waits for the device."""
-        rows = req_pool_indices.tolist()  # host-ok: extend, once per forward
+        can see (not the request pool's whole width). Host lengths in; the request slots stay on
+        the device (one-element index tensors), so nothing here waits for the device."""
+        rows = req_pool_indices.long()
         reqs, start = [], 0
-        for row, n_new, n_pre in zip(rows, extend_seq_lens_cpu, extend_prefix_lens_cpu):
+        for i, (n_new, n_pre) in enumerate(zip(extend_seq_lens_cpu, extend_prefix_lens_cpu)):
+            row = rows[i:i + 1]  # [1] slot of the request (device)
             n_new, n_pre = int(n_new), int(n_pre)
             s0, start = start, start + n_new
             phi = min(self.cfg.calib_queries, n_new)
@@ -234,7 +235,8 @@ class Calibrator:
             seq = n_pre + offs + 1  # [Phi]
             nb_used = -(-(n_pre + n_new) // self.page)
             # One row of the request's pages, shared by its sampled queries.
-            pages = req_to_token[row, :nb_used * self.page:self.page].long() // self.page
+            pages = req_to_token.index_select(0, row)[0, :nb_used * self.page:self.page]
+            pages = pages.long() // self.page
             table = pages.unsqueeze(0).expand(phi, nb_used).contiguous()  # [Phi, nb_used]
             reqs.append(_Request(row, s0, offs, seq, nb_used, table, n_pre + n_new))
         return CalibrationPlan(reqs)
