@@ -203,16 +203,19 @@ def fix_converted(folder: Path) -> List[str]:
             changes.append(f"{where}: {key} {d.get(key)!r} -> {val!r}")
             d[key] = val
 
+    def drop(d: dict, keys, where: str) -> None:
+        for k in keys:
+            if k in d:
+                changes.append(f"{where}: removed {k}")
+                del d[k]
+
     cfg_p = folder / "config.json"
     cfg = _load_json(cfg_p)
     for k, v in (("bos_token_id", BOS_ID), ("eos_token_id", EOS_ID), ("pad_token_id", PAD_ID)):
         setkey(cfg, k, v, "config.json")
     if isinstance(cfg.get("rms_norm_eps"), float) and abs(cfg["rms_norm_eps"] - 1e-5) < 1e-9:
         setkey(cfg, "rms_norm_eps", 1e-5, "config.json")
-    for k in ("unk_token_id", "_model_name_or_path"):  # the GGUF's internal run name
-        if k in cfg:
-            changes.append(f"config.json: removed {k}")
-            del cfg[k]
+    drop(cfg, ("unk_token_id", "_model_name_or_path"), "config.json")  # the GGUF's run name
     _dump_json(cfg_p, cfg)
 
     gen_p = folder / "generation_config.json"
@@ -229,11 +232,8 @@ def fix_converted(folder: Path) -> List[str]:
                  ("model_max_length", ARCH["max_position_embeddings"]),
                  ("additional_special_tokens", [BOS, EOS])):
         setkey(tc, k, v, "tokenizer_config.json")
-    for k in ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "backend",
-              "is_local", "local_files_only"):
-        if k in tc:
-            changes.append(f"tokenizer_config.json: removed {k}")
-            del tc[k]
+    drop(tc, ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "backend",
+              "is_local", "local_files_only"), "tokenizer_config.json")
     _dump_json(tc_p, tc)
 
     tj_p = folder / "tokenizer.json"

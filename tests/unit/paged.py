@@ -100,3 +100,18 @@ def list_from_sets(sets: List[List[set]], width: int):
             idx[b, h, :len(s)] = torch.tensor(s, dtype=torch.int32)
             cnt[b, h] = len(s)
     return idx, cnt
+
+
+def score_series(rnd, R_: int, Phi: int, Hk: int, NB: int):
+    """Calibration inputs: ``R_`` requests x ``Phi`` sampled queries of Gaussian block scores over
+    a growing number of visible blocks (``-inf`` past them): ``(scores [R_, Phi, Hk, NB],
+    nblk [R_, Phi])``."""
+    scores = torch.full((R_, Phi, Hk, NB), float("-inf"))
+    nblk = torch.zeros(R_, Phi, dtype=torch.long)
+    for r in range(R_):
+        for phi in range(Phi):
+            n = min(NB, 5 + phi + r)
+            nblk[r, phi] = n
+            for h in range(Hk):
+                scores[r, phi, h, :n] = torch.tensor([rnd.gauss(0, 2) for _ in range(n)])
+    return scores, nblk

@@ -29,11 +29,6 @@ def bp():
     return _bench()
 
 
-@pytest.fixture
-def seed(request):
-    s = random.randrange(1 << 30)
-    print(f"{request.node.name}: seed={s}")
-    return s
 
 
 # 24 calibration steps + 40 measured, 4 KV heads, 201 blocks (K = 16 of them: the bench's K / NB).

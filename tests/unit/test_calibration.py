@@ -10,21 +10,13 @@ import pytest
 import torch
 
 import oracle
+from paged import score_series
 from sglang_prr import calibration as cal
 from sglang_prr import reference as R
 
 AXES = ([0.2, 0.6, 1.0], [0.1, 0.5], [0.0, 0.75])  # awkward: alpha = 1, gamma = 0
 
 
-def _seed(request) -> int:
-    seed = random.randrange(1 << 30)
-    print(f"{request.node.name}: seed={seed}")
-    return seed
-
-
-@pytest.fixture
-def seed(request):
-    return _seed(request)
 
 
 def _grid(axes):
@@ -81,14 +73,7 @@ def test_grid_hit_rates_is_bitwise_the_reference(kind, seed):
 def test_grid_hit_rates_matches_the_fp64_oracle_and_a_wrong_grid_order_does_not(seed):
     rnd = random.Random(seed)
     Rn, Phi, Hk, NB = 2, 7, 2, 11
-    scores = torch.full((Rn, Phi, Hk, NB), float("-inf"))
-    nblk = torch.zeros(Rn, Phi, dtype=torch.long)
-    for r in range(Rn):
-        for phi in range(Phi):
-            n = min(NB, 5 + phi + r)
-            nblk[r, phi] = n
-            for h in range(Hk):
-                scores[r, phi, h, :n] = torch.tensor([rnd.gauss(0, 2) for _ in range(n)])
+    scores, nblk = score_series(rnd, Rn, Phi, Hk, NB)
     flat, _, (A, B, G) = _grid(AXES)
     k, n_pred = 2, 3
     H = cal.grid_hit_rates(scores, nblk, k, n_pred, 1, 1, A, B, G)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import oracle
-from paged import list_from_sets, make_paged, rel_err, sets_from_list
+from paged import list_from_sets, make_paged, rel_err, score_series, sets_from_list
 from sglang_prr import ops
 from sglang_prr import reference as R
 
@@ -31,15 +31,6 @@ def _lens(seed: int, batch: int, page: int):
     return [rnd.randint(1, 9 * page - 1) | 1 for _ in range(batch)]
 
 
-def _seed(request) -> int:
-    seed = random.randrange(1 << 30)
-    print(f"{request.node.name}: seed={seed}")
-    return seed
-
-
-@pytest.fixture
-def seed(request):
-    return _seed(request)
 
 
 # ----------------------------------------------------------------------------- summaries / scores
@@ -354,14 +345,7 @@ def test_predict_set_prefers_rising_blocks_with_trend(seed):
 def test_calibration_equals_scalar_loop_for_every_candidate(seed):
     rnd = random.Random(seed)
     R_, Phi, Hk, NB = 2, 7, 2, 11
-    scores = torch.full((R_, Phi, Hk, NB), float("-inf"))
-    nblk = torch.zeros(R_, Phi, dtype=torch.long)
-    for r in range(R_):
-        for phi in range(Phi):
-            n = min(NB, 5 + phi + r)
-            nblk[r, phi] = n
-            for h in range(Hk):
-                scores[r, phi, h, :n] = torch.tensor([rnd.gauss(0, 2) for _ in range(n)])
+    scores, nblk = score_series(rnd, R_, Phi, Hk, NB)
     grid = [(a, b, g) for a in (0.2, 0.8) for b in (0.1, 0.5) for g in (0.0, 0.75)]
     al, be, ga = (torch.tensor([t[i] for t in grid]) for i in range(3))
     k, n_pred = 2, 3

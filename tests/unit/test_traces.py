@@ -13,11 +13,6 @@ from sglang_prr import traces as T
 from sglang_prr.config import PRRConfig, PRRConfigError
 
 
-@pytest.fixture
-def seed(request):
-    s = random.randrange(1 << 30)
-    print(f"{request.node.name}: seed={s}")
-    return s
 
 
 def _random_trace(rng: np.random.Generator, steps=7, layers=(3, 11), hk=3, nb=37) -> T.Trace:
