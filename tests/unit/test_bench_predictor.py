@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 
 import numpy as np
 import pytest
