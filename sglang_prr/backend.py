@@ -44,6 +44,7 @@ from .calibration import Calibrator
 from .config import PRRConfig
 from .state import PRRState
 from .step import DecodeStep
+from .summaries import BlockSummaries
 
 logger = logging.getLogger("sglang_prr")
 
@@ -257,18 +258,12 @@ class PRRBackend:
         if shared is None:
             shared = {"state": PRRState(cfg, L, Hk, self.req_pool, self.device),
                       "stats": _Stats(self.device, cfg, runner.server_args)}
-            if cfg.method == "quest":
-                shared["kmin"] = torch.full((L, P, Hk, D), float("inf"), device=self.device)
-                shared["kmax"] = torch.full((L, P, Hk, D), float("-inf"), device=self.device)
-            else:
-                shared["ck"] = torch.zeros((L, P, self.page // 16, Hk, D), device=self.device)
+            shared["summaries"] = BlockSummaries(cfg.method, L, P, Hk, D, self.page, self.device)
             try:
                 runner._prr_shared = shared
             except AttributeError:
                 pass
-        for key in ("kmin", "kmax", "ck"):
-            if key in shared:
-                setattr(self, key, shared[key])
+        self.summaries = shared["summaries"]
         self.state = shared["state"]
         # Prefill calibration (eqs 4-5): sampled in every sparse layer, run after the last one.
         self.calibrator = Calibrator(cfg, self.state, shared["stats"], self.page, self.device)
@@ -303,7 +298,7 @@ class PRRBackend:
                         "" if self.calibrates else "; no batch size speculates, calibration off")
         self.tracer = self._make_tracer()
         self._ext_plan = None
-        summary_mib = sum(t.numel() * 4 for t in self._summary_tensors()) / 2**20
+        summary_mib = self.summaries.nbytes / 2**20
         logger.info("sglang_prr: PRRBackend(%s) method=%s mode=%s%s K=%d blocks |P|<=%d "
                     "page=%d pages=%d summaries=%.1f MiB state=%.1f MiB", name, cfg.method,
                     cfg.mode, " serial" if cfg.serial else "", self.k_blocks, self.n_pred,
@@ -356,13 +351,8 @@ class PRRBackend:
             return None
         return TraceRecorder(self.cfg, self.num_layers, self.num_kv_heads)
 
-    def _summary_tensors(self) -> List[torch.Tensor]:
-        return [self.kmin, self.kmax] if self.cfg.method == "quest" else [self.ck]
-
     def _summary(self, layer_id: int) -> List[torch.Tensor]:
-        if self.cfg.method == "quest":
-            return [self.kmin[layer_id], self.kmax[layer_id]]
-        return [self.ck[layer_id]]
+        return self.summaries.layer(layer_id)
 
     def support_triton(self):
         return self.inner.support_triton()
@@ -446,17 +436,11 @@ class PRRBackend:
 
     # ------------------------------------------------------------------ summaries
     def _update_summaries(self, layer_id: int, k: torch.Tensor, fb) -> None:
-        Hk, D = self.num_kv_heads, self.head_dim
-        loc = fb.out_cache_loc
-        pos = fb.positions
-        if self.cfg.method == "quest":
-            # Decode writes one token per request, each into its own last page: one launch.
-            ops.quest_update(self.kmin[layer_id], self.kmax[layer_id], k.reshape(-1, Hk, D), loc,
-                             pos, self.page, one_per_page=fb.forward_mode.is_decode())
-        else:
-            req_idx = self._token_req_idx(fb)
-            ops.infllm_update(self.ck[layer_id], self.kv_pool.get_key_buffer(layer_id),
-                              self.req_pool.req_to_token, req_idx, loc, pos, self.page)
+        # Decode writes one token per request, each into its own last page.
+        self.summaries.update(layer_id, k.reshape(-1, self.num_kv_heads, self.head_dim),
+                              fb.out_cache_loc, fb.positions, fb.forward_mode.is_decode(),
+                              self.kv_pool.get_key_buffer(layer_id), self.req_pool.req_to_token,
+                              lambda: self._token_req_idx(fb))
 
     def _token_req_idx(self, fb) -> torch.Tensor:
         """Request slot of every token of the batch ``[N]`` (decode: one token per request)."""

@@ -44,9 +44,9 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from . import ops
+from . import ops, summaries
 from .budget import DEFAULT_DELTAS, PROFILE_VERSION, BudgetProfile
-from .config import INFLLM_STRIDE, PRRConfig
+from .config import PRRConfig
 from .server_args_patch import add_prr_args, pop_prr_args
 from .step import DecodeStep, LayerState
 
@@ -176,13 +176,7 @@ class _Point:
         n_slots = pool_pages * page
         self.k_buf = torch.randn(n_slots, Hk, D, generator=g, device=dev, dtype=dtype)
         self.v_buf = torch.randn(n_slots, Hk, D, generator=g, device=dev, dtype=dtype)
-        kp = self.k_buf.view(pool_pages, page, Hk, D).float()
-        if cfg.method == "quest":
-            self.summary = [kp.amin(1), kp.amax(1)]
-        else:  # InfLLM-v2's compressed keys: means over strides of the page
-            self.summary = [kp.view(pool_pages, page // INFLLM_STRIDE, INFLLM_STRIDE, Hk, D)
-                            .mean(2).contiguous()]
-        del kp
+        self.summary = summaries.from_keys(cfg.method, self.k_buf.view(pool_pages, page, Hk, D))
         self.q = torch.randn(batch, Hq, D, generator=g, device=dev, dtype=dtype)
         self.scale = 1.0 / math.sqrt(D)
         self.g = g

@@ -14,13 +14,13 @@ scale with the KV pool like the KV itself and are shared by pages shared through
 
 from __future__ import annotations
 
-import math
 import weakref
 from typing import List, Sequence
 
 import torch
 
-from .config import INFLLM_STRIDE, PRRConfig
+from . import summaries
+from .config import PRRConfig
 from .step import LayerState
 
 _LISTENERS: "weakref.WeakSet[PRRState]" = weakref.WeakSet()
@@ -31,11 +31,8 @@ def summary_bytes_per_token(cfg: PRRConfig, num_layers: int, num_kv_heads: int,
     """Bytes of block summaries per KV token over all layers (added to SGLang's KV cell size)."""
     if not cfg.enabled:
         return 0
-    if cfg.method == "quest":
-        per_page = 2 * num_kv_heads * head_dim * 4
-    else:
-        per_page = (cfg.block_size // INFLLM_STRIDE) * num_kv_heads * head_dim * 4
-    return int(math.ceil(num_layers * per_page / cfg.block_size))
+    return summaries.bytes_per_token(cfg.method, cfg.block_size, num_layers, num_kv_heads,
+                                     head_dim)
 
 
 def state_bytes(cfg: PRRConfig, num_layers: int, num_kv_heads: int, rows: int,

@@ -503,7 +503,7 @@ def test_tensor_parallel_rank_sizes_and_reporting(tmp_path, monkeypatch):
             head_dim=D, num_hidden_layers=2)
         b = _backends(w, {name: cfg})[name]
         assert b.num_kv_heads == 2 and b.state.level.shape[2] == 2
-        assert b.kmin.shape[2] == 2 and b.budget.profile is None
+        assert b.summaries.tensors[0].shape[2] == 2 and b.budget.profile is None
         res = []
         for rows, new in (([1, 2], [70, 90]), ([1, 2], [1, 1]), ([1, 2], [1, 1])):
             fb, q, k, v = w.batch(rows, new)
