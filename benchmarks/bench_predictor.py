@@ -21,6 +21,12 @@ table and the target checks) and ``<out>.png``. Default size runs on CPU in abou
 
     PYTHONPATH=. python3 benchmarks/bench_predictor.py
     PYTHONPATH=. python3 benchmarks/bench_predictor.py --trace /path/to/trace_dir --k 32
+
+With ``--trace DIR --per-layer`` the rows are per traced layer (the requests of a layer pooled)
+instead of per request file, the 80 grid thetas are replayed at every (K, delta), and ``<out>.csv``
+is the wide per-layer table (layer, k, delta, reuse_previous, ema_default, ema_calibrated,
+best_theta_hindsight, ...; the long rows go to ``<out>_rows.csv``), with per-layer target checks
+in ``<out>.md``. Real traces: ``benchmarks/record_real_traces.py``.
 """
 
 from __future__ import annotations
@@ -294,6 +300,88 @@ def plot(path: str, rows: List[dict], grid_rows: List[dict], missed: Dict[tuple,
     plt.close(fig)
 
 
+LAYER_TOL = 0.005  # per-layer targets: calibrated >= reuse - tol, within tol of the best theta
+LAYER_GAIN = 0.05  # ... and >= reuse + 5 points where reuse-previous < LAYER_LOW_REUSE
+LAYER_LOW_REUSE = 0.90
+
+
+def layer_sources(trs: Sequence[traces.Trace]) -> Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]]:
+    """Captured traces regrouped by model layer: ``{"layer<id>": [(scores [1, T, Hk, NB], nblk
+    [1, T]) per request]}`` (requests keep their own shapes: prompts differ in length)."""
+    out: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
+    ids = sorted({int(l) for t in trs for l in t.layers})
+    for lid in ids:
+        groups = []
+        for t in trs:
+            where = [i for i, l in enumerate(t.layers) if int(l) == lid]
+            if where:
+                groups.append(tuple(x[None] for x in t.torch_rows(where[0])))
+        out[f"layer{lid}"] = groups
+    return out
+
+
+def per_layer_rows(rows: List[dict], grid_rows: List[dict]) -> List[dict]:
+    """One row per (layer, K, delta) from ``run``'s long rows and the full-grid rows: hit rates
+    (score-weighted, eq 4) of reuse-previous, the default EMA, calibrated EMA, the best single grid
+    theta in hindsight for that layer (averaged over its requests), and the per-request oracle."""
+    by = {(r["source"], r["k"], r["delta"], r["predictor"]): r for r in rows}
+    out = []
+    for src, k, d in sorted({(r["source"], r["k"], r["delta"]) for r in rows},
+                            key=lambda x: (int(x[0][5:]) if x[0][5:].isdigit() else x[0], x[1], x[2])):
+        g = [r for r in grid_rows if r["source"] == src and r["k"] == k and r["delta"] == d]
+        if not g:
+            raise ValueError(f"{src} K={k} delta={d}: no full-grid rows (per-layer needs them)")
+        best = max(g, key=lambda r: r["hit"])
+        reuse, cal = by[(src, k, d, "reuse_prev")], by[(src, k, d, "calibrated")]
+        out.append(dict(
+            layer=int(src[5:]) if src.startswith("layer") else src, k=k, delta=d,
+            n_pred=reuse["n_pred"], requests=reuse["requests"],
+            reuse_previous=round(reuse["hit"], 5),
+            ema_default=round(by[(src, k, d, "ema_default")]["hit"], 5),
+            ema_calibrated=round(cal["hit"], 5),
+            best_theta_hindsight=round(best["hit"], 5),
+            best_theta=f"({best['alpha']:g},{best['beta']:g},{best['gamma']:g})",
+            oracle_per_request=round(by[(src, k, d, "oracle")]["hit"], 5),
+            cal_minus_reuse=round(cal["hit"] - reuse["hit"], 5),
+            cal_minus_best=round(cal["hit"] - best["hit"], 5),
+            overlap_reuse=round(reuse["overlap"], 5), overlap_calibrated=round(cal["overlap"], 5),
+            m_mean_reuse=round(reuse["m_mean"], 3), m_mean_calibrated=round(cal["m_mean"], 3)))
+    for r in out:
+        r["ok_not_below_reuse"] = int(r["cal_minus_reuse"] >= -LAYER_TOL)
+        r["ok_near_best"] = int(r["cal_minus_best"] >= -LAYER_TOL)
+        r["ok_gain_if_low"] = int(r["reuse_previous"] >= LAYER_LOW_REUSE
+                                  or r["cal_minus_reuse"] >= LAYER_GAIN)
+    return out
+
+
+def per_layer_table(prow: List[dict]) -> str:
+    lines = ["## Per layer (score-weighted hit rate, eq 4; |M| = mean blocks missed per step and "
+             "KV head)", "",
+             "| layer | K | delta | reuse-previous | EMA default | EMA calibrated | best theta "
+             "(hindsight) | oracle/request | cal - reuse | cal - best | |M| reuse / cal |",
+             "|---" * 11 + "|"]
+    for r in prow:
+        lines.append(f"| {r['layer']} | {r['k']} | {r['delta']:g} | {r['reuse_previous']:.3f} | "
+                     f"{r['ema_default']:.3f} | {r['ema_calibrated']:.3f} | "
+                     f"{r['best_theta_hindsight']:.3f} {r['best_theta']} | "
+                     f"{r['oracle_per_request']:.3f} | {r['cal_minus_reuse']:+.3f} | "
+                     f"{r['cal_minus_best']:+.3f} | {r['m_mean_reuse']:.2f} / "
+                     f"{r['m_mean_calibrated']:.2f} |")
+    lines.append("")
+    lines.append(f"Per-layer targets (tolerance {LAYER_TOL}): (a) calibrated >= reuse-previous - "
+                 f"{LAYER_TOL}; (b) calibrated >= best theta in hindsight - {LAYER_TOL}; (c) where "
+                 f"reuse-previous < {LAYER_LOW_REUSE:.2f}, calibrated >= reuse + {LAYER_GAIN:.2f}.")
+    for k, d in sorted({(r["k"], r["delta"]) for r in prow}):
+        sel = [r for r in prow if r["k"] == k and r["delta"] == d]
+        parts = []
+        for key, label in (("ok_not_below_reuse", "a"), ("ok_near_best", "b"),
+                           ("ok_gain_if_low", "c")):
+            bad = [str(r["layer"]) for r in sel if not r[key]]
+            parts.append(f"({label}) " + ("MET" if not bad else "MISSED at layer " + ",".join(bad)))
+        lines.append(f"- K={k} delta={d:g}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
 def _csv(path: str, rows: List[dict]) -> None:
     with open(path, "w", newline="") as f:
         wr = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -335,8 +423,15 @@ def main(argv: Sequence[str] = None) -> int:
                     help="output path prefix (.csv, _grid.csv, .md, .png are appended)")
     ap.add_argument("--full-grid", default="none", choices=("headline", "all", "none"),
                     help="where to replay all 80 grid thetas (best fixed in hindsight, oracle)")
+    ap.add_argument("--per-layer", action="store_true",
+                    help="with --trace: one row per traced layer (all requests of the layer "
+                         "pooled) instead of one per request; replays the full grid at every "
+                         "(K, delta) and writes the wide per-layer table to <out>.csv "
+                         "(the long rows go to <out>_rows.csv)")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
+    if a.per_layer and not a.trace:
+        raise SystemExit("--per-layer needs --trace (synthetic families have one layer)")
     if a.threads:
         torch.set_num_threads(a.threads)
     ks, deltas = _ints(a.k), _floats(a.delta)
@@ -350,12 +445,18 @@ def main(argv: Sequence[str] = None) -> int:
         trs = traces.load_traces(a.trace)
         sink = a.sink if a.sink is not None else int(trs[0].meta.get("sink_blocks", 1))
         local = a.local if a.local is not None else int(trs[0].meta.get("local_blocks", 1))
-        for t in trs:
-            name = f"trace:{t.rid or 'request'}"
-            sources[name] = [tuple(x[None] for x in t.torch_rows(li))
-                             for li in range(len(t.layers))]
-            structured[name] = True
-        desc = f"{len(trs)} captured trace(s) from {a.trace}"
+        if a.per_layer:
+            sources = layer_sources(trs)
+            structured = {name: True for name in sources}
+            a.full_grid = "all"  # best theta in hindsight per layer at every (K, delta)
+        else:
+            for t in trs:
+                name = f"trace:{t.rid or 'request'}"
+                sources[name] = [tuple(x[None] for x in t.torch_rows(li))
+                                 for li in range(len(t.layers))]
+                structured[name] = True
+        desc = (f"{len(trs)} captured trace(s) from {a.trace}"
+                + (", one row per traced layer" if a.per_layer else ""))
     else:
         sink = 1 if a.sink is None else a.sink
         local = 1 if a.local is None else a.local
@@ -381,7 +482,13 @@ def main(argv: Sequence[str] = None) -> int:
     text = (f"# predictor hit rates: {desc}; first {a.calib_rows} steps calibrate, the rest are "
             f"measured; sink={sink} local={local}\n" + table(rows, tg, ks, deltas))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)) or ".", exist_ok=True)
-    _csv(a.out + ".csv", rows)
+    if a.per_layer:
+        prow = per_layer_rows(rows, grid_rows)
+        text += "\n\n" + per_layer_table(prow)
+        _csv(a.out + ".csv", prow)
+        _csv(a.out + "_rows.csv", rows)
+    else:
+        _csv(a.out + ".csv", rows)
     if grid_rows:
         _csv(a.out + "_grid.csv", grid_rows)
     cmd = "python3 benchmarks/bench_predictor.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -390,7 +497,7 @@ def main(argv: Sequence[str] = None) -> int:
     if not a.no_plot:
         plot(a.out + ".png", rows, grid_rows, missed, ks, deltas)
     print(text)
-    print(f"\nwrote {a.out}.csv, {a.out}_grid.csv, {a.out}.md"
+    print(f"\nwrote {a.out}.csv{', ' + a.out + '_rows.csv' if a.per_layer else ''}, {a.out}_grid.csv, {a.out}.md"
           f"{'' if a.no_plot else ', ' + a.out + '.png'} in {time.time() - t0:.1f} s")
     return 0
 

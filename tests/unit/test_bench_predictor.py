@@ -126,3 +126,53 @@ def test_calibration_bench_runs_and_its_batched_form_matches_the_reference(tmp_p
                     "--baseline-max-len", "1000", "--batched", "--out", out]) == 0
     text = open(out).read()
     assert "ref_ms" in text and "batched_maxdiff_vs_ref" in text and "sdpa_ms" in text
+
+
+def _two_layer_trace(fam_a, fam_b, seed, ctx_tokens, rid):
+    """A captured-style trace with layers [3, 7]: layer 3 scores from one synthetic family,
+    layer 7 from another (so the per-layer rows must differ)."""
+    a = T.generate(fam_a, seed=seed, steps=40, num_kv_heads=2, ctx_tokens=ctx_tokens)
+    b = T.generate(fam_b, seed=seed, steps=40, num_kv_heads=2, ctx_tokens=ctx_tokens)
+    meta = dict(a.meta, rid=rid, sink_blocks=1, local_blocks=1)
+    return T.Trace(scores=np.concatenate([a.scores, b.scores], 1), nblk=a.nblk,
+                   layers=np.array([3, 7], np.int32), meta=meta)
+
+
+def test_per_layer_rows_from_a_trace_directory(bp, seed, tmp_path):
+    d = tmp_path / "tr"
+    d.mkdir()
+    # Two requests of different lengths (shapes differ: they cannot be stacked into one tensor).
+    for i, ctx in enumerate((64 * 50 + 5, 64 * 58 + 33)):
+        T.save_trace(str(d / f"r{i}.npz"), _two_layer_trace("retrieval", "noise", seed + i, ctx,
+                                                            f"r{i}"))
+    out = tmp_path / "res"
+    assert bp.main(["--trace", str(d), "--per-layer", "--k", "8", "--delta", "1,1.5",
+                    "--calib-rows", "12", "--out", str(out), "--no-plot"]) == 0
+    import csv
+    rows = list(csv.DictReader(open(str(out) + ".csv")))
+    assert [(r["layer"], float(r["delta"])) for r in rows] == [
+        ("3", 1.0), ("3", 1.5), ("7", 1.0), ("7", 1.5)]
+    need = {"layer", "delta", "reuse_previous", "ema_default", "ema_calibrated",
+            "best_theta_hindsight"}
+    assert need <= set(rows[0])
+    for r in rows:
+        assert r["requests"] == "2"
+        v = {c: float(r[c]) for c in need - {"layer", "delta"}}
+        assert all(0 <= x <= 1 for x in v.values()), r
+        # theta* and the best single theta are grid thetas: the per-request oracle bounds both.
+        orc = float(r["oracle_per_request"])
+        assert orc >= v["best_theta_hindsight"] - 1e-6 and orc >= v["ema_calibrated"] - 1e-6, r
+    by = {(r["layer"], float(r["delta"])): r for r in rows}
+    # Structured layer 3 is far above the noise layer 7 (no pooling across layers).
+    assert float(by[("3", 1.5)]["reuse_previous"]) > float(by[("7", 1.5)]["reuse_previous"]) + 0.3
+    # Larger |P| only adds hits for reuse-previous (P at delta 1 is a prefix of P at 1.5).
+    for l in ("3", "7"):
+        assert float(by[(l, 1.5)]["reuse_previous"]) >= float(by[(l, 1.0)]["reuse_previous"]) - 1e-6
+    md = open(str(out) + ".md").read()
+    assert "## Per layer" in md and "| 7 | 8 | 1.5 |" in md
+    assert os.path.exists(str(out) + "_rows.csv") and os.path.exists(str(out) + "_grid.csv")
+
+
+def test_per_layer_needs_a_trace(bp):
+    with pytest.raises(SystemExit):
+        bp.main(["--per-layer", "--no-plot"])
