@@ -75,7 +75,7 @@ def wrap_backend(inner, runner, name: str):
 class _Stats:
     """Counters: the device's are drained to the host only outside the decode step."""
 
-    def __init__(self, device, cfg: PRRConfig, server_args):
+    def __init__(self, device, cfg: PRRConfig, server_args, speculates: bool = True):
         # Written by the selection kernel; drained (read, then zeroed) at each flush, so the
         # int64 sums never come near overflow and the host keeps exact Python ints.
         self.counters = torch.zeros(_N_STATS, dtype=torch.int64, device=device)
@@ -88,7 +88,9 @@ class _Stats:
         self.serial_steps = 0  # layer-steps that the budget ran as serial DSA (no counters)
         self.dense_rows = 0
         self.budget: Dict[str, float] = {}  # the budget's choice per batch size
-        self.speculates = not cfg.serial  # False: serial DSA only (no hit rate, |M| or delta)
+        # False: serial DSA only (--prr-serial, or a budget that never speculates): no hit rate,
+        # |M| or delta.
+        self.speculates = bool(speculates) and not cfg.serial
         self.extend_batches = 0
         self.calibrations = 0
         self.theta_counts: Dict[str, int] = {}  # layer 0's theta*, drained from theta_hist
@@ -252,21 +254,6 @@ class PRRBackend:
         kbuf = self.kv_pool.get_key_buffer(getattr(self.kv_pool, "start_layer", 0) or 0)
         self.num_pages = kbuf.shape[0] // self.page
         L, P, Hk, D = self.num_layers, self.num_pages, self.num_kv_heads, self.head_dim
-        # One model runner may build several backends (separate prefill and decode backends):
-        # they share one set of summaries, state and statistics, kept on the runner.
-        shared = getattr(runner, "_prr_shared", None)
-        if shared is None:
-            shared = {"state": PRRState(cfg, L, Hk, self.req_pool, self.device),
-                      "stats": _Stats(self.device, cfg, runner.server_args)}
-            shared["summaries"] = BlockSummaries(cfg.method, L, P, Hk, D, self.page, self.device)
-            try:
-                runner._prr_shared = shared
-            except AttributeError:
-                pass
-        self.summaries = shared["summaries"]
-        self.state = shared["state"]
-        # Prefill calibration (eqs 4-5): sampled in every sparse layer, run after the last one.
-        self.calibrator = Calibrator(cfg, self.state, shared["stats"], self.page, self.device)
         self.k_blocks = cfg.top_k_blocks
         self.n_pred = cfg.predicted_blocks
         # Speculate or not, and over how many blocks, per decode batch size (--prr-budget auto:
@@ -276,13 +263,29 @@ class PRRBackend:
         if hasattr(mc, "get_num_attention_heads"):
             shape["num_qo_heads"] = mc.get_num_attention_heads(tp)
         self.budget = BudgetPolicy(cfg, shape)
-        # Calibration only serves speculation: off when no batch size ever speculates.
+        # Calibration, the side stream and the PRR statistics only serve speculation: all off
+        # when no batch size ever speculates.
         self.calibrates = self.budget.may_speculate()
+        # One model runner may build several backends (separate prefill and decode backends):
+        # they share one set of summaries, state and statistics, kept on the runner.
+        shared = getattr(runner, "_prr_shared", None)
+        if shared is None:
+            shared = {"state": PRRState(cfg, L, Hk, self.req_pool, self.device),
+                      "stats": _Stats(self.device, cfg, runner.server_args, self.calibrates)}
+            shared["summaries"] = BlockSummaries(cfg.method, L, P, Hk, D, self.page, self.device)
+            try:
+                runner._prr_shared = shared
+            except AttributeError:
+                pass
+        self.summaries = shared["summaries"]
+        self.state = shared["state"]
+        # Prefill calibration (eqs 4-5): sampled in every sparse layer, run after the last one.
+        self.calibrator = Calibrator(cfg, self.state, shared["stats"], self.page, self.device)
         self.dense_layers = set(cfg.dense_layers)
         self.sparse_layers = sum(1 for i in range(self.num_layers) if i not in self.dense_layers)
         # The side stream of PRR joins the main one after this layer (None: after every layer).
         self._join_layer = self._last_sparse_layer()
-        self.step = _decode_step(runner, cfg, self.device, self.budget)
+        self.step = _decode_step(runner, cfg, self.device, self.budget, self.calibrates)
         if self.device.type == "cuda":
             # Build/load the SM90 kernels now, not in the first decode step or a graph capture
             # (falls back to the reference with one warning on other GPUs or a failed build).
@@ -291,7 +294,6 @@ class PRRBackend:
             kernels.load()
         self.stats = shared["stats"]
         self.stats.budget = self.budget.describe()
-        self.stats.speculates = self.calibrates
         if cfg.budget == "auto" and not cfg.serial:
             logger.info("sglang_prr: --prr-budget auto from %s: delta per batch size %s (0: "
                         "serial DSA)%s", cfg.profile, self.stats.budget,
@@ -520,15 +522,15 @@ class PRRBackend:
         return o.reshape(B, Hq * Dv)
 
 
-def _decode_step(runner, cfg: PRRConfig, device: torch.device,
-                 budget: BudgetPolicy) -> DecodeStep:
+def _decode_step(runner, cfg: PRRConfig, device: torch.device, budget: BudgetPolicy,
+                 speculates: bool) -> DecodeStep:
     """The runner's ``DecodeStep`` (one per model runner: its side stream and events are shared
     by the runner's backends, whose layers run in order)."""
     step = getattr(runner, "_prr_step", None)
     if step is None:
         step = DecodeStep(cfg.method, cfg.top_k_blocks, cfg.predicted_blocks, cfg.sink_blocks,
                           cfg.local_blocks, cfg.block_size, cfg.min_context,
-                          exact=cfg.mode == "exact", serial=not budget.may_speculate(),
+                          exact=cfg.mode == "exact", serial=not speculates,
                           device=device, skip_repair=os.environ.get(ENV_SKIP_REPAIR) == "1",
                           budget=budget.predicted_blocks if budget.profile else None)
         try:

@@ -35,7 +35,8 @@ def bytes_per_token(method: str, page_size: int, num_layers: int, num_kv_heads: 
                     head_dim: int) -> int:
     """Bytes of summaries per KV token over all layers (added to SGLang's KV cell size)."""
     _check(method)
-    per_page = (2 if method == "quest" else page_size // INFLLM_STRIDE) * num_kv_heads * head_dim * 4
+    vectors = 2 if method == "quest" else page_size // INFLLM_STRIDE  # per page and KV head
+    per_page = vectors * num_kv_heads * head_dim * 4
     return int(math.ceil(num_layers * per_page / page_size))
 
 
