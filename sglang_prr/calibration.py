@@ -2,8 +2,14 @@
 
 Two parts:
 
-* ``grid_hit_rates``: eq 4 for every candidate of an (alpha x beta x gamma) grid, the same numbers
-  as ``reference.calibrate`` bit for bit, at a fraction of its cost (see below);
+* ``grid_hit_rates``: eq 4 for every candidate of an (alpha x beta x gamma) grid. A, its
+  weights and ``|A|`` depend on the layer and the sampled query only, so ``a_weights`` computes
+  them once per chunk; ``ops.calib_grid_terms`` then replays every candidate's predictor over
+  the sampled queries and scores its P against A. On CPU (the torch reference,
+  ``reference.calib_grid_terms``) the result is ``reference.calibrate``'s bit for bit; on SM90
+  it is one kernel launch (one CTA per candidate, KV head and layer, the Holt state in shared
+  memory), whose P is the reference's and whose sums run in another order (theta* is checked
+  against the reference in tests/gpu/test_calibration_kernel.py);
 * ``Calibrator``: the per-forward work the attention backend delegates during extend. ``plan``
   lays out the sampled queries of each request once per forward, ``sample`` scores them against
   the block summaries in each sparse layer, ``run`` calibrates every sampled layer of a request
@@ -11,30 +17,12 @@ Two parts:
   the chunks of a chunked prefill), replays the predictor with theta* and predicts P for the
   first decode step.
 
-Why ``reference.calibrate`` is slow, and what ``grid_hit_rates`` does instead:
-
-* it replays Holt's recurrence for all ``C`` candidates, but the level depends on alpha only and
-  the trend on (alpha, beta) only: here one level per alpha and one trend per (alpha, beta) are
-  kept (4 + 20 tracks instead of 2 x 80 for the default grid) and only the prediction
-  ``l + gamma v`` is formed per candidate;
-* every sampled row's P was a full stable sort of ``[R*C, Hk, NB]``, a scatter, a second sort to
-  turn the mask into an id list (``mask_to_list``) and a scatter back to a mask
-  (``list_to_mask``); eq 4 needs the mask only, and top-n with ties to the lower id is a
-  threshold: the n-th largest key (``torch.kthvalue``, a selection), everything above it, and the
-  keys equal to it in ascending id until n are taken;
-* A, its weights and ``|A|`` depend on the layer and the sampled query, not on the candidate:
-  they are computed once per chunk for every sampled query, where the reference expanded them to
-  ``R*C`` rows at every row.
-
-Measured (same inputs, ``H`` bitwise equal): in-process CPU prefill, 30 layers, 3 KV heads, page
-16, a 3K-token prompt in 1K chunks: calibration 5.7 s -> 0.8 s of a 6.8 s serial-DSA prefill;
-H200, 32 layers x 8 KV heads, page 64, 8K chunks: 88-106 ms -> 30-36 ms per chunk up to 32K,
-291 -> 110 ms at 128K (``bench_calibration.py --layers 32``).
-
-Every float the reference rounds is rounded here by the same operation on the same operands, and
-every sum runs over the same ``[..., NB]`` rows with the same number of outputs (``den`` sums an
-expanded view rather than a copy), so ``H`` is bitwise the reference's, on CPU and on CUDA
-(tests/unit/test_calibration.py; the fp64 oracle checks both).
+Why the torch form is launch- and memory-bound, and what the kernel removes: the grid keeps
+``[layers, C, Hk, NB]`` predictions and masks per sampled query (a selection by ``kthvalue``, a
+scan for ties, three masked sums), about 30 launches per query; on the H200 that was 33 ms per
+8K chunk of a 32-layer request at 32K and 107 ms at 128K (``bench_calibration.py --layers 32``,
+``benchmarks/results/calibration_h200_layers32.csv``). The kernel reads each query's scores
+once per candidate from L2 and keeps everything else on chip.
 
 Core module: imports torch only. ``Calibrator`` reads the batch through duck-typed arguments and
 writes the predictor state it is given (``state.PRRState``).
@@ -43,7 +31,7 @@ writes the predictor state it is given (``state.PRRState``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -51,119 +39,53 @@ from torch import Tensor
 from . import ops
 from . import reference as ref
 
-NEG_INF = float("-inf")
-_LOW = torch.finfo(torch.float32).min
-_HIGH = torch.finfo(torch.float32).max
-
-
-# ----------------------------------------------------------------------------- selection masks
-def middle_topk_mask(scores: Tensor, middle: Tensor, k: int, inplace: bool = False,
-                     init: Optional[Tensor] = None) -> Tensor:
-    """The middle blocks ``reference.select_topk`` chooses, as a mask: the top ``min(k, n_mid)``
-    middle blocks by score, ties to the lower block id, ``-inf``/NaN ranked last (as the lowest
-    float), ``+inf`` as the highest.
-
-    scores: ``[..., NB]`` float; middle: ``[..., NB]`` bool, broadcastable to ``scores``.
-    Returns ``[..., NB]`` bool. ``inplace``: ``scores`` is a float32 scratch tensor of the full
-    shape that may be overwritten (saves a copy of the largest tensor of the grid search).
-    ``init``: optional bool mask broadcastable to ``scores``; blocks outside it score ``-inf``
-    (``reference.holt_predict``'s uninitialised blocks). No host synchronisation: the counts
-    stay on the device.
-    """
-    nb = scores.shape[-1]
-    kk = min(int(k), nb)
-    if kk >= nb or kk <= 0:  # every middle block (n_mid <= nb <= k), whatever its score, or none
-        take = middle if kk > 0 else torch.zeros_like(middle)
-        return torch.broadcast_to(take, torch.broadcast_shapes(scores.shape, middle.shape))
-    # The key of reference.select_topk: finite for middle blocks, -inf for the others (a middle
-    # block scored -inf or NaN gets the lowest float).
-    key = scores.nan_to_num_(nan=_LOW, posinf=_HIGH, neginf=_LOW) if inplace else \
-        scores.float().nan_to_num(nan=_LOW, posinf=_HIGH, neginf=_LOW)
-    fill = torch.where(middle, _LOW, NEG_INF)  # the small mask's shape
-    key = torch.where(middle if init is None else middle & init, key, fill)
-    # Take everything above the kk-th largest key, then the keys equal to it in ascending id
-    # until kk are taken. A row with fewer than kk middle blocks has -inf there: raised to the
-    # lowest float, the threshold then takes every middle block and nothing else (the others are
-    # -inf). kthvalue is a selection, O(NB) per row, where the reference sorts the row twice.
-    thr = torch.kthvalue(key, nb - kk + 1, dim=-1, keepdim=True).values.clamp_(min=_LOW)
-    gt = key > thr
-    eq = key == thr
-    need = kk - gt.sum(-1, keepdim=True, dtype=torch.int32)  # ties to take
-    return gt | (eq & (eq.cumsum(-1, dtype=torch.int32) <= need))
-
-
 # ----------------------------------------------------------------------------- eq 4 on a grid
+def a_weights(scores: Tensor, nblk: Tensor, k: int, sink_blocks: int,
+              local_blocks: int) -> Tuple[Tensor, Tensor]:
+    """A's middle blocks and their eq-4 weights for sampled queries 1..Phi-1, as
+    ``reference.weighted_hit`` forms them: ``(wa [Phi-1, R, Hk, NB] float32, am [Phi-1, R, Hk,
+    NB] bool)`` from scores ``[R, Phi, Hk, NB]`` and nblk ``[R, Phi]`` (contiguous; A, its
+    weights and |A| do not depend on the candidate, so they are computed once per chunk)."""
+    R, Phi, Hk, nb = scores.shape
+    s_a = scores[:, 1:].float().transpose(0, 1)  # [Phi-1, R, Hk, NB]
+    _, mid_a = ref.kept_mask(nblk[:, 1:].long().t().reshape(-1), nb, sink_blocks, local_blocks)
+    mid_a = mid_a.view(Phi - 1, R, 1, nb)
+    am = ref.middle_topk_mask(s_a, mid_a, k)  # [Phi-1, R, Hk, NB]
+    s0 = s_a.nan_to_num(neginf=0.0)
+    lo = torch.where(mid_a, s0, torch.full_like(s0, float("inf"))).amin(-1, keepdim=True)
+    wa = torch.where(mid_a, s0 - lo, torch.zeros_like(s0)) * am  # w * A
+    return wa.contiguous(), am.contiguous()
+
+
 def grid_hit_rates(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: int,
-                   local_blocks: int, alphas: Tensor, betas: Tensor, gammas: Tensor) -> Tensor:
+                   local_blocks: int, alphas: Tensor, betas: Tensor, gammas: Tensor,
+                   terms: Optional[Callable[..., Tensor]] = None) -> Tensor:
     """Eq 4 for every candidate of the grid ``alphas x betas x gammas`` (alpha-major, the order
-    of ``PRRConfig.theta_grid``): bitwise ``reference.calibrate`` over that grid.
+    of ``PRRConfig.theta_grid``): ``reference.calibrate`` over that grid, bit for bit through the
+    torch op (CPU and every device without the kernel).
 
     scores: ``[R, Phi, Hk, NB]`` block scores of ``Phi`` sampled queries (position order) of ``R``
     independent rows (layers of a request); nblk: ``[R, Phi]`` blocks visible to each query.
     alphas ``[A]``, betas ``[B]``, gammas ``[G]``: the axes of the grid (float32).
     Returns ``H: [R, A*B*G]`` float32, the score-weighted hit rate of each candidate averaged over
     the KV heads and over rows 1..Phi-1 (row 0 only seeds the predictor).
-    Memory: a few ``[R, A*B*G, Hk, NB]`` tensors at a time (float32 and bool).
+
+    ``a_weights`` computes A once per chunk; ``terms`` (default ``ops.calib_grid_terms``: one
+    launch on SM90, ``reference.calib_grid_terms`` elsewhere) replays the candidates.
     """
     R, Phi, Hk, nb = scores.shape
-    dev = scores.device
-    A, B, G = alphas.numel(), betas.numel(), gammas.numel()
-    a = alphas.float().to(dev).view(1, A, 1, 1, 1, 1)
-    b = betas.float().to(dev).view(1, 1, B, 1, 1, 1)
-    g = gammas.float().to(dev).view(1, 1, 1, G, 1, 1)
-    # Holt state per track: the level depends on alpha only, the trend on (alpha, beta) only.
-    level = torch.zeros(R, A, 1, 1, Hk, nb, device=dev)
-    trend = torch.zeros(R, A, B, 1, Hk, nb, device=dev)
-    n_init = torch.zeros(R, dtype=torch.long, device=dev)  # the same for every candidate
-    total = torch.zeros(R, A, B, G, device=dev)
-    ar = torch.arange(nb, device=dev)
-    row6 = lambda t: t.view(R, 1, 1, 1, *t.shape[1:])  # [R, ...] -> broadcast over candidates
-    # A, its weights and |A| depend on the row and the sampled query only, not on the candidate
-    # or the predictor: every sampled query's at once, [Phi-1, R, ...] (one launch per op for
-    # the whole chunk instead of one per query; selections, minima and counts are exact).
-    if Phi > 1:
-        s_a = scores[:, 1:].float().transpose(0, 1)  # [Phi-1, R, Hk, NB]
-        _, mid_a = ref.kept_mask(nblk[:, 1:].long().t().reshape(-1), nb, sink_blocks,
-                                 local_blocks)
-        mid_a = mid_a.view(Phi - 1, R, 1, nb)
-        am_a = middle_topk_mask(s_a, mid_a, k)  # [Phi-1, R, Hk, NB]
-        s0 = s_a.nan_to_num(neginf=0.0)
-        lo = torch.where(mid_a, s0, torch.full_like(s0, float("inf"))).amin(-1, keepdim=True)
-        wa_a = torch.where(mid_a, s0 - lo, torch.zeros_like(s0)) * am_a  # w * A
-        n_a_a = am_a.sum(-1).float()  # [Phi-1, R, Hk]
-        del s_a, s0, lo
-    for phi in range(Phi):
-        s = scores[:, phi].float()  # [R, Hk, NB]
-        n = nblk[:, phi].long()  # [R]
-        if phi > 0:
-            # P of every candidate: eq 2 (uninitialised blocks rank last), top-n_pred middle.
-            init = (ar < n_init.unsqueeze(-1)).view(R, 1, 1, 1, 1, nb)
-            pred = level + g * trend  # [R, A, B, G, Hk, NB]
-            p = middle_topk_mask(pred, row6(mid_a[phi - 1]), n_pred, inplace=True, init=init)
-            del pred
-            # Eq 4's row term, as reference.weighted_hit forms it. sum(w * (A & P)): (w*a)*1
-            # and (w*a)*0 per element (NaN where w overflowed), selected by P without a float
-            # copy of P. The sums run over rows of the candidates' shape, as the reference's
-            # (``den`` over an expanded view, from a fresh allocation like the reference's).
-            wa = wa_a[phi - 1].clone()  # [R, Hk, NB]
-            num = torch.where(p, row6(wa), row6(wa * 0)).sum(-1)  # [R, A, B, G, Hk]
-            den = row6(wa).expand(p.shape).sum(-1)
-            n_a = row6(n_a_a[phi - 1])
-            hits = torch.where(p, row6(am_a[phi - 1].float()), 0.0).sum(-1)  # |A & P|, exact
-            plain = torch.where(n_a > 0, hits / n_a.clamp(min=1), torch.ones_like(n_a))
-            total += torch.where(den > 0, num / den.clamp(min=1e-30), plain).mean(-1)
-            del p
-        # Eq 3 on the tracks (``reference.holt_update``'s arithmetic, operand for operand).
-        sv = row6(s)
-        exists = (ar < n.unsqueeze(-1)).view(R, 1, 1, 1, 1, nb)
-        old = (ar < n_init.unsqueeze(-1)).view(R, 1, 1, 1, 1, nb) & exists
-        # New blocks (exists, not old) start at l = IS, v = 0; blocks past nblk keep their state.
-        # A block at or past n_init was never touched here (the state starts at zero), so its
-        # trend is already the +0 the reference writes.
-        trend = torch.where(old, b * (sv - level) + (1 - b) * trend, trend)
-        level = torch.where(old, a * sv + (1 - a) * level, torch.where(exists, sv, level))
-        n_init = torch.maximum(n_init, n)
-    return (total / max(Phi - 1, 1)).view(R, A * B * G)
+    C = alphas.numel() * betas.numel() * gammas.numel()
+    total = torch.zeros(R, C, device=scores.device)
+    if Phi < 2:
+        return total
+    wa, am = a_weights(scores, nblk, k, sink_blocks, local_blocks)
+    fn = ops.calib_grid_terms if terms is None else terms
+    t = fn(scores.float().contiguous(), nblk.long().contiguous(), wa, am, alphas.float(),
+           betas.float(), gammas.float(), n_pred, sink_blocks, local_blocks)  # [Phi-1, R, C, Hk]
+    # Summed row by row like the reference (its accumulation order, so the bits are its bits).
+    for j in range(Phi - 1):
+        total += t[j].mean(-1)
+    return total / (Phi - 1)
 
 
 # ----------------------------------------------------------------------------- the backend's part

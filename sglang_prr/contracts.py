@@ -221,3 +221,23 @@ def check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, s
     block_list(op, "p", p_idx, p_cnt, Hk)
     if p_idx.shape[0] != R or p_idx.shape[2] < n_pred + sink + local:
         fail(op, "p_idx.shape", shape(p_idx), f"[{R}, {Hk}, >= {n_pred + sink + local}]")
+
+
+def check_calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred, sink,
+                           local) -> None:
+    op = "calib_grid_terms"
+    nonneg(op, n_pred=n_pred, sink_blocks=sink, local_blocks=local)
+    if scores.dim() != 4 or scores.dtype != torch.float32:
+        fail(op, "scores", f"{scores.dtype} {shape(scores)}", "float32 [R, Phi, Hk, NB]")
+    R, Phi, Hk, nb = scores.shape
+    index_tensor(op, "nblk", nblk, 2)
+    if shape(nblk) != (R, Phi):
+        fail(op, "nblk.shape", shape(nblk), f"({R}, {Phi})")
+    want = (max(Phi - 1, 0), R, Hk, nb)
+    if wa.dtype != torch.float32 or shape(wa) != want:
+        fail(op, "wa", f"{wa.dtype} {shape(wa)}", f"float32 {want}")
+    if am.dtype != torch.bool or shape(am) != want:
+        fail(op, "am", f"{am.dtype} {shape(am)}", f"bool {want}")
+    for name, t in (("alphas", alphas), ("betas", betas), ("gammas", gammas)):
+        if t.dim() != 1 or t.shape[0] < 1 or t.dtype != torch.float32:
+            fail(op, name, f"{t.dtype} {shape(t)}", "float32 [n >= 1]")

@@ -160,6 +160,28 @@ def _(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks, local_blocks)
             level.new_empty((B, Hk), dtype=torch.int32))
 
 
+# ----------------------------------------------------------------------------- calibration
+@_op("calib_grid_terms")
+def calib_grid_terms(scores: Tensor, nblk: Tensor, wa: Tensor, am: Tensor, alphas: Tensor,
+                     betas: Tensor, gammas: Tensor, n_pred: int, sink_blocks: int,
+                     local_blocks: int) -> Tensor:
+    """Eq 4's row term of every candidate of the grid ``alphas x betas x gammas`` for sampled
+    queries 1..Phi-1: ``[Phi-1, R, A*B*G, Hk]`` float32 from scores ``[R, Phi, Hk, NB]``, nblk
+    ``[R, Phi]``, the weights ``wa`` and mask ``am`` of A's middle blocks ``[Phi-1, R, Hk, NB]``.
+    See ``reference.calib_grid_terms``; ``calibration.grid_hit_rates`` is the caller."""
+    contracts.check_calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred,
+                                     sink_blocks, local_blocks)
+    return ref.calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred,
+                                sink_blocks, local_blocks)
+
+
+@calib_grid_terms.register_fake
+def _(scores, nblk, wa, am, alphas, betas, gammas, n_pred, sink_blocks, local_blocks):
+    R, Phi, Hk, _ = scores.shape
+    C = alphas.shape[0] * betas.shape[0] * gammas.shape[0]
+    return scores.new_empty((max(Phi - 1, 0), R, C, Hk), dtype=torch.float32)
+
+
 @_op("predict_update", mutates_args=("level", "trend", "n_init"))
 def predict_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor, nblk: Tensor,
                    theta: Tensor, nblk_next: Tensor, n_pred: int, sink_blocks: int,

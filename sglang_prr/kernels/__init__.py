@@ -37,6 +37,8 @@ ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_MAX_GROUP = 8
 # select_topk keeps a row's keys in shared memory (4 bytes per block).
 TOPK_MAX_BLOCKS = 48 * 1024
+# calib_grid_terms keeps a candidate's level, trend and keys there (12 bytes per block, 200 KiB).
+CALIB_MAX_BLOCKS = 200 * 1024 // 12
 _FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -175,6 +177,23 @@ def _holt_update(level, trend, n_init, scores, nblk, alpha, beta):
         return
     torch.ops.sglang_prr_cuda.holt_update(level, trend, n_init, scores, nblk, alpha.float(),
                                           beta.float())
+
+
+def _calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred, sink_blocks,
+                      local_blocks):
+    contracts.check_calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred,
+                                     sink_blocks, local_blocks)
+    ok = (active(scores.device) and scores.shape[-1] <= CALIB_MAX_BLOCKS
+          and scores.is_contiguous() and nblk.dtype == torch.int64 and nblk.is_contiguous()
+          and wa.is_contiguous() and am.is_contiguous() and scores.shape[0] <= 65535
+          and scores.shape[2] <= 65535)
+    if not ok:
+        return ref.calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred,
+                                    sink_blocks, local_blocks)
+    dev = scores.device
+    axes = [t.to(dev, torch.float32).contiguous() for t in (alphas, betas, gammas)]
+    return torch.ops.sglang_prr_cuda.calib_grid_terms(scores, nblk, wa, am, *axes, n_pred,
+                                                      sink_blocks, local_blocks)
 
 
 # Groups (rows) one launch of a fused kernel may have: its counter array's size.
@@ -338,6 +357,7 @@ IMPLS: Dict[str, Callable] = {
     "quest_select": _quest_select,
     "predict_update": _predict_update,
     "predict_update_rows": _predict_update_rows,
+    "calib_grid_terms": _calib_grid_terms,
 }
 
 from .infllm import IMPLS as _INFLLM; IMPLS.update(_INFLLM)  # noqa: E402,E702

@@ -345,6 +345,41 @@ void holt_update(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& sco
   check_launch(prr::launch_holt_update(a, stream()), "holt_update");
 }
 
+Tensor calib_grid_terms(const Tensor& scores, const Tensor& nblk, const Tensor& wa,
+                        const Tensor& am, const Tensor& alphas, const Tensor& betas,
+                        const Tensor& gammas, int64_t n_pred, int64_t sink, int64_t local) {
+  check_cuda(scores, "scores");
+  c10::cuda::CUDAGuard guard(scores.device());
+  TORCH_CHECK(scores.dim() == 4 && scores.scalar_type() == at::kFloat && scores.is_contiguous(),
+              "calib_grid_terms: scores must be contiguous float32 [R, Phi, Hk, NB]");
+  const int64_t R = scores.size(0), Phi = scores.size(1), Hk = scores.size(2), NB = scores.size(3);
+  TORCH_CHECK(nblk.scalar_type() == at::kLong && nblk.is_contiguous() && nblk.numel() == R * Phi,
+              "calib_grid_terms: nblk must be contiguous int64 [R, Phi]");
+  TORCH_CHECK(NB <= prr::max_calib_blocks(), "calib_grid_terms: ", NB, " blocks per row, at most ",
+              prr::max_calib_blocks());
+  const int64_t rows = Phi > 1 ? (Phi - 1) * R * Hk * NB : 0;
+  TORCH_CHECK(wa.scalar_type() == at::kFloat && wa.is_contiguous() && wa.numel() == rows &&
+              am.scalar_type() == at::kBool && am.is_contiguous() && am.numel() == rows,
+              "calib_grid_terms: wa/am must be contiguous float32/bool [Phi-1, R, Hk, NB]");
+  for (const Tensor* t : {&alphas, &betas, &gammas})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 1,
+                "calib_grid_terms: alphas/betas/gammas must be contiguous float32 vectors");
+  const int64_t C = alphas.numel() * betas.numel() * gammas.numel();
+  Tensor out = at::empty({Phi > 1 ? Phi - 1 : 0, R, C, Hk}, scores.options());
+  prr::CalibArgs a{};
+  a.scores = scores.data_ptr<float>();
+  a.nblk = reinterpret_cast<const long long*>(nblk.data_ptr<int64_t>());
+  a.wa = wa.data_ptr<float>(); a.am = am.data_ptr<bool>();
+  a.alphas = alphas.data_ptr<float>(); a.betas = betas.data_ptr<float>();
+  a.gammas = gammas.data_ptr<float>();
+  a.out = out.data_ptr<float>();
+  a.R = (int)R; a.Phi = (int)Phi; a.Hk = (int)Hk; a.NB = (int)NB;
+  a.A = (int)alphas.numel(); a.B = (int)betas.numel(); a.G = (int)gammas.numel();
+  a.n_pred = (int)n_pred; a.sink = (int)sink; a.local = (int)local;
+  check_launch(prr::launch_calib_grid_terms(a, stream()), "calib_grid_terms");
+  return out;
+}
+
 std::tuple<Tensor, Tensor> merge_common(const Tensor& o1_in, const Tensor& lse1_in,
                                         const Tensor* o2_in, const Tensor* lse2_in,
                                         const Tensor* p_idx_in, const Tensor* p_cnt_in,
@@ -582,6 +617,8 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
   m.def("predict_update_rows(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) n_init, "
         "Tensor(d!) p_idx, Tensor(e!) p_cnt, Tensor theta, Tensor rows, Tensor scores, "
         "Tensor nblk, Tensor nblk_next, int n_pred, int sink_blocks, int local_blocks) -> ()");
+  m.def("calib_grid_terms(Tensor scores, Tensor nblk, Tensor wa, Tensor am, Tensor alphas, "
+        "Tensor betas, Tensor gammas, int n_pred, int sink_blocks, int local_blocks) -> Tensor");
   m.def("prepare(Tensor like) -> ()");
 }
 
@@ -599,5 +636,6 @@ TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {
   m.impl("quest_select", &quest_select);
   m.impl("predict_update", &predict_update);
   m.impl("predict_update_rows", &predict_update_rows);
+  m.impl("calib_grid_terms", &calib_grid_terms);
   m.impl("prepare", &prepare);
 }

@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import List, Optional
 
 HERE = Path(__file__).resolve().parent
-CUDA_SOURCES = ["prr_kernels.cu", "infllm_kernels.cu"]
+CUDA_SOURCES = ["prr_kernels.cu", "infllm_kernels.cu", "calib_kernels.cu"]
 HOST_SOURCES = ["binding.cpp", "infllm_binding.cpp"]
-HEADERS = ["prr_kernels.h", "infllm_kernels.h"]
+HEADERS = ["prr_kernels.h", "infllm_kernels.h", "common.cuh", "topk.cuh"]
 LIB_NAME = "libsglang_prr_kernels.so"
 
 # Hopper only: sm_90a enables the arch-specific instructions; no PTX fallback is embedded, so a

@@ -138,4 +138,19 @@ struct QuestUpdateArgs {
 };
 cudaError_t launch_quest_update(const QuestUpdateArgs& a, cudaStream_t s);
 
+// Prefill calibration (calib_kernels.cu): eq 4's row term for every candidate of the grid
+// alphas x betas x gammas (alpha-major), one CTA per (candidate, KV head, row).
+struct CalibArgs {
+  const float* scores;         // [R, Phi, Hk, NB]
+  const long long* nblk;       // [R, Phi]
+  const float* wa;             // [Phi-1, R, Hk, NB] weights of A's middle blocks
+  const bool* am;              // [Phi-1, R, Hk, NB] A's middle blocks
+  const float* alphas; const float* betas; const float* gammas;  // [A], [B], [G]
+  float* out;                  // [Phi-1, R, A*B*G, Hk]
+  int R, Phi, Hk, NB, A, B, G, n_pred, sink, local;
+};
+cudaError_t launch_calib_grid_terms(const CalibArgs& a, cudaStream_t s);
+// The largest NB the calibration kernel takes (its per-row state lives in shared memory).
+int max_calib_blocks();
+
 }  // namespace prr

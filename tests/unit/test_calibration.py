@@ -99,7 +99,7 @@ def test_middle_topk_mask_is_the_middle_of_select_topk(kind, seed):
         idx, cnt = R.select_topk(s, nblk, k, sink, local)
         _, middle = R.kept_mask(nblk, nb, sink, local)
         want = R.list_to_mask(idx, cnt, nb) & middle.unsqueeze(1)
-        got = cal.middle_topk_mask(s, middle.unsqueeze(1), k)
+        got = R.middle_topk_mask(s, middle.unsqueeze(1), k)
         assert torch.equal(got, want), (B, Hk, nb, k, sink, local, seed)
 
 
@@ -109,7 +109,7 @@ def test_ties_go_to_the_lower_block_id_and_the_opposite_rule_is_caught():
     s = torch.tensor([[[9.0, 1.0, 1.0, 1.0, 1.0, 1.0, 9.0]]])
     nblk = torch.tensor([7])
     _, middle = R.kept_mask(nblk, 7, 1, 1)
-    got = cal.middle_topk_mask(s, middle.unsqueeze(1), 2)
+    got = R.middle_topk_mask(s, middle.unsqueeze(1), 2)
     assert got[0, 0].nonzero().flatten().tolist() == [1, 2]
     idx, cnt = R.select_topk(s, nblk, 2, 1, 1)
     assert R.list_to_mask(idx, cnt, 7)[0, 0].nonzero().flatten().tolist() == [0, 1, 2, 6]

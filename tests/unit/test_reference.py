@@ -341,6 +341,39 @@ def test_predict_set_prefers_rising_blocks_with_trend(seed):
     assert 1 in pick(0.0)  # negative control: without the trend the lagging level wins
 
 
+def test_block_first_scored_minus_inf_is_predicted_again_once_finite(seed):
+    """InfLLM-v2 scores a block -inf until a complete compressed key covers it. That block must
+    restart like a new one when its scores turn finite (and win P when it scores highest); under
+    the rule without the restart (the oracle's negative control) its level stays -inf and it is
+    never predicted again."""
+    rnd = random.Random(seed)
+    B, Hk, NB, T = 2, 3, 9, 6
+    late = rnd.randrange(1, NB - 1)  # -inf for the first steps, then the best block
+    alpha, beta, gamma = rnd.choice([0.3, 0.6]), rnd.choice([0.2, 0.5]), rnd.choice([0.0, 0.5])
+    series = []
+    for t in range(T):
+        row = [rnd.uniform(-1, 1) for _ in range(NB)]
+        row[late] = float("-inf") if t < 2 else 5.0 + t
+        series.append(row)
+    level, trend = torch.zeros(B, Hk, NB), torch.zeros(B, Hk, NB)
+    n_init = torch.zeros(B, dtype=torch.long)
+    th = torch.tensor([[alpha, beta, gamma]] * B)
+    for t, row in enumerate(series):
+        scores = torch.tensor(row).expand(B, Hk, NB).contiguous()
+        ops.holt_update(level, trend, n_init, scores, torch.full((B,), NB), th[:, 0], th[:, 1])
+    assert torch.isfinite(level).all() and torch.isfinite(trend).all()
+    # P of one middle block (sink/local 0): the late block, which now scores highest.
+    idx, cnt = ops.predict_set(level, trend, th[:, 2].contiguous(), n_init,
+                               torch.full((B,), NB), 1, 0, 0)
+    assert (cnt == 1).all() and (idx[..., 0] == late).all(), (late, idx)
+    # holt_loop predicts each step before its update: one more step gives the state after T.
+    want = oracle.holt_loop(series + series[-1:], alpha, beta, gamma)[-1]
+    assert abs(float(level[0, 0, late] + gamma * trend[0, 0, late]) - want[late]) < 1e-4
+    stuck = oracle.holt_loop(series + series[-1:], alpha, beta, gamma,
+                             restart_nonfinite=False)[-1]
+    assert not math.isfinite(stuck[late]) or stuck[late] != stuck[late]  # negative control
+
+
 # ----------------------------------------------------------------------------- calibration
 def test_calibration_equals_scalar_loop_for_every_candidate(seed):
     rnd = random.Random(seed)

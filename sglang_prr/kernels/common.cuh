@@ -1,0 +1,69 @@
+// Device helpers shared by the kernel sources: index loads of int32/int64 tensors, 8-wide loads
+// and 4-wide stores of any float dtype, request-slot rows, and the shared-memory limit.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#include "prr_kernels.h"
+
+namespace prr {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory (above the 48 KB default). Host-side;
+// a cheap attribute call, so launchers may call it on every launch that needs it.
+template <typename K>
+cudaError_t set_smem_limit(K* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
+
+__device__ __forceinline__ int64_t ld_index(const void* p, int64_t i, bool is64) {
+  return is64 ? __ldg(reinterpret_cast<const long long*>(p) + i)
+              : (int64_t)__ldg(reinterpret_cast<const int*>(p) + i);
+}
+
+// Load 8 consecutive elements of a tensor of dtype `dt` as floats (16- or 32-byte aligned).
+__device__ __forceinline__ void load8_any(const void* base, int64_t off, int dt, float* f) {
+  if (dt == kF32) {
+    const float4* p = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(base) + off);
+    float4 a = p[0], b = p[1];
+    f[0] = a.x; f[1] = a.y; f[2] = a.z; f[3] = a.w; f[4] = b.x; f[5] = b.y; f[6] = b.z; f[7] = b.w;
+  } else if (dt == kF16) {
+    uint4 u = *reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(base) + off);
+    const __half2* h = reinterpret_cast<const __half2*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { float2 x = __half22float2(h[i]); f[2 * i] = x.x; f[2 * i + 1] = x.y; }
+  } else {
+    uint4 u = *reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(base) + off);
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { float2 x = __bfloat1622float2(h[i]); f[2 * i] = x.x; f[2 * i + 1] = x.y; }
+  }
+}
+
+// Store 4 floats at element offset `off` of a tensor of dtype `dt` (rounded to nearest).
+__device__ __forceinline__ void store4_any(void* base, int64_t off, int dt, float4 v) {
+  if (dt == kF32) {
+    *reinterpret_cast<float4*>(reinterpret_cast<float*>(base) + off) = v;
+  } else if (dt == kF16) {
+    __half2* p = reinterpret_cast<__half2*>(reinterpret_cast<__half*>(base) + off);
+    p[0] = __floats2half2_rn(v.x, v.y);
+    p[1] = __floats2half2_rn(v.z, v.w);
+  } else {
+    __nv_bfloat162* p = reinterpret_cast<__nv_bfloat162*>(reinterpret_cast<__nv_bfloat16*>(base) + off);
+    p[0] = __floats2bfloat162_rn(v.x, v.y);
+    p[1] = __floats2bfloat162_rn(v.z, v.w);
+  }
+}
+
+// Row of a per-request list: b, or the request slot rows[b] when the list lives in the pool.
+__device__ __forceinline__ int64_t slot_of(const void* rows, bool rows64, int b) {
+  return rows ? ld_index(rows, b, rows64) : (int64_t)b;
+}
+
+}  // namespace
+}  // namespace prr
