@@ -18,7 +18,9 @@
 namespace prr {
 namespace {
 
-constexpr int kCalibThreads = 256;
+// Threads per CTA: 128 up to 512 blocks per row, else 256 (the kernel is bound by the latency
+// of the selection's barriers, so small rows run more, smaller CTAs per SM).
+constexpr int kCalibSmallRow = 512;
 constexpr size_t kCalibSmemPerBlock = 3 * sizeof(float);   // level, trend, key
 constexpr size_t kCalibMaxSmem = 200 * 1024;
 constexpr int kCalibMaxBlocks = (int)(kCalibMaxSmem / kCalibSmemPerBlock);
@@ -32,6 +34,7 @@ struct Sum4Op {
   }
 };
 
+template <int kCalibThreads>
 __global__ void __launch_bounds__(kCalibThreads)
 calib_grid_terms_kernel(CalibArgs a) {
   extern __shared__ __align__(16) unsigned char s_raw[];
@@ -115,9 +118,14 @@ cudaError_t launch_calib_grid_terms(const CalibArgs& a, cudaStream_t s) {
   if (a.Phi < 2 || a.R == 0 || a.Hk == 0) return cudaSuccess;
   if (a.NB > kCalibMaxBlocks || a.NB < 1) return cudaErrorInvalidValue;
   const size_t smem = kCalibSmemPerBlock * a.NB;
-  cudaError_t e = set_smem_limit(calib_grid_terms_kernel, smem);
+  const dim3 grid(a.A * a.B * a.G, a.Hk, a.R);
+  if (a.NB <= kCalibSmallRow) {
+    calib_grid_terms_kernel<128><<<grid, 128, smem, s>>>(a);
+    return cudaGetLastError();
+  }
+  cudaError_t e = set_smem_limit(calib_grid_terms_kernel<256>, smem);
   if (e != cudaSuccess) return e;
-  calib_grid_terms_kernel<<<dim3(a.A * a.B * a.G, a.Hk, a.R), kCalibThreads, smem, s>>>(a);
+  calib_grid_terms_kernel<256><<<grid, 256, smem, s>>>(a);
   return cudaGetLastError();
 }
 

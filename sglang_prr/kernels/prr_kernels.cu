@@ -1111,17 +1111,46 @@ __global__ void quest_decode_update_kernel(QuestUpdateArgs a) {
   }
 }
 
+// Prefill: each CTA folds kFoldTokens consecutive tokens of the batch. Consecutive tokens of a
+// request mostly share a page, so every thread keeps the running min/max of its 8 elements over
+// a run of tokens of one page and flushes it with one atomic per element when the page changes:
+// kFoldTokens times fewer atomics than one per token and element (an 8K-token chunk hit each
+// page's summary 64 times per element). Min and max do not depend on the order, so the result
+// is the reference's bit for bit.
+constexpr int kFoldTokens = 16;
 __global__ void quest_fold_kernel(QuestUpdateArgs a) {
-  const int n = blockIdx.x;
-  const int64_t page = ld_index(a.out_loc, n, a.loc64) / a.page_size;
+  const int n0 = blockIdx.x * kFoldTokens;
+  const int n1 = min(a.N, n0 + kFoldTokens);
   const int HD = a.Hk * a.D;
   for (int e = threadIdx.x * 8; e < HD; e += blockDim.x * 8) {
-    float f[8];
-    load8_any(a.k, (int64_t)n * HD + e, a.k_dtype, f);
+    float lo[8], hi[8];
+    int64_t cur = -1;
+    for (int n = n0; n < n1; ++n) {
+      const int64_t page = ld_index(a.out_loc, n, a.loc64) / a.page_size;
+      float f[8];
+      load8_any(a.k, (int64_t)n * HD + e, a.k_dtype, f);
+      if (page != cur) {
+        if (cur >= 0) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      atomic_min_f(a.kmin + page * HD + e + i, f[i]);
-      atomic_max_f(a.kmax + page * HD + e + i, f[i]);
+          for (int i = 0; i < 8; ++i) {
+            atomic_min_f(a.kmin + cur * HD + e + i, lo[i]);
+            atomic_max_f(a.kmax + cur * HD + e + i, hi[i]);
+          }
+        }
+        cur = page;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { lo[i] = f[i]; hi[i] = f[i]; }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) { lo[i] = fminf(lo[i], f[i]); hi[i] = fmaxf(hi[i], f[i]); }
+      }
+    }
+    if (cur >= 0) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        atomic_min_f(a.kmin + cur * HD + e + i, lo[i]);
+        atomic_max_f(a.kmax + cur * HD + e + i, hi[i]);
+      }
     }
   }
 }
@@ -1237,7 +1266,7 @@ cudaError_t launch_quest_update(const QuestUpdateArgs& a, cudaStream_t s) {
   quest_reset_kernel<<<a.N, 256, 0, s>>>(a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  quest_fold_kernel<<<a.N, 128, 0, s>>>(a);
+  quest_fold_kernel<<<(a.N + kFoldTokens - 1) / kFoldTokens, 128, 0, s>>>(a);
   return cudaGetLastError();
 }
 

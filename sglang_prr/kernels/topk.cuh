@@ -43,7 +43,10 @@ __device__ void topk_mask(uint32_t* s_key, int NB, int nb, int k, int keep_lo, i
   __syncthreads();
   int my_mid = 0;
   for (int i = tid; i < NB; i += THREADS) my_mid += s_key[i] != 0;
-  if (my_mid) atomicAdd(&s_nmid, my_mid);
+  // One shared atomic per warp (THREADS is a multiple of 32): per-thread atomics on one address
+  // serialise.
+  my_mid = __reduce_add_sync(0xffffffffu, my_mid);
+  if ((tid & 31) == 0 && my_mid) atomicAdd(&s_nmid, my_mid);
   __syncthreads();
   const int nmid = s_nmid;
   uint32_t T;

@@ -364,6 +364,13 @@ def test_quest_update(page):
                                            page)
     assert torch.equal(d_min.cpu(), a_min) and torch.equal(d_max.cpu(), a_max)
     assert not torch.equal(a_min, kmin), "control: the update changed the summaries"
+    # The prefill kernel folds runs of consecutive tokens of one page: tokens in any order (page
+    # changes at every token) give the same summaries.
+    perm = torch.randperm(len(pos))
+    d_min, d_max = kmin.to(DEV), kmax.to(DEV)
+    torch.ops.sglang_prr_cuda.quest_update(d_min, d_max, k[perm].to(DEV), loc[perm].to(DEV),
+                                           pos[perm].to(DEV), page)
+    assert torch.equal(d_min.cpu(), a_min) and torch.equal(d_max.cpu(), a_max)
 
 
 # ----------------------------------------------------------------------------- end to end + graph
