@@ -84,7 +84,9 @@ class PRRConfig:
     calib_queries: int = field(default=32, metadata=_meta(
         "Prefill queries sampled per chunk for calibration (0 disables calibration)."))
     default_theta: Tuple[float, float, float] = field(default=(0.6, 0.3, 0.5), metadata=_meta(
-        "(alpha, beta, gamma) used before or without calibration."))
+        "(alpha, beta, gamma) used until the first calibration. A request that cannot calibrate "
+        "(fewer than 2 new tokens, e.g. a radix-cache hit but for its last token) starts from "
+        "the θ* last chosen per layer."))
     metrics_interval: int = field(default=0, metadata=_meta(
         "Log PRR metrics every N decode batches (0: never; /prr/stats always works)."))
     trace_path: Optional[str] = field(default=None, metadata=_meta(

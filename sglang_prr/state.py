@@ -64,7 +64,9 @@ class PRRState:
     state); theta: ``[L, rows, 3]`` float32 (alpha, beta, gamma); p_idx/p_cnt: the prediction
     for the next decode step, ``[L, rows, Hk, n_pred + sink + local]`` int32 and ``[L, rows, Hk]``;
     h_sum/h_cnt: calibration scores accumulated over the chunks of a prefill, ``[L, rows, C]``
-    and ``[L, rows]``.
+    and ``[L, rows]``; shared_theta: ``[L, 3]``, the theta* a new request starts from: the
+    default until a request is calibrated, then the theta* last chosen per layer (a request that
+    cannot calibrate, e.g. one whose prompt is a radix-cache hit but for its last token, keeps it).
     """
 
     def __init__(self, cfg: PRRConfig, num_layers: int, num_kv_heads: int, req_pool,
@@ -83,6 +85,7 @@ class PRRState:
         self.h_sum = torch.zeros(L, R, len(cfg.theta_grid), dtype=torch.float32, device=device)
         self.h_cnt = torch.zeros(L, R, dtype=torch.float32, device=device)
         self.default_theta = torch.tensor(cfg.default_theta, dtype=torch.float32, device=device)
+        self.shared_theta = self.default_theta.expand(L, 3).clone()
         self.pool_ref = weakref.ref(req_pool)
         self._pending: set = set()
         self._pending_all = True
@@ -92,7 +95,7 @@ class PRRState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (
             self.level, self.trend, self.n_init, self.theta, self.p_idx, self.p_cnt,
-            self.h_sum, self.h_cnt))
+            self.h_sum, self.h_cnt, self.shared_theta))
 
     def layer(self, l: int):
         """Layer ``l``'s state as the decode step reads and writes it, in place (``LayerState``
@@ -125,7 +128,7 @@ class PRRState:
         self.level[:, rows] = 0.0
         self.trend[:, rows] = 0.0
         self.n_init[:, rows] = 0
-        self.theta[:, rows] = self.default_theta
+        self.theta[:, rows] = self.shared_theta.unsqueeze(1)
         self.p_idx[:, rows] = -1
         self.p_cnt[:, rows] = 0
         self.h_sum[:, rows] = 0.0

@@ -98,3 +98,28 @@ def test_plan_samples_the_chunk_and_reads_the_table_the_reference_way():
             assert torch.equal(r.table, table[:, :r.nb_used])
             assert r.nb_used == -(-(n_pre + n_new) // PAGE) and r.total == n_pre + n_new
             start += n_new
+
+
+def test_a_request_that_cannot_calibrate_starts_from_the_last_theta_star():
+    """A request with one new token (a radix-cache hit but for its last token) samples a single
+    query, which calibrates nothing: it takes the theta* last chosen per layer, not the default.
+    Negative control: the default differs from that theta* in some layer."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40,
+                    calib_queries=16).validate()
+    w = World(3, 4, 2, cfg, seed)
+    b = _backends(w, {"prr": cfg})["prr"]
+    st = b.state
+    fb, q, k, v = w.batch([1, 2], [200, 150])
+    _forward(b, w, fb, q, k, v)
+    chosen = st.theta[:, 2].clone()  # the last calibrated request of the batch
+    assert torch.equal(st.shared_theta, chosen)
+    if torch.equal(chosen, st.default_theta.expand_as(chosen)):
+        pytest.skip(f"theta* happened to be the default in every layer (seed {seed})")
+    b.state.mark_new([3])
+    fb, q, k, v = w.batch([3], [1])
+    _forward(b, w, fb, q, k, v)
+    assert float(st.h_cnt[:, 3].max()) == 0, "one sampled query calibrates nothing"
+    assert torch.equal(st.theta[:, 3], chosen)
+    assert not torch.equal(st.theta[:, 3], st.default_theta.expand_as(chosen))
