@@ -39,6 +39,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from . import ops
+from . import stats as stats_file
 from .budget import BudgetPolicy
 from .calibration import Calibrator
 from .config import PRRConfig
@@ -164,9 +165,7 @@ class _Stats:
         snap = self.snapshot()
         if not self.reporter:  # another tensor-parallel rank reports (its heads are alike)
             return
-        from .plugin import stats_path
-
-        path = stats_path()
+        path = stats_file.stats_path()
         tmp = f"{path}.{os.getpid()}.tmp"
         try:
             with open(tmp, "w") as f:

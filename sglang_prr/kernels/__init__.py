@@ -13,23 +13,17 @@ so the choice is static within a CUDA graph.
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 import types
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict
 
 import torch
 
 from .. import contracts
 from .. import reference as ref
+from .infllm import IMPLS as INFLLM_IMPLS
+from .loader import FLOAT_TYPES, active, aligned, is_sm90, load, load_error, prepare  # noqa: F401
 
-logger = logging.getLogger("sglang_prr")
-
-_lock = threading.Lock()
-_lib_state: Optional[bool] = None  # None: not tried; True: loaded; False: failed
-_lib_error: Optional[str] = None
-_device_ok: Dict[int, bool] = {}
 _registered = False
 
 # Head dims the attention kernel is instantiated for, and its largest GQA group.
@@ -37,70 +31,6 @@ ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_MAX_GROUP = 8
 # select_topk keeps a row's keys in shared memory (4 bytes per block).
 TOPK_MAX_BLOCKS = 48 * 1024
-_FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def load() -> bool:
-    """Build (or fetch from cache) and load the kernel library once; True when it is usable.
-
-    Host-side and idempotent (``# host-ok``: runs once, outside decode)."""
-    global _lib_state, _lib_error
-    if _lib_state is not None:
-        return _lib_state
-    with _lock:
-        if _lib_state is not None:
-            return _lib_state
-        try:
-            if not torch.cuda.is_available():
-                raise RuntimeError("no CUDA device")
-            from . import build
-            path = build.library_path()
-            torch.ops.load_library(str(path))
-            _prepare_current()
-            _lib_state = True
-            logger.info("sglang_prr: SM90 kernels loaded from %s", path)
-        except Exception as e:  # noqa: BLE001 - any failure keeps the reference path
-            _lib_state = False
-            _lib_error = f"{type(e).__name__}: {e}"
-            logger.warning("sglang_prr: SM90 kernels unavailable, using the torch reference "
-                           "(%s)", _lib_error.splitlines()[0][:500])
-    return _lib_state
-
-
-def _prepare_current() -> None:
-    """Allocate the fused kernels' counters on the current device (host-ok: once, at load)."""
-    if torch.cuda.is_available() and is_sm90(torch.device("cuda")):
-        prepare(torch.device("cuda", torch.cuda.current_device()))
-
-
-def prepare(device: torch.device) -> None:
-    """Allocate the fused kernels' zeroed counters on ``device`` (idempotent). Must happen outside
-    CUDA-graph capture; ``load()`` does it for the current device, and any eager call of a fused
-    op (e.g. SGLang's warm-up before capture) does it for its device."""
-    torch.ops.sglang_prr_cuda.prepare(torch.empty(0, device=device))
-
-
-def load_error() -> Optional[str]:
-    """Why ``load()`` failed (None when it succeeded or was not tried)."""
-    return _lib_error
-
-
-def is_sm90(device: torch.device) -> bool:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _device_ok.get(idx)
-    if ok is None:
-        ok = torch.cuda.get_device_capability(idx) == (9, 0)  # host-ok: device property
-        _device_ok[idx] = ok
-    return ok
-
-
-def active(device: torch.device) -> bool:
-    """Are the kernels used for tensors on ``device``? (SM90 and the library loaded.)"""
-    return device.type == "cuda" and is_sm90(device) and load()
-
-
-def _aligned(*ts: torch.Tensor) -> bool:
-    return all(t.data_ptr() % 16 == 0 for t in ts)
 
 
 # ----------------------------------------------------------------------------- implementations
@@ -108,12 +38,12 @@ def _attn_ok(q, k_buf, v_buf, table, idx, cnt) -> bool:
     B, Hq, D = q.shape
     Hk = k_buf.shape[1]
     return (active(q.device) and D in ATTN_HEAD_DIMS and Hq % Hk == 0
-            and Hq // Hk <= ATTN_MAX_GROUP and q.dtype in _FLOAT_TYPES
-            and k_buf.dtype in _FLOAT_TYPES and v_buf.dtype == k_buf.dtype
+            and Hq // Hk <= ATTN_MAX_GROUP and q.dtype in FLOAT_TYPES
+            and k_buf.dtype in FLOAT_TYPES and v_buf.dtype == k_buf.dtype
             and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
             and all(s % 8 == 0 for s in (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
                                          v_buf.stride(1)))
-            and _aligned(k_buf, v_buf) and idx.dtype == torch.int32 and cnt.dtype == torch.int32
+            and aligned(k_buf, v_buf) and idx.dtype == torch.int32 and cnt.dtype == torch.int32
             and table.dim() == 2 and table.stride(-1) == 1)
 
 
@@ -130,9 +60,9 @@ def _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
 
 def _quest_scores(q, kmin, kmax, table, nblk):
     ok = (active(q.device) and q.shape[-1] % 8 == 0 and q.shape[1] % kmin.shape[1] == 0
-          and q.dtype in _FLOAT_TYPES and kmin.dtype == torch.float32
+          and q.dtype in FLOAT_TYPES and kmin.dtype == torch.float32
           and kmax.dtype == torch.float32 and kmin.is_contiguous() and kmax.is_contiguous()
-          and _aligned(kmin, kmax) and table.dim() == 2 and table.stride(-1) == 1
+          and aligned(kmin, kmax) and table.dim() == 2 and table.stride(-1) == 1
           and q.shape[1] * q.shape[2] * 4 <= 200 * 1024)
     if not ok:
         return ref.quest_scores(q, kmin, kmax, table, nblk)
@@ -210,7 +140,7 @@ def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm
           and (o_spec is None or (o_spec.dtype == torch.float32 and lse_spec.dtype == torch.float32
                                   and (p_idx is None or p_idx.dtype == torch.int32)
                                   and (not exact or a_idx.dtype == torch.int32))))
-    ok = ok and (out_dtype is None or out_dtype in _FLOAT_TYPES)
+    ok = ok and (out_dtype is None or out_dtype in FLOAT_TYPES)
     if not ok:
         return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                      sm_scale, o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb,
@@ -227,9 +157,9 @@ def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, loca
     B, Hq, D = q.shape
     Hk = kmin.shape[1]
     ok = (active(q.device) and D % 8 == 0 and Hq % Hk == 0 and (Hq // Hk) * D <= 12 * 1024
-          and q.dtype in _FLOAT_TYPES and kmin.dtype == torch.float32
+          and q.dtype in FLOAT_TYPES and kmin.dtype == torch.float32
           and kmax.dtype == torch.float32 and kmin.is_contiguous() and kmax.is_contiguous()
-          and _aligned(kmin, kmax) and table.dim() == 2 and table.stride(-1) == 1
+          and aligned(kmin, kmax) and table.dim() == 2 and table.stride(-1) == 1
           and 0 < table.shape[1] <= TOPK_MAX_BLOCKS and B * Hk <= MAX_GROUPS
           and (p_idx is None or (p_idx.dtype == torch.int32 and p_cnt.dtype == torch.int32))
           and (stats is None or (stats.dtype == torch.int64 and stats.is_contiguous()
@@ -308,7 +238,7 @@ def _merge_partials(o, lse):
 def _quest_update(kmin, kmax, k, out_loc, positions, page_size, one_per_page=False):
     contracts.check_quest_update(kmin, kmax, k, out_loc, positions, page_size)
     ok = (active(kmin.device) and kmin.dtype == torch.float32 and kmax.dtype == torch.float32
-          and kmin.is_contiguous() and kmax.is_contiguous() and k.dtype in _FLOAT_TYPES
+          and kmin.is_contiguous() and kmax.is_contiguous() and k.dtype in FLOAT_TYPES
           and (kmin.shape[1] * kmin.shape[2]) % 8 == 0)
     if not ok:
         ref.quest_update(kmin, kmax, k, out_loc, positions, page_size, one_per_page)
@@ -339,8 +269,7 @@ IMPLS: Dict[str, Callable] = {
     "predict_update": _predict_update,
     "predict_update_rows": _predict_update_rows,
 }
-
-from .infllm import IMPLS as _INFLLM; IMPLS.update(_INFLLM)  # noqa: E402,E702
+IMPLS.update(INFLLM_IMPLS)
 
 
 def register() -> None:

@@ -515,9 +515,9 @@ def test_tensor_parallel_rank_sizes_and_reporting(tmp_path, monkeypatch):
     # Reporting: rank 1 keeps its counters but leaves the file to rank 0.
     path = tmp_path / "stats.json"
     monkeypatch.setenv("SGLANG_PRR_STATS_PATH", str(path))
-    from sglang_prr import plugin
+    from sglang_prr import stats
 
-    monkeypatch.setattr(plugin, "stats_path", lambda: str(path))
+    monkeypatch.setattr(stats, "stats_path", lambda: str(path))
     cfg = PRRConfig(**base).validate()
     monkeypatch.setattr(bk, "_attn_tp_rank", lambda: 1)
     bk._Stats("cpu", cfg, SimpleNamespace(enable_metrics=False)).maybe_flush(force=True)
