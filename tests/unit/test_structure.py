@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle between its modules (imports inside functions count).
+"""The package's shape: no import cycle between its modules (imports inside functions count),
+and no source file beyond the size at which it stops holding one concept.
 
 A cycle hidden in a lazy import still couples two modules both ways: neither can be read,
 tested or changed alone, and which one finishes importing first depends on who is imported
@@ -14,6 +15,17 @@ from typing import Dict, List, Set
 import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "sglang_prr"
+
+# Past these sizes a file has, so far every time, held more than one concept.
+MAX_MODULE_LINES = 450
+MAX_KERNEL_LINES = 800
+KERNEL_SUFFIXES = (".cu", ".cuh", ".cpp", ".h")
+# The pure-torch reference stays one file: the oracle of every op, read side by side with the
+# kernels and their tests.
+SIZE_EXEMPT = {"reference.py"}
+# Over the limit today, each with the reason it still is (strict: passing again fails the test,
+# so the entry is removed once the file is split).
+SIZE_PENDING = {"kernels/prr_kernels.cu": "split pending"}
 
 
 def _modules(pkg_dir: Path) -> Dict[str, Path]:
@@ -108,3 +120,36 @@ def _write(root: Path, files: Dict[str, str]) -> Path:
 def test_cycle_checker_negative_control(tmp_path, files, expect):
     """The checker does find cycles: synthetic packages with a known answer."""
     assert cycles(import_graph(_write(tmp_path, files))) == expect
+
+
+def _lines(f: Path) -> int:
+    return len(f.read_text().splitlines())
+
+
+def _size_cases():
+    cases = []
+    for f in sorted(PKG.rglob("*")):
+        rel = f.relative_to(PKG).as_posix()
+        if f.suffix == ".py" and f.name not in SIZE_EXEMPT:
+            limit = MAX_MODULE_LINES
+        elif f.suffix in KERNEL_SUFFIXES:
+            limit = MAX_KERNEL_LINES
+        else:
+            continue
+        marks = ([pytest.mark.xfail(strict=True, reason=SIZE_PENDING[rel])]
+                 if rel in SIZE_PENDING else [])
+        cases.append(pytest.param(f, limit, id=rel, marks=marks))
+    return cases
+
+
+@pytest.mark.parametrize("path, limit", _size_cases())
+def test_file_size(path, limit):
+    n = _lines(path)
+    assert n <= limit, f"{path.relative_to(PKG)}: {n} lines, the limit is {limit}"
+
+
+def test_size_cases_cover_the_package():
+    """Control: the size check sees the modules and kernel sources it is meant to see."""
+    ids = {c.id for c in _size_cases()}
+    assert {"backend.py", "kernels/__init__.py", "kernels/prr_kernels.cu"} <= ids
+    assert "reference.py" not in ids and set(SIZE_PENDING) <= ids
