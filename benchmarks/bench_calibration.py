@@ -51,6 +51,9 @@ from sglang_prr import ops  # noqa: E402
 from sglang_prr import reference as ref  # noqa: E402
 from sglang_prr.config import PRRConfig  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (the benchmarks' one graph timer)
+
 LLAMA3_8B = dict(q_heads=32, kv_heads=8, head_dim=128)  # one layer of Llama-3-8B
 
 
@@ -191,8 +194,8 @@ def bench_one(L: int, a: argparse.Namespace, cfg: PRRConfig) -> Dict[str, object
         row[f"{name}_maxdiff_vs_ref"] = float((fn() - h_ref).abs().max())  # host-ok: benchmark
         if cuda and a.graph:
             gr = _capture(fn)
-            tg = timer(gr.replay, a.repeats)
-            row[f"{name}_graph_ms"] = statistics.median(tg)
+            # Replays timed like every benchmark's graphs (common.time_replays, in µs).
+            row[f"{name}_graph_ms"] = common.time_replays(gr, a.repeats, warmup=3)[0] / 1e3
             del gr
     # The candidates' replay alone (ops.calib_grid_terms: the kernel on SM90), A precomputed.
     wa, am = calibration.a_weights(scores, nblk, k, cfg.sink_blocks, cfg.local_blocks)
@@ -219,15 +222,8 @@ def bench_one(L: int, a: argparse.Namespace, cfg: PRRConfig) -> Dict[str, object
 
 
 def _capture(fn: Callable[[], torch.Tensor]) -> "torch.cuda.CUDAGraph":
-    """Capture ``fn`` in a CUDA graph (after a side-stream warm-up) and check one replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    gr = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(gr):
-        static = fn()
+    """Capture ``fn`` in a CUDA graph (the benchmarks' common capture) and check one replay."""
+    gr, (static,) = common.capture([fn])
     gr.replay()
     torch.cuda.synchronize()
     eager = fn()

@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 from sglang_prr import reference as ref  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_kernels import time_graph  # noqa: E402  (the same graph-replay timing)
+from common import time_graph  # noqa: E402  (the benchmarks' one graph timer)
 
 ROTATE_BYTES = 256 << 20
 

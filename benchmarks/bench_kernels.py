@@ -39,7 +39,6 @@ from __future__ import annotations
 import argparse
 import csv
 import math
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -49,6 +48,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import summary, time_graph  # noqa: E402  (the benchmarks' one graph timer)
 
 RESULTS = ROOT / "benchmarks" / "results"
 # Bytes each timed graph should touch over its R calls: several times the 60 MB L2 of an H200.
@@ -78,38 +80,6 @@ def _sync(empty_cache: bool = False):
             torch.cuda.empty_cache()
 
 
-def pct(xs, p):
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(p / 100 * (len(xs) - 1)))))]
-
-
-def time_graph(calls, reps):
-    """Capture ``calls`` (R closures) in one graph; per-call µs (median, p10, p90) over reps."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # warm-up outside capture (JIT, allocator)
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(reps):
-        st.record()
-        g.replay()
-        en.record()
-        en.synchronize()
-        ts.append(st.elapsed_time(en) * 1000.0 / len(calls))
-    del g
-    return statistics.median(ts), pct(ts, 10), pct(ts, 90)
-
-
 def time_events(calls, reps):
     """Eager timing (for what a graph cannot capture): CUDA events around the R calls, per call."""
     for c in calls:
@@ -124,7 +94,7 @@ def time_events(calls, reps):
         en.record()
         en.synchronize()
         ts.append(st.elapsed_time(en) * 1000.0 / len(calls))
-    return statistics.median(ts), pct(ts, 10), pct(ts, 90)
+    return summary(ts)
 
 
 def time_calls(calls, reps):

@@ -27,7 +27,6 @@ import argparse
 import csv
 import math
 import os
-import statistics
 import sys
 import time
 
@@ -37,6 +36,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from sglang_prr import ops  # noqa: E402
 from sglang_prr.step import DecodeStep, LayerState  # noqa: E402
 from sglang_prr.synthetic import paged_kv  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402  (the benchmarks' one graph timer)
 
 
 def build(batch, ctx, page, hq, hk, d, dtype, dev, n_queries, seed=0):
@@ -105,34 +107,8 @@ def time_graph(fn, q_buf, qs, dev, iters, warmup=5):
             body()
             if i >= warmup:
                 ts.append((time.perf_counter() - t0) * 1e6)
-        return _stats(ts)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            body()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        body()
-    for _ in range(warmup):
-        g.replay()
-    ts = []
-    start = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    end = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for i in range(iters):
-        start[i].record()
-        g.replay()
-        end[i].record()
-    torch.cuda.synchronize()
-    ts = [a.elapsed_time(b) * 1e3 for a, b in zip(start, end)]
-    return _stats(ts)
-
-
-def _stats(ts):
-    ts = sorted(ts)
-    q = lambda f: ts[min(len(ts) - 1, int(f * len(ts)))]
-    return statistics.median(ts), q(0.1), q(0.9)
+        return common.summary(ts)
+    return common.time_graph([body], iters, warmup=warmup)
 
 
 def plot(csv_paths, png):

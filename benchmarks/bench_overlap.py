@@ -27,14 +27,14 @@ from sglang_prr import ops  # noqa: E402
 from sglang_prr.synthetic import paged_kv  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import bench_kernels  # noqa: E402  (its graph-replay timing)
+import common  # noqa: E402  (the benchmarks' one graph timer)
 
 VARIANTS = ("spec", "selection", "serial", "two_stream", "fork_join_only")
 
 
 def time_graph(fn, reps: int, inner: int) -> float:
     """Median per-call µs of ``inner`` calls of ``fn`` captured in one CUDA graph."""
-    return bench_kernels.time_graph([fn] * inner, reps)[0]
+    return common.time_graph([fn] * inner, reps)[0]
 
 
 def measure(batch: int, ctx: int, page: int, top_k: int, budget: float, reps: int, inner: int,

@@ -44,7 +44,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sglang_prr import ops, traces  # noqa: E402
+from sglang_prr import ops, trace_families, trace_replay, traces  # noqa: E402
 from sglang_prr import reference as ref  # noqa: E402
 from sglang_prr.config import PRRConfig  # noqa: E402
 
@@ -102,11 +102,11 @@ def evaluate(scores: torch.Tensor, nblk: torch.Tensor, k: int, delta: float, cal
                       grid[:, 1].contiguous(), grid[:, 2].contiguous())
     star = _best(H)  # [R]
     names = ["reuse_prev"] + list(fixed) + ["calibrated"]
-    shared = torch.tensor([traces.REUSE_THETA] + list(fixed.values()), dtype=torch.float32)
+    shared = torch.tensor([trace_replay.REUSE_THETA] + list(fixed.values()), dtype=torch.float32)
     thetas = torch.cat([shared.expand(R, -1, 3), grid[star].unsqueeze(1)], 1)  # [R, C, 3]
     if full_grid:
         thetas = torch.cat([thetas, grid.expand(R, G, 3)], 1)
-    res = traces.replay(scores, nblk, k, n_pred, sink_blocks, local_blocks, thetas,
+    res = trace_replay.replay(scores, nblk, k, n_pred, sink_blocks, local_blocks, thetas,
                         start=calib_rows)
     hit = res["hit"].mean((2, 3))  # [R, C]
     ov = res["overlap"].mean((2, 3))
@@ -224,7 +224,7 @@ def table(rows: List[dict], tg: List[dict], ks: Sequence[int], deltas: Sequence[
                 continue
             preds = ["reuse_prev"] + list(FIXED_THETAS) + ["calibrated"]
             preds += ["oracle"] if any(p == "oracle" for _, p in sel) else []
-            srcs = sorted({s for s, _ in sel}, key=lambda s: (s not in traces.FAMILIES, s))
+            srcs = sorted({s for s, _ in sel}, key=lambda s: (s not in trace_families.FAMILIES, s))
             lines.append(f"\nK = {k} blocks, delta = {d} (|P| = {n_pred_of(k, d)} middle blocks): "
                          "score-weighted hit (eq 4) / plain overlap; |M| of calibrated")
             lines.append("| source | " + " | ".join(preds) + " | cal - reuse | |M| mean / p90 / max |")
@@ -253,7 +253,7 @@ def plot(path: str, rows: List[dict], grid_rows: List[dict], missed: Dict[tuple,
 
     k0, d0 = headline(ks, deltas)
     sel = {(r["source"], r["predictor"]): r for r in rows if r["k"] == k0 and r["delta"] == d0}
-    srcs = sorted({s for s, _ in sel}, key=lambda s: (s not in traces.FAMILIES, s))
+    srcs = sorted({s for s, _ in sel}, key=lambda s: (s not in trace_families.FAMILIES, s))
     g = [r for r in grid_rows if r["k"] == k0 and r["delta"] == d0]
     bars = [("reuse_prev", "reuse-previous"), ("ema_default", "EMA default theta")]
     best: Dict[str, float] = {}
@@ -399,7 +399,7 @@ def _ints(s: str) -> List[int]:
 
 def main(argv: Sequence[str] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--families", default=",".join(traces.FAMILIES),
+    ap.add_argument("--families", default=",".join(trace_families.FAMILIES),
                     help="synthetic families (comma-separated), ignored with --trace")
     ap.add_argument("--trace", default=None, help="a captured trace .npz file or directory")
     ap.add_argument("--k", default="16,32,64", help="K values in blocks")
@@ -409,8 +409,8 @@ def main(argv: Sequence[str] = None) -> int:
                     help="leading trace steps that play the sampled prefill queries")
     ap.add_argument("--requests", type=int, default=2, help="synthetic requests (seeds) per family")
     ap.add_argument("--heads", type=int, default=BENCH_KV_HEADS)
-    ap.add_argument("--ctx", type=int, default=traces.DEFAULT_CTX_TOKENS)
-    ap.add_argument("--block", type=int, default=traces.DEFAULT_BLOCK_SIZE)
+    ap.add_argument("--ctx", type=int, default=trace_families.DEFAULT_CTX_TOKENS)
+    ap.add_argument("--block", type=int, default=trace_families.DEFAULT_BLOCK_SIZE)
     ap.add_argument("--sink", type=int, default=None, help="sink blocks (default: trace meta or 1)")
     ap.add_argument("--local", type=int, default=None, help="local blocks (default: meta or 1)")
     ap.add_argument("--param", action="append", default=[], metavar="NAME=VALUE",
@@ -467,12 +467,13 @@ def main(argv: Sequence[str] = None) -> int:
                 raise SystemExit(f"--param {kv!r}: expected NAME=VALUE")
             over[name] = float(val)
         for fam in [f for f in a.families.split(",") if f]:
-            p = {n: v for n, v in over.items() if n in traces.FAMILIES[fam].params}
-            trs = [traces.generate(fam, steps=a.steps, num_kv_heads=a.heads, ctx_tokens=a.ctx,
-                                   block_size=a.block, seed=a.seed + i, sink_blocks=sink,
-                                   local_blocks=local, **p) for i in range(a.requests)]
+            p = {n: v for n, v in over.items() if n in trace_families.FAMILIES[fam].params}
+            trs = [trace_families.generate(fam, steps=a.steps, num_kv_heads=a.heads,
+                                           ctx_tokens=a.ctx, block_size=a.block,
+                                           seed=a.seed + i, sink_blocks=sink,
+                                           local_blocks=local, **p) for i in range(a.requests)]
             sources[fam] = [_stack(trs)]
-            structured[fam] = traces.FAMILIES[fam].structured
+            structured[fam] = trace_families.FAMILIES[fam].structured
         desc = (f"synthetic families, {a.requests} request(s) each, {a.steps} steps, "
                 f"{a.heads} KV heads, {a.ctx} prompt tokens, block {a.block}, seed {a.seed}"
                 + (f", overrides {over}" if over else ""))

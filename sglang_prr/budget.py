@@ -40,6 +40,31 @@ SPECULATE_MARGIN = 0.99
 SHAPE_KEYS = ("method", "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "top_k_tokens")
 
 
+
+def check_profile(cfg: PRRConfig) -> PRRConfig:
+    """The server-level rule for ``budget='auto'``: it needs a readable profile; returns ``cfg``.
+
+    Not part of ``PRRConfig.validate()`` (a config may be built before its profile exists), but
+    a server started with ``--prr-budget auto`` and no readable ``--prr-profile`` would only
+    fail in the scheduler; the launcher refuses both up front. Whether the profile was measured
+    for the model's shape is checked where the shape is known (the backend).
+    """
+    if not (cfg.enabled and cfg.budget == "auto"):
+        return cfg
+    if not cfg.profile:
+        raise PRRConfigError(
+            "invalid PRR option --prr-budget auto without --prr-profile: 'auto' picks delta "
+            "from an offline latency profile; give --prr-profile PATH (a profile JSON made by "
+            "`python -m sglang_prr.profile_budget --model-path MODEL --out PROFILE.json` on the "
+            "serving GPU) or a fixed number, e.g. --prr-budget 1.5")
+    try:
+        BudgetProfile.load(cfg.profile)
+    except (OSError, ValueError) as e:
+        raise PRRConfigError(
+            f"invalid PRR option --prr-profile={cfg.profile!r} for --prr-budget auto: {e} "
+            f"(allowed: a profile JSON made by python -m sglang_prr.profile_budget)") from e
+    return cfg
+
 @dataclass
 class BudgetProfile:
     """A measured profile: ``layer_us[(batch, context, delta)]`` in microseconds per layer."""

@@ -243,32 +243,6 @@ class PRRConfig:
                 _fail("max_context_blocks", self.max_context_blocks, "an integer >= 1 (or unset)")
         return self
 
-    def check_budget_profile(self) -> "PRRConfig":
-        """The server-level rule for ``budget='auto'``: it needs a readable profile.
-
-        Not part of ``validate()`` (a config may be built before its profile exists), but a
-        server started with ``--prr-budget auto`` and no readable ``--prr-profile`` would only
-        fail in the scheduler; the launcher refuses both up front. Whether the profile was
-        measured for the model's shape is checked where the shape is known (the backend).
-        """
-        if not (self.enabled and self.budget == "auto"):
-            return self
-        if not self.profile:
-            raise PRRConfigError(
-                "invalid PRR option --prr-budget auto without --prr-profile: 'auto' picks delta "
-                "from an offline latency profile; give --prr-profile PATH (a profile JSON made by "
-                "`python -m sglang_prr.profile_budget --model-path MODEL --out PROFILE.json` on the "
-                "serving GPU) or a fixed number, e.g. --prr-budget 1.5")
-        from .budget import BudgetProfile
-
-        try:
-            BudgetProfile.load(self.profile)
-        except (OSError, ValueError) as e:
-            raise PRRConfigError(
-                f"invalid PRR option --prr-profile={self.profile!r} for --prr-budget auto: {e} "
-                f"(allowed: a profile JSON made by python -m sglang_prr.profile_budget)") from e
-        return self
-
     def to_dict(self) -> Dict[str, Any]:
         d = dataclasses.asdict(self)
         d.update(top_k_blocks=self.top_k_blocks, predicted_blocks=self.predicted_blocks)

@@ -34,17 +34,16 @@ import logging
 import multiprocessing
 import numbers
 import os
-import tempfile
 from typing import Any, Optional
 
 import torch
 
+from . import stats
 from .config import PRRConfig
 from .server_args_patch import ENV_CONFIG, export_config, load_config
 
 logger = logging.getLogger("sglang_prr")
 
-ENV_STATS = "SGLANG_PRR_STATS_FILE"
 # Request slots assumed when --max-running-requests is not given, for the state reservation.
 STATE_ROWS_ESTIMATE = 256
 
@@ -70,15 +69,6 @@ def current_config() -> Optional[PRRConfig]:
     return load_config()
 
 
-def stats_path() -> str:
-    """Where the scheduler writes PRR statistics for ``GET /prr/stats`` (one file per server)."""
-    path = os.environ.get(ENV_STATS)
-    if not path:
-        path = os.path.join(tempfile.gettempdir(), f"sglang_prr_stats_{os.getpid()}.json")
-        os.environ[ENV_STATS] = path
-    return path
-
-
 def _is_main_process() -> bool:
     return multiprocessing.parent_process() is None
 
@@ -94,7 +84,7 @@ def apply() -> None:
         logger.debug("sglang_prr: no PRR configuration in %s; SGLang runs unchanged", ENV_CONFIG)
         return
     if _is_main_process():
-        stats_path()  # fix the path before children are spawned, so they inherit it
+        stats.stats_path()  # fix the path before children are spawned, so they inherit it
     _patch_scheduler_entry()
     _patch_allocator()  # paged KV on CPU, also for the dense baseline (--prr-method dense)
     if _is_main_process():
@@ -293,7 +283,7 @@ def _patch_http_app() -> None:
     from fastapi.responses import JSONResponse
 
     async def prr_stats():
-        return JSONResponse(read_stats())
+        return JSONResponse(stats.read_stats())
 
     http_server.app.add_api_route("/prr/stats", prr_stats, methods=["GET"])
     logger.info("sglang_prr: GET /prr/stats added")
@@ -346,14 +336,3 @@ def _patch_request_validation() -> None:
     TokenizerManager._validate_one_request = _validate_one_request
     logger.info("sglang_prr: requests with token ids outside the vocabulary are rejected (400)")
 
-
-def read_stats() -> dict:
-    """The latest statistics written by the scheduler, with the active configuration."""
-    cfg = load_config()
-    out = {"config": cfg.to_dict() if cfg else None, "enabled": bool(cfg and cfg.enabled)}
-    try:
-        with open(stats_path()) as f:
-            out.update(json.load(f))
-    except (OSError, ValueError):
-        out.setdefault("decode_steps", 0)
-    return out

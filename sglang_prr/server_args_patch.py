@@ -21,6 +21,7 @@ import os
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from .budget import check_profile
 from .config import PRRConfig, PRRConfigError
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def pop_prr_args(ns: argparse.Namespace) -> Dict[str, Any]:
 def config_from_given(given: Dict[str, Any]) -> PRRConfig:
     """A validated PRRConfig from user-given values (others keep their defaults), with the
     server-level rules on top (``--prr-budget auto`` needs a readable ``--prr-profile``)."""
-    return PRRConfig(**given).validate().check_budget_profile()
+    return check_profile(PRRConfig(**given).validate())
 
 
 def context_len_of(server_args: Any) -> Optional[int]:

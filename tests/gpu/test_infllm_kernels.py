@@ -61,11 +61,11 @@ if _why:
 def _dispatch_to_standalone():
     """With the standalone library, let the dispatching ops see the kernels as loaded (only the
     InfLLM ops are exercised through them here)."""
-    saved = kernels._lib_state
+    saved = kernels.loader._lib_state
     if _STANDALONE:
-        kernels._lib_state = True
+        kernels.loader._lib_state = True
     yield
-    kernels._lib_state = saved
+    kernels.loader._lib_state = saved
 
 
 def seeded(tag: str) -> int:

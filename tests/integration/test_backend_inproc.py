@@ -24,6 +24,7 @@ from sglang.srt.mem_cache.memory_pool import unwrap_write_loc  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 from sglang_prr import backend as bk  # noqa: E402
+from sglang_prr import stats  # noqa: E402
 from sglang_prr.config import PRRConfig  # noqa: E402
 
 PAGE = 16
@@ -280,7 +281,7 @@ def test_stats_drain_and_host_counts():
     overflow); CUDA-graph padding rows (at the end, fill length) count as neither sparse nor
     dense."""
     cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40).validate()
-    st = bk._Stats("cpu", cfg, SimpleNamespace(enable_metrics=False))
+    st = stats.Stats("cpu", cfg, SimpleNamespace(enable_metrics=False))
     st.count_batch(torch.tensor([100, 20, 50, 1, 1]), 3, 40, sparse_layers=5)
     assert (st.decode_steps, st.dense_rows) == (5, 5 * 1)
     st.count_batch(torch.tensor([10, 20, 1]), 2, 40, sparse_layers=5)
@@ -515,13 +516,11 @@ def test_tensor_parallel_rank_sizes_and_reporting(tmp_path, monkeypatch):
     # Reporting: rank 1 keeps its counters but leaves the file to rank 0.
     path = tmp_path / "stats.json"
     monkeypatch.setenv("SGLANG_PRR_STATS_PATH", str(path))
-    from sglang_prr import plugin
-
-    monkeypatch.setattr(plugin, "stats_path", lambda: str(path))
+    monkeypatch.setattr(stats, "stats_path", lambda: str(path))
     cfg = PRRConfig(**base).validate()
-    monkeypatch.setattr(bk, "_attn_tp_rank", lambda: 1)
-    bk._Stats("cpu", cfg, SimpleNamespace(enable_metrics=False)).maybe_flush(force=True)
+    monkeypatch.setattr(stats, "_attn_tp_rank", lambda: 1)
+    stats.Stats("cpu", cfg, SimpleNamespace(enable_metrics=False)).maybe_flush(force=True)
     assert not path.exists()
-    monkeypatch.setattr(bk, "_attn_tp_rank", lambda: 0)
-    bk._Stats("cpu", cfg, SimpleNamespace(enable_metrics=False)).maybe_flush(force=True)
+    monkeypatch.setattr(stats, "_attn_tp_rank", lambda: 0)
+    stats.Stats("cpu", cfg, SimpleNamespace(enable_metrics=False)).maybe_flush(force=True)
     assert path.exists()

@@ -29,7 +29,7 @@ import requests
 from conftest import COMMON, Server
 from helpers import generate, prompt_ids
 
-from sglang_prr import launch_server
+from sglang_prr import launch_server, supervisor
 from sglang_prr.server_args_patch import ENV_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
@@ -198,7 +198,7 @@ def test_budget_auto_with_profile_is_accepted(clean_env, tmp_path, demo_model):
 
 
 # --------------------------------------------------------------- 4. signals stop every child
-_alive = launch_server._alive  # the supervisor's own liveness check (zombies are not alive)
+_alive = supervisor._alive  # the supervisor's own liveness check (zombies are not alive)
 
 
 def _describe(procs, width=80):
@@ -306,7 +306,7 @@ def test_supervisor_kills_stubborn_and_orphaned_children(sig, tmp_path):
     ready = tmp_path / "ready"
     env = dict(os.environ, SGLANG_PRR_STOP_GRACE_S="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    code = ("import sys; from sglang_prr.launch_server import supervise; "
+    code = ("import sys; from sglang_prr.supervisor import supervise; "
             f"sys.exit(supervise([], cmd=[sys.executable, {str(fake)!r}, {str(ready)!r}]))")
     launcher = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(REPO),
                                 start_new_session=True)

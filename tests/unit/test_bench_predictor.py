@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_prr import trace_families as F
 from sglang_prr import traces as T
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,7 +36,7 @@ GEOM = dict(steps=64, num_kv_heads=4, ctx_tokens=64 * 200 + 17)
 
 
 def _family(bp, fam, seed, n=2, **kw):
-    return bp._stack([T.generate(fam, seed=seed + i, **{**GEOM, **kw}) for i in range(n)])
+    return bp._stack([F.generate(fam, seed=seed + i, **{**GEOM, **kw}) for i in range(n)])
 
 
 def test_core_numbers_are_sane_and_oracle_bounds_calibration(bp, seed):
@@ -92,7 +93,7 @@ def test_main_writes_table_csv_and_plot_and_reads_a_trace(bp, tmp_path, seed):
     lines = open(out + ".csv").read().strip().splitlines()
     assert len(lines) == 1 + 2 * 2 * 6 + 2  # 2 sources x 2 deltas x 6 predictors + 2 oracles
     # --trace: a captured trace directory goes through the same path.
-    tr = T.generate("periodic", seed=seed, steps=24, num_kv_heads=2, ctx_tokens=64 * 40 + 3)
+    tr = F.generate("periodic", seed=seed, steps=24, num_kv_heads=2, ctx_tokens=64 * 40 + 3)
     T.save_trace(str(tmp_path / "cap" / "r0"), tr)
     out2 = str(tmp_path / "cap_pred")
     assert bp.main(["--trace", str(tmp_path / "cap"), "--k", "8", "--delta", "1.5",
@@ -131,8 +132,8 @@ def test_calibration_bench_runs_and_its_batched_form_matches_the_reference(tmp_p
 def _two_layer_trace(fam_a, fam_b, seed, ctx_tokens, rid):
     """A captured-style trace with layers [3, 7]: layer 3 scores from one synthetic family,
     layer 7 from another (so the per-layer rows must differ)."""
-    a = T.generate(fam_a, seed=seed, steps=40, num_kv_heads=2, ctx_tokens=ctx_tokens)
-    b = T.generate(fam_b, seed=seed, steps=40, num_kv_heads=2, ctx_tokens=ctx_tokens)
+    a = F.generate(fam_a, seed=seed, steps=40, num_kv_heads=2, ctx_tokens=ctx_tokens)
+    b = F.generate(fam_b, seed=seed, steps=40, num_kv_heads=2, ctx_tokens=ctx_tokens)
     meta = dict(a.meta, rid=rid, sink_blocks=1, local_blocks=1)
     return T.Trace(scores=np.concatenate([a.scores, b.scores], 1), nblk=a.nblk,
                    layers=np.array([3, 7], np.int32), meta=meta)

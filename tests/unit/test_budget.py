@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_prr import ops, profile_budget
-from sglang_prr.budget import SPECULATE_MARGIN, BudgetPolicy, BudgetProfile
+from sglang_prr.budget import SPECULATE_MARGIN, BudgetPolicy, BudgetProfile, check_profile
 from sglang_prr.config import PRRConfig, PRRConfigError
 from sglang_prr.step import DecodeStep, LayerState
 from sglang_prr.synthetic import paged_kv
@@ -102,7 +102,7 @@ def test_bad_profile_is_a_clear_error(tmp_path, mutate, match):
         BudgetProfile.load(_write(tmp_path, d))
     # The launcher's rule names the flag.
     with pytest.raises(PRRConfigError, match="--prr-profile"):
-        _cfg(_write(tmp_path, d)).check_budget_profile()
+        check_profile(_cfg(_write(tmp_path, d)))
 
 
 def test_profile_of_another_shape_is_refused(tmp_path):

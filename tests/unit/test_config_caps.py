@@ -5,6 +5,7 @@ import logging
 
 import pytest
 
+from sglang_prr.budget import check_profile
 from sglang_prr.config import PRRConfig, PRRConfigError
 
 
@@ -71,26 +72,25 @@ def test_bad_context_len():
 
 def test_budget_auto_needs_a_profile(tmp_path):
     with pytest.raises(PRRConfigError) as e:
-        PRRConfig(budget="auto").validate().check_budget_profile()
+        check_profile(PRRConfig(budget="auto").validate())
     msg = str(e.value)
     assert "--prr-budget auto" in msg and "--prr-profile" in msg and "profile_budget" in msg
     with pytest.raises(PRRConfigError, match="nope.json"):
-        PRRConfig(budget="auto", profile=str(tmp_path / "nope.json")).validate() \
-            .check_budget_profile()
+        check_profile(PRRConfig(budget="auto", profile=str(tmp_path / "nope.json")).validate())
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     with pytest.raises(PRRConfigError, match="version"):
-        PRRConfig(budget="auto", profile=str(bad)).validate().check_budget_profile()
+        check_profile(PRRConfig(budget="auto", profile=str(bad)).validate())
     good = tmp_path / "good.json"
     shape = dict(method="quest", num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
                  top_k_tokens=2048)
     good.write_text(json.dumps({"version": 2, "shape": shape, "layer_us": [
         {"batch": 1, "context": 32768, "delta": 0, "us": 40.0},
         {"batch": 1, "context": 32768, "delta": 1.5, "us": 38.0}]}))
-    PRRConfig(budget="auto", profile=str(good)).validate().check_budget_profile()
+    check_profile(PRRConfig(budget="auto", profile=str(good)).validate())
     # Fixed budgets and PRR off need no profile.
-    PRRConfig(budget=2.0).validate().check_budget_profile()
-    PRRConfig(budget="auto", method="dense").validate().check_budget_profile()
+    check_profile(PRRConfig(budget=2.0).validate())
+    check_profile(PRRConfig(budget="auto", method="dense").validate())
     # validate() alone accepts 'auto' without a profile (a config may come before its profile);
     # the server (launcher and backend) refuses it.
     assert PRRConfig(budget="auto").validate().budget == "auto"

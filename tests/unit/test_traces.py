@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_prr import trace_families as F
+from sglang_prr import trace_replay as R
 from sglang_prr import traces as T
 from sglang_prr.config import PRRConfig, PRRConfigError
 
@@ -117,10 +119,10 @@ def test_recorder_rejects_bad_options_and_shapes(tmp_path):
 SMALL = dict(steps=40, num_kv_heads=2, ctx_tokens=64 * 90 + 5, block_size=64)
 
 
-@pytest.mark.parametrize("family", sorted(T.FAMILIES))
+@pytest.mark.parametrize("family", sorted(F.FAMILIES))
 def test_generators_are_deterministic_per_seed(family, seed):
-    a, b = T.generate(family, seed=seed, **SMALL), T.generate(family, seed=seed, **SMALL)
-    c = T.generate(family, seed=seed + 1, **SMALL)
+    a, b = F.generate(family, seed=seed, **SMALL), F.generate(family, seed=seed, **SMALL)
+    c = F.generate(family, seed=seed + 1, **SMALL)
     assert np.array_equal(a.scores, b.scores) and np.array_equal(a.nblk, b.nblk)
     assert not np.array_equal(a.scores, c.scores)
     fin = np.isfinite(a.scores)
@@ -128,30 +130,30 @@ def test_generators_are_deterministic_per_seed(family, seed):
     assert np.array_equal(fin, ~past)  # finite exactly within nblk
     assert list(a.nblk) == [-(-(SMALL["ctx_tokens"] + t) // 64) for t in range(SMALL["steps"])]
     with pytest.raises(ValueError, match="no parameters"):
-        T.generate(family, bogus=1.0, **SMALL)
+        F.generate(family, bogus=1.0, **SMALL)
 
 
 def test_fitted_family_reuse_overlap_is_68_percent(seed):
     # Fresh seeds (not the fit's), the fit's geometry: reuse-previous overlaps 68% +- 5 points.
     # 96 steps x 8 heads: the fit's K / NB and noise, fewer samples (steps only add samples).
-    trs = [T.generate("retrieval", seed=seed, steps=96)]
-    ov = T.reuse_overlap(trs, T.FIT_K_BLOCKS)
+    trs = [F.generate("retrieval", seed=seed, steps=96)]
+    ov = R.reuse_overlap(trs, F.FIT_K_BLOCKS)
     print(f"retrieval reuse overlap {ov:.3f}")
-    assert abs(ov - T.FIT_TARGET) <= 0.05
+    assert abs(ov - F.FIT_TARGET) <= 0.05
     # Negative control: doubling the fitted noise moves it far off the target.
-    noisy = [T.generate("retrieval", seed=seed, steps=48, noise=2 * T.FIT_NOISE)]
-    assert T.reuse_overlap(noisy, T.FIT_K_BLOCKS) < T.FIT_TARGET - 0.1
+    noisy = [F.generate("retrieval", seed=seed, steps=48, noise=2 * F.FIT_NOISE)]
+    assert R.reuse_overlap(noisy, F.FIT_K_BLOCKS) < F.FIT_TARGET - 0.1
 
 
 def test_noise_family_overlap_is_k_over_middle_blocks(seed):
-    tr = T.generate("noise", seed=seed, steps=64, num_kv_heads=4)
+    tr = F.generate("noise", seed=seed, steps=64, num_kv_heads=4)
     k = 32
     middle = float(np.mean(tr.nblk)) - 2  # sink and local blocks are not selectable
-    ov = T.reuse_overlap([tr], k)
+    ov = R.reuse_overlap([tr], k)
     print(f"noise overlap {ov:.4f} vs K/middle {k / middle:.4f}")
     assert abs(ov - k / middle) < 0.02
     # Negative control: a structured family at the same size is far above the floor.
-    assert T.reuse_overlap([T.generate("retrieval", seed=seed, steps=64, num_kv_heads=4)], k) > 0.4
+    assert R.reuse_overlap([F.generate("retrieval", seed=seed, steps=64, num_kv_heads=4)], k) > 0.4
 
 
 def _sets(tr: T.Trace, k: int):
@@ -165,7 +167,7 @@ def _sets(tr: T.Trace, k: int):
 def test_periodic_family_revisits_and_topic_switch_changes_abruptly(seed):
     # Pure structure (no noise, no base field) makes the documented schedules visible in A.
     quiet = dict(noise=0.0, base=0.0, base_drift=0.0)
-    per = T.generate("periodic", seed=seed, n_topics=3, dwell=4, n_hot=8, **quiet, **SMALL)
+    per = F.generate("periodic", seed=seed, n_topics=3, dwell=4, n_hot=8, **quiet, **SMALL)
     sets, hk = _sets(per, 8)
     at = lambda t, h: sets[t * hk + h]  # noqa: E731
     for t in range(12, SMALL["steps"]):
@@ -173,7 +175,7 @@ def test_periodic_family_revisits_and_topic_switch_changes_abruptly(seed):
             assert at(t, h) == at(t - 12, h)  # revisited every n_topics * dwell steps
     changed = sum(at(t, 0) != at(t - 1, 0) for t in range(1, SMALL["steps"]))
     assert changed == len(range(4, SMALL["steps"], 4))  # and changes exactly at each dwell end
-    sw = T.generate("topic_switch", seed=seed, dwell=4.0, n_hot=8, **quiet, **SMALL)
+    sw = F.generate("topic_switch", seed=seed, dwell=4.0, n_hot=8, **quiet, **SMALL)
     sets, hk = _sets(sw, 8)
     jumps = [t for t in range(1, SMALL["steps"]) if sets[t * hk] != sets[(t - 1) * hk]]
     for t in jumps:  # abrupt: at least half of the 8 hot blocks change at once (the 2 kept
@@ -181,17 +183,17 @@ def test_periodic_family_revisits_and_topic_switch_changes_abruptly(seed):
         assert len(sets[t * hk] & sets[(t - 1) * hk]) <= 2 + 4
     assert 1 <= len(jumps) <= 25  # mean dwell 4 over 40 steps
     # Negative control: retrieval without hops never changes its set.
-    rt = T.generate("retrieval", seed=seed, hop=0.0, n_hot=8, **quiet, **SMALL)
+    rt = F.generate("retrieval", seed=seed, hop=0.0, n_hot=8, **quiet, **SMALL)
     sets, hk = _sets(rt, 8)
     assert all(sets[t * hk] == sets[0] for t in range(SMALL["steps"]))
 
 
 def test_sink_local_family_prefers_recent_blocks(seed):
-    tr = T.generate("sink_local", seed=seed, **SMALL)
+    tr = F.generate("sink_local", seed=seed, **SMALL)
     sets, hk = _sets(tr, 16)
     nb0 = int(tr.nblk[0])
     recent = np.mean([np.mean([b >= nb0 - 1 - 12 for b in s]) for s in sets])
-    noise = T.generate("noise", seed=seed, **SMALL)
+    noise = F.generate("noise", seed=seed, **SMALL)
     nsets, _ = _sets(noise, 16)
     recent_noise = np.mean([np.mean([b >= nb0 - 1 - 12 for b in s]) for s in nsets])
     print(f"recent share sink_local {recent:.3f} vs noise {recent_noise:.3f}")

@@ -1,0 +1,200 @@
+"""PRR statistics: the decode counters, the file behind ``GET /prr/stats``, Prometheus gauges.
+
+``Stats`` (one per model runner, built by the backend) holds the counters: the selection kernel
+sums |A|, |M|, |P| and the sparse rows on the device (``Stats.counters``, drained to exact host
+ints only outside the decode step); the backend adds host counts of each batch. ``maybe_flush``
+writes a JSON snapshot to ``stats_path()``, logs it every ``--prr-metrics-interval`` decode
+batches and, with SGLang's ``--enable-metrics``, sets ``sglang:prr_*`` gauges. The scheduler
+process writes the file; the HTTP process (the plugin's route) reads it with ``read_stats``. The
+file's path is fixed in the launching process before the schedulers are spawned, so every
+process inherits the same one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+import time
+from typing import Any, Dict
+
+import torch
+
+from .config import PRRConfig
+from .server_args_patch import load_config
+
+logger = logging.getLogger("sglang_prr")
+
+ENV_STATS = "SGLANG_PRR_STATS_FILE"
+# On a GPU the statistics file is refreshed at most this often (a device->host copy).
+STATS_FLUSH_SECONDS_GPU = 1.0
+
+# Device counters of the selection kernel (int64): |A|, |M|, |P| summed over the sparse
+# (request, KV head) rows of every layer-step, and the number of such rows.
+_S_A, _S_M, _S_P, _S_ROWS = range(4)
+_N_STATS = 4
+
+
+def stats_path() -> str:
+    """Where the scheduler writes PRR statistics for ``GET /prr/stats`` (one file per server)."""
+    path = os.environ.get(ENV_STATS)
+    if not path:
+        path = os.path.join(tempfile.gettempdir(), f"sglang_prr_stats_{os.getpid()}.json")
+        os.environ[ENV_STATS] = path
+    return path
+
+
+def read_stats() -> dict:
+    """The latest statistics written by the scheduler, with the active configuration."""
+    cfg = load_config()
+    out = {"config": cfg.to_dict() if cfg else None, "enabled": bool(cfg and cfg.enabled)}
+    try:
+        with open(stats_path()) as f:
+            out.update(json.load(f))
+    except (OSError, ValueError):
+        out.setdefault("decode_steps", 0)
+    return out
+
+
+class Stats:
+    """Counters: the device's are drained to the host only outside the decode step."""
+
+    def __init__(self, device, cfg: PRRConfig, server_args, speculates: bool = True):
+        # Written by the selection kernel; drained (read, then zeroed) at each flush, so the
+        # int64 sums never come near overflow and the host keeps exact Python ints.
+        self.counters = torch.zeros(_N_STATS, dtype=torch.int64, device=device)
+        self.totals = [0] * _N_STATS
+        self.cfg = cfg
+        self.decode_batches = 0
+        # Host counts, from the batch's host lengths (no device work in the decode step): layer-
+        # steps of the sparse path, rows shorter than min_context (all blocks attended).
+        self.decode_steps = 0
+        self.serial_steps = 0  # layer-steps that the budget ran as serial DSA (no counters)
+        self.dense_rows = 0
+        self.budget: Dict[str, float] = {}  # the budget's choice per batch size
+        # False: serial DSA only (--prr-serial, or a budget that never speculates): no hit rate,
+        # |M| or delta.
+        self.speculates = bool(speculates) and not cfg.serial
+        self.extend_batches = 0
+        self.calibrations = 0
+        self.theta_counts: Dict[str, int] = {}  # layer 0's theta*, drained from theta_hist
+        self.theta_hist = torch.zeros(len(cfg.theta_grid), dtype=torch.int64, device=device)
+        self._last_flush = 0.0
+        self._last_logged = 0
+        self._gauges = None
+        self._enable_metrics = bool(getattr(server_args, "enable_metrics", False))
+        self._on_gpu = torch.device(device).type == "cuda"
+        # Under tensor parallelism every rank counts its own KV heads; rank 0 alone writes the
+        # file behind /prr/stats, logs and exports (the ranks would overwrite each other).
+        self.reporter = _attn_tp_rank() == 0
+
+    def drain(self) -> None:
+        """Move the device counters to the host totals (host-ok: called from
+        init_forward_metadata, outside decode; the read waits for the steps already queued)."""
+        for i, x in enumerate(self.counters.tolist()):  # host-ok: outside decode
+            self.totals[i] += int(x)
+        self.counters.zero_()
+        for i, n in enumerate(self.theta_hist.tolist()):  # host-ok: outside decode
+            if n:
+                key = ",".join(f"{x:g}" for x in self.cfg.theta_grid[i])
+                self.theta_counts[key] = self.theta_counts.get(key, 0) + int(n)
+        self.theta_hist.zero_()
+
+    def snapshot(self) -> Dict[str, Any]:
+        self.drain()
+        a = self.totals
+        rows = a[_S_ROWS]
+        # Serial DSA predicts nothing: its hit rate and budget are not applicable (None).
+        prr = self.speculates and a[_S_A] > 0
+        return {
+            "decode_batches": self.decode_batches,
+            "decode_steps": self.decode_steps,
+            "serial_steps": self.serial_steps,
+            "budget": dict(self.budget),
+            "sparse_rows": rows,
+            "dense_rows": self.dense_rows,
+            "hit_rate": ((a[_S_A] - a[_S_M]) / a[_S_A]) if prr else None,
+            "mean_selected_blocks": a[_S_A] / rows if rows else None,
+            "mean_repair_blocks": a[_S_M] / rows if rows and self.speculates else None,
+            "delta": (a[_S_P] / a[_S_A]) if prr else None,
+            "extend_batches": self.extend_batches,
+            "calibrations": self.calibrations,
+            "theta_chosen": dict(self.theta_counts),
+            "time": time.time(),
+        }
+
+    def count_batch(self, lens_cpu, real_rows: int, min_context: int, sparse_layers: int,
+                    speculates: bool = True) -> None:
+        """Host counts of one decode batch: its first ``real_rows`` host lengths (the rest is
+        CUDA-graph padding) split at ``min_context`` like the decode step splits them;
+        ``speculates``: False when the budget runs this batch as serial DSA."""
+        lens = lens_cpu[:real_rows]
+        n_sparse = int((lens >= min_context).sum())
+        if n_sparse == 0:
+            return
+        self.decode_steps += sparse_layers
+        if not speculates and not self.cfg.serial:
+            self.serial_steps += sparse_layers
+        self.dense_rows += sparse_layers * (real_rows - n_sparse)
+
+    def maybe_flush(self, force: bool = False) -> None:
+        now = time.time()
+        interval = self.cfg.metrics_interval
+        log_due = interval > 0 and self.decode_batches - self._last_logged >= interval
+        if not (force or log_due or not self._on_gpu
+                or now - self._last_flush >= STATS_FLUSH_SECONDS_GPU):
+            return
+        self._last_flush = now
+        snap = self.snapshot()
+        if not self.reporter:  # another tensor-parallel rank reports (its heads are alike)
+            return
+        path = stats_path()
+        tmp = f"{path}.{os.getpid()}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(snap, f)
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.debug("sglang_prr: cannot write stats (%s)", e)
+        if log_due:
+            self._last_logged = self.decode_batches
+            logger.info("PRR decode batches=%d hit_rate=%s |A|=%s |M|=%s delta=%s",
+                        snap["decode_batches"], _fmt(snap["hit_rate"]),
+                        _fmt(snap["mean_selected_blocks"]), _fmt(snap["mean_repair_blocks"]),
+                        _fmt(snap["delta"]))
+        if self._enable_metrics:
+            self._export(snap)
+
+    def _export(self, snap) -> None:
+        try:
+            from prometheus_client import Gauge
+
+            if self._gauges is None:
+                mk = lambda n, d: Gauge(f"sglang:prr_{n}", d, multiprocess_mode="mostrecent")
+                self._gauges = {
+                    "hit_rate": mk("hit_rate", "PRR hit rate |P n A| / |A| (cumulative)"),
+                    "mean_repair_blocks": mk("repair_blocks", "Mean |M| per row, head, layer"),
+                    "mean_selected_blocks": mk("selected_blocks", "Mean |A| per row, head, layer"),
+                    "delta": mk("delta", "Speculation budget used: |P| / |A|"),
+                    "decode_steps": mk("decode_steps", "PRR layer-steps run (cumulative)"),
+                }
+            for k, g in self._gauges.items():
+                if snap.get(k) is not None:
+                    g.set(float(snap[k]))
+        except Exception as e:  # metrics must never break serving
+            logger.debug("sglang_prr: prometheus export failed (%s)", e)
+
+
+def _attn_tp_rank() -> int:
+    """Attention tensor-parallel rank (0 without a parallel context, e.g. outside a server)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        return int(get_parallel().attn_tp_rank)
+    except Exception:
+        return 0
+
+
+def _fmt(v) -> str:
+    return "n/a" if v is None else f"{v:.4f}"
