@@ -236,8 +236,8 @@ def _main() -> None:
 
     ap = argparse.ArgumentParser(description=_main.__doc__)
     ap.add_argument("--lengths", type=int, nargs="+", default=[1500, 3100])
-    ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8])
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--ks", type=int, nargs="+", default=[2, 8])
     ap.add_argument("--qk-std", type=float, default=QK_STD)
     ap.add_argument("--o-std", type=float, default=O_STD)
     ap.add_argument("--lm-head-std", type=float, default=LM_HEAD_STD)
