@@ -65,5 +65,38 @@ __device__ __forceinline__ int64_t slot_of(const void* rows, bool rows64, int b)
   return rows ? ld_index(rows, b, rows64) : (int64_t)b;
 }
 
+
+// "Last CTA of a group finishes" (split reductions without a second launch): every CTA calls it
+// once after writing its results; it returns true in exactly one CTA of the group, after all the
+// others' writes are visible to it (read them with __ldcg: L1 is not coherent). The counter is
+// reset by that CTA, so the next launch or graph replay starts from zero. Contains __syncthreads.
+__device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
+  __shared__ int s_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int prev = atomicAdd(counter, 1);
+    s_last = prev == group_size - 1;
+    if (s_last) atomicExch(counter, 0);
+  }
+  __syncthreads();
+  if (s_last) __threadfence();
+  return s_last;
+}
+
+
+// Raw 8-element vector of KV type T, loaded with one (16-bit types) or two (fp32) 16-byte loads
+// so that several tokens' loads can be issued before any is used.
+template <typename T> struct Raw8 { uint4 r[sizeof(T) / 2]; };
+
+template <typename T>
+__device__ __forceinline__ Raw8<T> ld_raw8(const T* p) {
+  Raw8<T> x;
+  const uint4* u = reinterpret_cast<const uint4*>(p);
+#pragma unroll
+  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) x.r[i] = __ldg(u + i);
+  return x;
+}
+
 }  // namespace
 }  // namespace prr

@@ -7,6 +7,7 @@
 // SGLANG_PRR_INFLLM_STAGE=logits (skip the pool pass: the scores are then not computed).
 // Measurements and versions: benchmarks/NOTES-kernels.md ("InfLLM-v2").
 #include "infllm_kernels.h"
+#include "common.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -16,13 +17,6 @@
 
 namespace prr {
 namespace {
-
-constexpr float kLog2eInf = 1.4426950408889634f;
-
-__device__ __forceinline__ int64_t ld_idx(const void* p, int64_t i, bool is64) {
-  return is64 ? __ldg(reinterpret_cast<const long long*>(p) + i)
-              : (int64_t)__ldg(reinterpret_cast<const int*>(p) + i);
-}
 
 // 8 consecutive elements of dtype `dt` as floats (16-byte aligned).
 __device__ __forceinline__ void ld8_any(const void* base, int64_t off, int dt, float* f) {
@@ -43,28 +37,18 @@ __device__ __forceinline__ void ld8_any(const void* base, int64_t off, int dt, f
   }
 }
 
-// Raw 8-element vector of type T (one 16-byte load for 16-bit types, two for fp32), so that
-// several rows can be in flight before any is converted.
-template <typename T> struct Vec8 { uint4 r[sizeof(T) / 2]; };
-template <typename T>
-__device__ __forceinline__ Vec8<T> ld_vec8(const T* p) {
-  Vec8<T> x;
-  const uint4* u = reinterpret_cast<const uint4*>(p);
-#pragma unroll
-  for (int i = 0; i < (int)(sizeof(T) / 2); ++i) x.r[i] = __ldg(u + i);
-  return x;
-}
-__device__ __forceinline__ void add8(const Vec8<float>& x, float* f) {
+// Raw8 / ld_raw8 (common.cuh): several rows in flight before any is converted.
+__device__ __forceinline__ void add8(const Raw8<float>& x, float* f) {
   const float* p = reinterpret_cast<const float*>(x.r);
 #pragma unroll
   for (int i = 0; i < 8; ++i) f[i] += p[i];
 }
-__device__ __forceinline__ void add8(const Vec8<__half>& x, float* f) {
+__device__ __forceinline__ void add8(const Raw8<__half>& x, float* f) {
   const __half2* h = reinterpret_cast<const __half2*>(x.r);
 #pragma unroll
   for (int i = 0; i < 4; ++i) { const float2 v = __half22float2(h[i]); f[2 * i] += v.x; f[2 * i + 1] += v.y; }
 }
-__device__ __forceinline__ void add8(const Vec8<__nv_bfloat16>& x, float* f) {
+__device__ __forceinline__ void add8(const Raw8<__nv_bfloat16>& x, float* f) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(x.r);
 #pragma unroll
   for (int i = 0; i < 4; ++i) { const float2 v = __bfloat1622float2(h[i]); f[2 * i] += v.x; f[2 * i + 1] += v.y; }
@@ -86,18 +70,18 @@ template <typename T>
 __global__ void __launch_bounds__(kUpdThreads) infllm_update_kernel(InfllmUpdateArgs a) {
   __shared__ int64_t s_slot[kInfllmWindow];
   const int n = blockIdx.x;
-  const int64_t pos = ld_idx(a.positions, n, a.pos64);
+  const int64_t pos = ld_index(a.positions, n, a.pos64);
   if (pos < kInfllmWindow - 1 || (pos + 1) % kInfllmStride != 0) return;
   if (threadIdx.x < kInfllmWindow) {
-    const int64_t r = ld_idx(a.req_idx, n, a.req64);
-    s_slot[threadIdx.x] = ld_idx(a.req_to_token,
+    const int64_t r = ld_index(a.req_idx, n, a.req64);
+    s_slot[threadIdx.x] = ld_index(a.req_to_token,
                                  r * a.rtt_stride + pos - (kInfllmWindow - 1) + threadIdx.x, a.rtt64);
   }
   __syncthreads();
   const int pp = a.page_size / kInfllmStride;
   const int64_t i = (pos - (kInfllmWindow - 1)) / kInfllmStride;
   const int64_t j = i + 1 - (pos / a.page_size) * pp;
-  const int64_t page = ld_idx(a.out_loc, n, a.loc64) / a.page_size;
+  const int64_t page = ld_index(a.out_loc, n, a.loc64) / a.page_size;
   float* dst = a.ck + (page * pp + j) * a.Hk * a.D;
   const T* kb = reinterpret_cast<const T*>(a.k);
   const int hd8 = a.Hk * a.D / 8;
@@ -110,9 +94,9 @@ __global__ void __launch_bounds__(kUpdThreads) infllm_update_kernel(InfllmUpdate
     for (int t = 0; t < 8; ++t) acc[t] = 0.f;
 #pragma unroll
     for (int w0 = 0; w0 < kInfllmWindow; w0 += U) {
-      Vec8<T> v[U];
+      Raw8<T> v[U];
 #pragma unroll
-      for (int u = 0; u < U; ++u) v[u] = ld_vec8<T>(src + s_slot[w0 + u] * a.k_stride_slot);
+      for (int u = 0; u < U; ++u) v[u] = ld_raw8<T>(src + s_slot[w0 + u] * a.k_stride_slot);
 #pragma unroll
       for (int u = 0; u < U; ++u) add8(v[u], acc);
     }
@@ -163,7 +147,7 @@ infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
   const int tid = threadIdx.x;
   float2* stats = reinterpret_cast<float2*>(a.stats);
 
-  int64_t nvalid = complete_keys(ld_idx(a.seq_lens, b, a.seq64));
+  int64_t nvalid = complete_keys(ld_index(a.seq_lens, b, a.seq64));
   if (nvalid > E - 1) nvalid = E - 1;
   const int64_t e0 = (int64_t)c * chunk;
   const int64_t e_end = e0 + chunk < nvalid + 1 ? e0 + chunk : nvalid + 1;  // exclusive
@@ -175,14 +159,14 @@ infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
   const int64_t pg0 = e0 / pp;
   const int npg = (int)((e_end - 1) / pp - pg0 + 1);
   for (int t = tid; t < npg; t += kScoreThreads)
-    s_page[t] = ld_idx(a.table, (int64_t)b * a.table_stride + pg0 + t, a.table64);
+    s_page[t] = ld_index(a.table, (int64_t)b * a.table_stride + pg0 + t, a.table64);
 
   const int lanes = L * hc;                 // lanes per entry
   const int epp = kScoreThreads / lanes;    // entries per pass
   const int ent = tid / lanes, hh = (tid % lanes) / L, lane_t = tid % L, d0 = lane_t * 8;
   const int hk = hk0 + hh;
   float qf[GMAX][8];
-  const float qs = a.sm_scale * kLog2eInf;
+  const float qs = a.sm_scale * kLog2e;
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
     if (g < G) {
@@ -345,7 +329,7 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
   const int tid = threadIdx.x;
   float2* stats = reinterpret_cast<float2*>(a.stats);
 
-  int64_t nvalid = complete_keys(ld_idx(a.seq_lens, b, a.seq64));
+  int64_t nvalid = complete_keys(ld_index(a.seq_lens, b, a.seq64));
   if (nvalid > E - 1) nvalid = E - 1;
   const int64_t e0 = (int64_t)c * chunk;  // a page boundary (chunk % pp == 0)
   const int64_t e_end = e0 + chunk < nvalid + 1 ? e0 + chunk : nvalid + 1;
@@ -366,7 +350,7 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
   if (tid == 0) {
     const int n0 = npg < S ? npg : S;
     for (int i = 0; i < n0; ++i) {
-      const int64_t page = ld_idx(a.table, trow + i, a.table64);
+      const int64_t page = ld_index(a.table, trow + i, a.table64);
       bulk_load(stage + i * pf, a.ck + page * pf, page_bytes, &bars[i]);
     }
   }
@@ -376,7 +360,7 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
   const int ent = tid / lanes, hh = (tid % lanes) / L, lane_t = tid % L;
   const int da = lane_t * 4, db = D / 2 + lane_t * 4;
   float qf[GMAX][8];
-  const float qs = a.sm_scale * kLog2eInf;
+  const float qs = a.sm_scale * kLog2e;
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
     if (g < G) {
@@ -436,7 +420,7 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
     }
     __syncthreads();  // stage st consumed by every thread
     if (tid == 0 && i + S < npg) {
-      const int64_t page = ld_idx(a.table, trow + i + S, a.table64);
+      const int64_t page = ld_index(a.table, trow + i + S, a.table64);
       bulk_load(stage + st * pf, a.ck + page * pf, page_bytes, &bars[st]);
     }
   }
@@ -475,7 +459,7 @@ infllm_pool_kernel(InfllmScoresArgs a, int bpc, int NC) {
   const int64_t n0 = (int64_t)cb * bpc;
   const int64_t n1 = n0 + bpc < a.NB ? n0 + bpc : a.NB;
   float* out = a.out + row * a.NB;
-  int64_t nvalid = complete_keys(ld_idx(a.seq_lens, b, a.seq64));
+  int64_t nvalid = complete_keys(ld_index(a.seq_lens, b, a.seq64));
   if (nvalid > E - 1) nvalid = E - 1;
   const int64_t lo = n0 * pp > 1 ? n0 * pp : 1;
   const int64_t hi = n1 * pp < nvalid ? n1 * pp : nvalid;  // inclusive

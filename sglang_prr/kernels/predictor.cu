@@ -1,0 +1,144 @@
+// The Holt predictor on SM90 (eqs 2-3): the fused decode step (Holt update, P(t+1) and its
+// top-K in one launch) and the element-wise Holt update the prefill replay uses.
+// Plain CUDA: these kernels are memory- and latency-bound, so they are written around wide loads
+// and many independent requests in flight rather than tensor cores. Every kernel is graph-safe:
+// static launch shapes, device-side counts, no host reads.
+#include "prr_kernels.h"
+#include "common.cuh"
+#include "topk.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cub/block/block_scan.cuh>
+#include <algorithm>
+#include <cfloat>
+#include <cstdlib>
+#include <cstring>
+#include <cmath>
+
+namespace prr {
+namespace {
+
+// ============================================================================ fused predictor
+// Holt update (eq 3) + next-step prediction (eq 2) + top-K of P(t+1) in one launch, one CTA per
+// row (b, hk). n_init[b] is read by all Hk rows of the request and raised by the last of them.
+__global__ void __launch_bounds__(kTopkThreads)
+predict_update_kernel(PredictArgs a) {
+  extern __shared__ uint32_t s_key[];  // [NB]
+  const int hk = blockIdx.x, b = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int NB = a.NB;
+  const int64_t srow = slot_of(a.rows, a.rows64, b);  // the request's state row
+  const int64_t row = srow * a.Hk + hk;
+  const int64_t brow = (int64_t)b * a.Hk + hk;        // this step's scores
+  const int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
+  const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
+  const int64_t nn64 = ld_index(a.nblk_next, b, a.nblk_next64);
+  const int nbn = (int)(nn64 < NB ? (nn64 < 0 ? 0 : nn64) : NB);
+  const int64_t ni64 = ld_index(a.n_init, srow, a.ninit64);
+  const int ninit = (int)(ni64 < NB ? ni64 : NB);
+  const int ninit_new = max(ninit, nb);
+  const float al = a.theta[srow * a.theta_stride], be = a.theta[srow * a.theta_stride + 1];
+  const float gam = a.theta[srow * a.theta_stride + 2];
+  float* lv = a.level + row * NB;
+  float* tr = a.trend + row * NB;
+  const float* sc = a.scores + brow * NB;
+  const int keep_lo = a.sink, keep_hi = nbn - a.local;
+  // Blocks past both counts are neither updated nor predictable: the loops stop before them.
+  const int L = max(nb, nbn);
+  for (int i = tid; i < L; i += kTopkThreads) {
+    float l = 0.f, v = 0.f;
+    if (i < nb) {  // eq 3, rounded op by op like the reference
+      const float s = sc[i];
+      const float l0 = lv[i];
+      // A level that is not finite (InfLLM-v2 scores -inf before a complete compressed key)
+      // restarts like a new block, as in the reference.
+      if (i < ninit && isfinite(l0)) {
+        v = __fadd_rn(__fmul_rn(be, __fsub_rn(s, l0)), __fmul_rn(__fsub_rn(1.f, be), tr[i]));
+        l = __fadd_rn(__fmul_rn(al, s), __fmul_rn(__fsub_rn(1.f, al), l0));
+      } else {
+        l = s;
+      }
+      lv[i] = l;
+      tr[i] = v;
+    } else if (i < ninit_new) {
+      l = lv[i];
+      v = tr[i];
+    }
+    uint32_t key = 0;
+    if (is_middle(i, nbn, keep_lo, keep_hi))
+      key = order_key(i < ninit_new ? __fadd_rn(l, __fmul_rn(gam, v)) : -INFINITY);
+    s_key[i] = key;
+  }
+  topk_mask<kTopkThreads>(s_key, L, nbn, a.k, keep_lo, keep_hi);
+  write_list<kTopkThreads>(s_key, L, 1u, a.idx + row * a.n_out, a.n_out, a.cnt + row);
+  if (last_of_group(a.sem + b, gridDim.x) && tid == 0) {
+    if (a.ninit64) reinterpret_cast<long long*>(a.n_init)[srow] = ninit_new;
+    else reinterpret_cast<int*>(a.n_init)[srow] = ninit_new;
+  }
+}
+
+// ============================================================================ Holt update
+__global__ void holt_update_kernel(HoltArgs a) {
+  const int64_t total = (int64_t)a.B * a.Hk * a.NB;
+  for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total;
+       e += (int64_t)gridDim.x * blockDim.x) {
+    const int i = (int)(e % a.NB);
+    const int b = (int)(e / ((int64_t)a.Hk * a.NB));
+    const int64_t nb = ld_index(a.nblk, b, a.nblk64);
+    if (i >= nb) continue;
+    const int64_t ni = ld_index(a.n_init, b, a.ninit64);
+    const float s = a.scores[e];
+    const float lv = a.level[e];
+    if (i < ni && isfinite(lv)) {  // a non-finite level restarts like a new block
+      const float al = a.alpha[b * a.alpha_stride], be = a.beta[b * a.beta_stride];
+      // Rounded op by op like the reference (no fused multiply-add): the state feeds top-K ties.
+      a.trend[e] = __fadd_rn(__fmul_rn(be, __fsub_rn(s, lv)), __fmul_rn(__fsub_rn(1.f, be), a.trend[e]));
+      a.level[e] = __fadd_rn(__fmul_rn(al, s), __fmul_rn(__fsub_rn(1.f, al), lv));
+    } else {
+      a.trend[e] = 0.f;
+      a.level[e] = s;
+    }
+  }
+}
+// A separate launch: the element kernel must see the old n_init everywhere.
+__global__ void holt_ninit_kernel(HoltArgs a) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b >= a.B) return;
+  const int64_t nb = ld_index(a.nblk, b, a.nblk64);
+  if (a.ninit64) {
+    long long* p = reinterpret_cast<long long*>(a.n_init) + b;
+    if (nb > *p) *p = nb;
+  } else {
+    int* p = reinterpret_cast<int*>(a.n_init) + b;
+    if (nb > *p) *p = (int)nb;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_predict_update(const PredictArgs& a, cudaStream_t s) {
+  if (a.NB > kTopkMaxBlocks) return cudaErrorInvalidValue;
+  if (a.B == 0 || a.Hk == 0) return cudaSuccess;
+  const size_t smem = (size_t)(a.NB > 0 ? a.NB : 1) * sizeof(uint32_t);
+  cudaError_t e = set_smem_limit(predict_update_kernel, smem);
+  if (e != cudaSuccess) return e;
+  predict_update_kernel<<<dim3(a.Hk, a.B), kTopkThreads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_holt_update(const HoltArgs& a, cudaStream_t s) {
+  const int64_t total = (int64_t)a.B * a.Hk * a.NB;
+  if (total > 0) {
+    const int threads = 256;
+    int64_t blocks = (total + threads - 1) / threads;
+    if (blocks > 4096) blocks = 4096;
+    holt_update_kernel<<<(int)blocks, threads, 0, s>>>(a);
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess) return e;
+  }
+  if (a.B > 0) holt_ninit_kernel<<<(a.B + 127) / 128, 128, 0, s>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace prr

@@ -1,0 +1,328 @@
+// Block selection on SM90: Quest scores, top-K (A), the fused Quest selection (scores, A,
+// M = A \ P and the statistics in one launch) and the set difference M = A \ P.
+// Plain CUDA: these kernels are memory- and latency-bound, so they are written around wide loads
+// and many independent requests in flight rather than tensor cores. Every kernel is graph-safe:
+// static launch shapes, device-side counts, no host reads.
+#include "prr_kernels.h"
+#include "common.cuh"
+#include "topk.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cub/block/block_scan.cuh>
+#include <algorithm>
+#include <cfloat>
+#include <cstdlib>
+#include <cstring>
+#include <cmath>
+
+namespace prr {
+namespace {
+
+// ============================================================================ Quest scores
+// One warp per (request, block): it reads the block's min/max rows of every KV head (float4 per
+// lane) and sums max(q*kmax, q*kmin) over dims and the GQA group. q of the request is staged in
+// shared memory once per CTA.
+constexpr int kQuestWarps = 8;
+
+__global__ void __launch_bounds__(kQuestWarps * 32)
+quest_scores_kernel(QuestArgs a) {
+  extern __shared__ float s_q[];  // [Hq, D]
+  const int b = blockIdx.y;
+  const int HqD = a.Hq * a.D;
+  for (int e = threadIdx.x * 8; e < HqD; e += blockDim.x * 8) {
+    float f[8];
+    load8_any(a.q, (int64_t)b * HqD + e, a.q_dtype, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s_q[e + i] = f[i];
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n = blockIdx.x * kQuestWarps + warp;
+  if (n >= a.NB) return;
+  const int64_t nb_b = ld_index(a.nblk, b, a.nblk64);
+  float* out = a.out + (int64_t)b * a.Hk * a.NB + n;
+  if (n >= nb_b) {
+    for (int h = lane; h < a.Hk; h += 32) out[(int64_t)h * a.NB] = -INFINITY;
+    return;
+  }
+  const int64_t page = ld_index(a.table, (int64_t)b * a.table_stride + n, a.table64);
+  const int G = a.Hq / a.Hk, D4 = a.D / 4;
+  const float4* lo = reinterpret_cast<const float4*>(a.kmin + page * a.Hk * a.D);
+  const float4* hi = reinterpret_cast<const float4*>(a.kmax + page * a.Hk * a.D);
+  constexpr int HU = 4;  // KV heads loaded together
+  for (int h0 = 0; h0 < a.Hk; h0 += HU) {
+    float part[HU];
+#pragma unroll
+    for (int j = 0; j < HU; ++j) part[j] = 0.f;
+    for (int c = lane; c < D4; c += 32) {
+      float4 vl[HU], vh[HU];
+#pragma unroll
+      for (int j = 0; j < HU; ++j) {
+        if (h0 + j < a.Hk) { vl[j] = __ldg(lo + (h0 + j) * D4 + c); vh[j] = __ldg(hi + (h0 + j) * D4 + c); }
+      }
+#pragma unroll
+      for (int j = 0; j < HU; ++j) {
+        if (h0 + j >= a.Hk) continue;
+        for (int g = 0; g < G; ++g) {
+          const float4 q = reinterpret_cast<const float4*>(s_q + ((h0 + j) * G + g) * a.D)[c];
+          part[j] += fmaxf(q.x * vh[j].x, q.x * vl[j].x) + fmaxf(q.y * vh[j].y, q.y * vl[j].y) +
+                     fmaxf(q.z * vh[j].z, q.z * vl[j].z) + fmaxf(q.w * vh[j].w, q.w * vl[j].w);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < HU; ++j) {
+      float x = part[j];
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+      if (lane == 0 && h0 + j < a.Hk) out[(int64_t)(h0 + j) * a.NB] = x;
+    }
+  }
+}
+
+// ============================================================================ top-K selection
+// The top-K helpers (order keys, topk_mask, write_list) are in topk.cuh.
+
+__global__ void __launch_bounds__(kTopkThreads)
+select_topk_kernel(TopkArgs a) {
+  extern __shared__ uint32_t s_key[];  // [NB]
+  const int hk = blockIdx.x, b = blockIdx.y;
+  const int tid = threadIdx.x;
+  const int NB = a.NB;
+  const int64_t row = (int64_t)b * a.Hk + hk;
+  int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
+  const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
+  const int keep_lo = a.sink, keep_hi = nb - a.local;  // kept: id < keep_lo or id >= keep_hi
+  int ninit = 0;
+  float gam = 0.f;
+  if (a.trend) {
+    const int64_t x = ld_index(a.n_init, b, a.ninit64);
+    ninit = (int)(x < NB ? x : NB);
+    gam = a.gamma[b * a.gamma_stride];
+  }
+  const float* src = a.scores + row * NB;
+  const float* trd = a.trend ? a.trend + row * NB : nullptr;
+  for (int i = tid; i < NB; i += kTopkThreads) {
+    uint32_t key = 0;
+    if (is_middle(i, nb, keep_lo, keep_hi)) {
+      float sc;
+      // Unfused multiply-add, as the reference rounds it (ties decide the selection).
+      if (trd) sc = i < ninit ? __fadd_rn(src[i], __fmul_rn(gam, trd[i])) : -INFINITY;
+      else sc = src[i];
+      key = order_key(sc);
+    }
+    s_key[i] = key;
+  }
+  const int kk = (a.dense_row && a.dense_row[b]) ? NB : a.k;
+  topk_mask<kTopkThreads>(s_key, NB, nb, kk, keep_lo, keep_hi);
+  write_list<kTopkThreads>(s_key, NB, 1u, a.idx + row * a.n_out, a.n_out, a.cnt + row);
+}
+
+// ============================================================================ fused selection
+// Quest scores + top-K (A) + M = A \ P in one launch. Grid (Hk, chunks of kSelChunk blocks, B):
+// every CTA scores its chunk of blocks for one KV head, a warp per block and kSelPerWarp blocks
+// per warp loaded together (the heads of a chunk are neighbours in launch order, so the pieces of
+// each page's [Hk, D] summary rows are read close in time). The last CTA of the row (b, hk) then
+// reads the row's scores back from L2 and runs the top-K and both list writes, so selection costs
+// one launch and one pass over the summaries.
+constexpr int kSelThreads = 512;
+constexpr int kSelWarps = kSelThreads / 32;
+constexpr int kSelPerWarp = 4;
+constexpr int kSelChunk = kSelWarps * kSelPerWarp;
+
+__global__ void __launch_bounds__(kSelThreads)
+quest_select_kernel(SelectArgs a) {
+  extern __shared__ __align__(16) uint32_t s_sel[];  // q group [G, D] floats, then keys [NB]
+  const int hk = blockIdx.x, b = blockIdx.z;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int G = a.Hq / a.Hk, D4 = a.D / 4;
+  const int NB = a.NB;
+  const int64_t row = (int64_t)b * a.Hk + hk;
+  const int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
+  const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
+  // Only the chunks holding the row's blocks take part (the table is as wide as the longest
+  // context the server accepts, most rows are shorter); the others exit at once, with no fence.
+  const int nch = max((nb + kSelChunk - 1) / kSelChunk, 1);
+  if ((int)blockIdx.y >= nch) return;
+  float* s_q = reinterpret_cast<float*>(s_sel);
+  for (int e = tid * 8; e < G * a.D; e += kSelThreads * 8) {
+    float f[8];
+    load8_any(a.q, b * a.q_stride + (int64_t)hk * G * a.D + e, a.q_dtype, f);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) s_q[e + i] = f[i];
+  }
+  __syncthreads();
+  const int base = blockIdx.y * kSelChunk + warp;
+  int64_t page[kSelPerWarp];
+  bool valid[kSelPerWarp];
+#pragma unroll
+  for (int j = 0; j < kSelPerWarp; ++j) {
+    const int n = base + j * kSelWarps;
+    valid[j] = n < nb;
+    page[j] = valid[j] ? ld_index(a.table, (int64_t)b * a.table_stride + n, a.table64) : 0;
+  }
+  float acc[kSelPerWarp];
+#pragma unroll
+  for (int j = 0; j < kSelPerWarp; ++j) acc[j] = 0.f;
+  for (int c = lane; c < D4; c += 32) {
+    float4 lo[kSelPerWarp], hi[kSelPerWarp];
+#pragma unroll
+    for (int j = 0; j < kSelPerWarp; ++j) {
+      if (valid[j]) {
+        const int64_t off = (page[j] * a.Hk + hk) * D4 + c;
+        lo[j] = __ldg(reinterpret_cast<const float4*>(a.kmin) + off);
+        hi[j] = __ldg(reinterpret_cast<const float4*>(a.kmax) + off);
+      }
+    }
+    for (int g = 0; g < G; ++g) {
+      const float4 q = reinterpret_cast<const float4*>(s_q + g * a.D)[c];
+#pragma unroll
+      for (int j = 0; j < kSelPerWarp; ++j) {
+        if (!valid[j]) continue;
+        acc[j] += fmaxf(q.x * hi[j].x, q.x * lo[j].x) + fmaxf(q.y * hi[j].y, q.y * lo[j].y) +
+                  fmaxf(q.z * hi[j].z, q.z * lo[j].z) + fmaxf(q.w * hi[j].w, q.w * lo[j].w);
+      }
+    }
+  }
+  float* srow = a.scores + row * NB;
+#pragma unroll
+  for (int j = 0; j < kSelPerWarp; ++j) {
+    float x = acc[j];
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+    const int n = base + j * kSelWarps;
+    if (lane == 0 && n < NB) srow[n] = valid[j] ? x : -INFINITY;
+  }
+  if (!last_of_group(a.sem + row, nch)) return;
+
+  for (int i = nch * kSelChunk + tid; i < NB; i += kSelThreads) srow[i] = -INFINITY;
+  uint32_t* s_key = s_sel;  // the q group is no longer needed; only blocks < nb can be chosen
+  const int keep_lo = a.sink, keep_hi = nb - a.local;
+  for (int i = tid; i < nb; i += kSelThreads)
+    s_key[i] = is_middle(i, nb, keep_lo, keep_hi) ? order_key(__ldcg(srow + i)) : 0u;
+  const bool dense = a.dense_row && a.dense_row[b];
+  topk_mask<kSelThreads>(s_key, nb, nb, dense ? NB : a.k, keep_lo, keep_hi);
+  // Mark the selected blocks that P holds (bit 1): M = selected without that bit.
+  int pc = 0;
+  if (a.p_idx) {
+    const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
+    pc = min(max(a.p_cnt[prow], 0), a.Np);
+    for (int i = tid; i < pc; i += kSelThreads) {
+      const int x = a.p_idx[prow * a.Np + i];
+      if (x >= 0 && x < nb && s_key[x]) s_key[x] = 3u;
+    }
+    __syncthreads();
+  }
+  write_list<kSelThreads>(s_key, nb, 1u, a.a_idx + row * a.n_out, a.n_out, a.a_cnt + row);
+  // M: selected (bit 0) and not in P (bit 1 clear).
+  for (int i = tid; i < nb; i += kSelThreads) s_key[i] = s_key[i] == 1u ? 1u : 0u;
+  __syncthreads();
+  write_list<kSelThreads>(s_key, nb, 1u, a.m_idx + row * a.n_out, a.n_out, a.m_cnt + row);
+  // write_list's last barrier makes both counts visible to thread 0, which wrote them.
+  if (a.stats && !dense && tid == 0) {
+    atomicAdd(a.stats + 0, (unsigned long long)a.a_cnt[row]);
+    atomicAdd(a.stats + 1, (unsigned long long)a.m_cnt[row]);
+    atomicAdd(a.stats + 2, (unsigned long long)pc);
+    atomicAdd(a.stats + 3, 1ull);
+  }
+}
+
+// ============================================================================ set difference
+// One CTA per row: bitmask A \ P in shared memory (robust to any list order), then an ascending
+// compaction by a block scan over the mask words.
+constexpr int kSetThreads = 256;
+
+__global__ void __launch_bounds__(kSetThreads)
+set_difference_kernel(SetDiffArgs a) {
+  extern __shared__ uint32_t s_bits[];
+  using Scan = cub::BlockScan<int, kSetThreads>;
+  __shared__ typename Scan::TempStorage s_scan;
+  __shared__ int s_total;
+  const int row = blockIdx.x, tid = threadIdx.x;
+  const int W = (a.nb + 31) / 32;
+  for (int w = tid; w < W; w += kSetThreads) s_bits[w] = 0;
+  __syncthreads();
+  const int ca = a.a_cnt[row], cp = a.p_cnt[row];
+  for (int i = tid; i < a.Na && i < ca; i += kSetThreads) {
+    const int x = a.a_idx[(int64_t)row * a.Na + i];
+    if (x >= 0 && x < a.nb) atomicOr(&s_bits[x >> 5], 1u << (x & 31));
+  }
+  __syncthreads();
+  for (int i = tid; i < a.Np && i < cp; i += kSetThreads) {
+    const int x = a.p_idx[(int64_t)row * a.Np + i];
+    if (x >= 0 && x < a.nb) atomicAnd(&s_bits[x >> 5], ~(1u << (x & 31)));
+  }
+  __syncthreads();
+  const int C = (W + kSetThreads - 1) / kSetThreads;
+  const int w0 = tid * C, w1 = min(W, w0 + C);
+  int c = 0;
+  for (int w = w0; w < w1; ++w) c += __popc(s_bits[w]);
+  int pos;
+  Scan(s_scan).ExclusiveSum(c, pos);
+  if (tid == kSetThreads - 1) s_total = pos + c;
+  __syncthreads();
+  int32_t* out = a.m_idx + (int64_t)row * a.n_out;
+  for (int w = w0; w < w1 && pos < a.n_out; ++w) {
+    uint32_t bits = s_bits[w];
+    while (bits && pos < a.n_out) {
+      const int j = __ffs(bits) - 1;
+      bits &= bits - 1;
+      out[pos++] = w * 32 + j;
+    }
+  }
+  const int total = s_total;
+  for (int j = total + tid; j < a.n_out; j += kSetThreads) out[j] = -1;
+  if (tid == 0) a.m_cnt[row] = total < a.n_out ? total : a.n_out;
+}
+
+}  // namespace
+
+cudaError_t launch_quest_scores(const QuestArgs& a, cudaStream_t s) {
+  if (a.D % 8 != 0 || a.Hq % a.Hk != 0) return cudaErrorInvalidValue;
+  if (a.B == 0 || a.NB == 0) return cudaSuccess;
+  const size_t smem = (size_t)a.Hq * a.D * sizeof(float);
+  cudaError_t e = set_smem_limit(quest_scores_kernel, smem);
+  if (e != cudaSuccess) return e;
+  dim3 grid((a.NB + kQuestWarps - 1) / kQuestWarps, a.B);
+  quest_scores_kernel<<<grid, kQuestWarps * 32, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+int max_topk_blocks() { return kTopkMaxBlocks; }
+
+cudaError_t launch_select_topk(const TopkArgs& a, cudaStream_t s) {
+  if (a.NB > kTopkMaxBlocks) return cudaErrorInvalidValue;
+  if (a.B == 0 || a.Hk == 0) return cudaSuccess;
+  const size_t smem = (size_t)(a.NB > 0 ? a.NB : 1) * sizeof(uint32_t);
+  cudaError_t e = set_smem_limit(select_topk_kernel, smem);
+  if (e != cudaSuccess) return e;
+  select_topk_kernel<<<dim3(a.Hk, a.B), kTopkThreads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+int max_select_group_dim() { return 48 * 1024 / 4; }
+
+cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
+  if (a.D % 8 != 0 || a.Hq % a.Hk != 0 || a.NB > kTopkMaxBlocks ||
+      (a.Hq / a.Hk) * a.D > max_select_group_dim())
+    return cudaErrorInvalidValue;
+  if (a.B == 0 || a.Hk == 0 || a.NB == 0) return cudaSuccess;
+  const size_t smem = std::max((size_t)a.NB, (size_t)(a.Hq / a.Hk) * a.D) * 4;
+  cudaError_t e = set_smem_limit(quest_select_kernel, smem);
+  if (e != cudaSuccess) return e;
+  dim3 grid(a.Hk, (a.NB + kSelChunk - 1) / kSelChunk, a.B);
+  quest_select_kernel<<<grid, kSelThreads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_set_difference(const SetDiffArgs& a, cudaStream_t s) {
+  if (a.rows == 0) return cudaSuccess;
+  const size_t smem = (size_t)((a.nb + 31) / 32 + 1) * sizeof(uint32_t);
+  cudaError_t e = set_smem_limit(set_difference_kernel, smem);
+  if (e != cudaSuccess) return e;
+  set_difference_kernel<<<a.rows, kSetThreads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+
+}  // namespace prr
