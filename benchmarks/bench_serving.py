@@ -11,17 +11,9 @@ and sends ``batch`` concurrent streamed requests of ``ctx`` random token ids, ``
 output tokens each (ignore-eos). The decode time per step is the median inter-token latency
 (ITL), timed per token arrival (``completion_tokens`` of each streamed chunk, not its text:
 random weights often decode to empty strings, which is why ``sglang.benchmark.serving``, which
-times text, reports no ITL here). TPOT and TTFT are reported beside it, and the hit rate from
-``/prr/stats``.
-
-The requests of a batch are prefilled one after another (8 x 32K tokens take about 7 s on an
-H200), so with ``out`` tokens each the first ones finish before the last one starts: the median
-ITL of a batch point is then mostly steps of fewer requests, with prefill chunks in between.
-``full_batch_itl_ms`` is the ITL over the window in which every request decodes; to make that
-window about ``out`` steps long, each request of a batch point gets extra output tokens
-(``extra_out``: the other requests' prefill time over a decode step, from the same server's
-batch-1 point at that context; ``--no-full-batch`` turns this off). The plot shows the
-full-batch ITL where there is one.
+times text, reports no ITL here). With ``out`` much larger than the number of prefill chunks,
+most gaps are decode steps of the whole batch. TPOT and TTFT are reported beside it, and the
+hit rate from ``/prr/stats``.
 
 The default grid is contexts 32K and 128K x batches 1 and 8 without 128K / batch 8 (its KV
 cache and prefill cost more memory and time than one device call has; ``--skip`` with no
@@ -84,10 +76,8 @@ VARIANTS = {
 LABELS = {"dense": "dense (FlashInfer)", "serial": "serial DSA", "prr": "PRR (exact)",
           "auto": "PRR auto budget"}
 WARMUP_OUT = 4  # output tokens of the warm-up request: prefill plus a few decode graph replays
-EXTRA_MAX = 4096  # most output tokens added to a batch point's requests (see _extra_tokens)
 PROFILE_WAIT_S = 60  # how long a trace may take to appear once the requests are done
-COLUMNS = ["variant", "label", "ctx", "batch", "out", "median_itl_ms", "full_batch_itl_ms",
-           "full_batch_gaps", "extra_out", "p90_itl_ms",
+COLUMNS = ["variant", "label", "ctx", "batch", "out", "median_itl_ms", "p90_itl_ms",
            "median_tpot_ms", "median_ttft_ms", "output_tok_s", "completed", "hit_rate",
            "kernels_per_step", "gpu_busy_ms_per_step", "kernels_per_layer", "reference",
            "wall_s"]
@@ -121,7 +111,7 @@ def plan(a) -> dict:
 
 
 def server_cmd(model: str, port: int, variant: str, points: list, a) -> list:
-    ctx_len = max(c for c, _, _ in points) + a.out + 64 + (EXTRA_MAX if a.full_batch else 0)
+    ctx_len = max(c for c, _, _ in points) + a.out + 64
     max_bs = max(b for _, b, _ in points)
     if a.device == "cpu":  # plumbing smoke run: SGLang's CPU path (no graphs, no FlashInfer)
         dev = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
@@ -228,10 +218,7 @@ def load_test(url: str, ctx: int, batch: int, out: int, seed: int, on_decode=Non
     wall = time.perf_counter() - t0
     if any(not m for m in res):
         raise RuntimeError("a request returned no tokens")
-    itl, full, ttft, tpot, toks = [], [], [], [], 0
-    # The window in which every request of the batch decodes: from the last first token to the
-    # first request's last token.
-    t_all, t_end = max(m[0][0] for m in res), min(m[-1][0] for m in res)
+    itl, ttft, tpot, toks = [], [], [], 0
     for marks in res:
         ttft.append(marks[0][0])
         toks += sum(k for _, k in marks)
@@ -239,12 +226,9 @@ def load_test(url: str, ctx: int, batch: int, out: int, seed: int, on_decode=Non
             tpot.append((marks[-1][0] - marks[0][0]) / max(sum(k for _, k in marks[1:]), 1))
         for (t_a, _), (t_b, k) in zip(marks, marks[1:]):
             itl += [(t_b - t_a) / k] * k
-            if t_a >= t_all and t_b <= t_end:
-                full += [(t_b - t_a) / k] * k
     ms = lambda xs, q=0.5: 1e3 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else None
     return dict(median_itl_ms=ms(itl), p90_itl_ms=ms(itl, 0.9), median_tpot_ms=ms(tpot),
-                median_ttft_ms=ms(ttft), output_tok_s=toks / wall, completed=len(res),
-                full_batch_itl_ms=ms(full), full_batch_gaps=len(full))
+                median_ttft_ms=ms(ttft), output_tok_s=toks / wall, completed=len(res))
 
 
 class Profile:
@@ -328,22 +312,14 @@ def run_variant(variant: str, points: list, model: str, a, workdir: Path):
         print(f"[{variant}] up in {time.time() - t0:.0f} s", flush=True)
         t1 = time.time()
         longest = max(c for c, _, _ in points)
-        w = load_test(url, longest, 1, WARMUP_OUT, 1)
-        single = {}  # ctx -> this server's batch-1 result, to size the batch points' requests
+        load_test(url, longest, 1, WARMUP_OUT, 1)
         print(f"[{variant}] warm-up ({longest} tokens) {time.time() - t1:.0f} s", flush=True)
         for ctx, batch, reference in points:
             before = prr_stats(url)
             t1 = time.time()
             prof = Profile(url, prof_dir, a.profile_steps) if a.profile else None
-            # Requests of a batch are prefilled one after another; each decodes long enough
-            # that the whole batch decodes together for about ``out`` steps at the end (the
-            # extra tokens are estimated from the warm-up's prefill and decode times).
-            base, base_ctx = (single[ctx], ctx) if ctx in single else (w, longest)
-            extra = _extra_tokens(base, base_ctx, ctx, batch) if a.full_batch else 0
-            r = load_test(url, ctx, batch, a.out + extra, a.seed + ctx + batch,
+            r = load_test(url, ctx, batch, a.out, a.seed + ctx + batch,
                           on_decode=prof.start if prof else None)
-            if batch == 1:
-                single[ctx] = r
             # The trace before the next request: a profile still short of its steps would
             # otherwise record that request's steps too.
             s = prof.summary(a.layers) if prof else None
@@ -353,9 +329,6 @@ def run_variant(variant: str, points: list, model: str, a, workdir: Path):
             row = dict(
                 variant=variant, label=label, ctx=ctx, batch=batch, out=a.out,
                 median_itl_ms=round(r["median_itl_ms"], 3),
-                full_batch_itl_ms=(round(r["full_batch_itl_ms"], 3)
-                                   if r["full_batch_itl_ms"] is not None else None),
-                full_batch_gaps=r["full_batch_gaps"], extra_out=extra,
                 p90_itl_ms=round(r["p90_itl_ms"], 3),
                 median_tpot_ms=round(r["median_tpot_ms"], 3),
                 median_ttft_ms=round(r["median_ttft_ms"], 1),
@@ -371,9 +344,7 @@ def run_variant(variant: str, points: list, model: str, a, workdir: Path):
                 md = _profile_path(a.csv, f"_{variant}_{ctx}_{batch}")
                 md.write_text(profile_trace.markdown(
                     s, f"{label}, ctx {ctx}, batch {batch} ({Path(s['trace']).name})"))
-            print(f"[{variant}] ctx={ctx} batch={batch}: ITL {row['median_itl_ms']} ms "
-                  f"(all {batch} decoding: {row['full_batch_itl_ms']} ms over "
-                  f"{row['full_batch_gaps']} gaps, +{extra} tokens each), TPOT "
+            print(f"[{variant}] ctx={ctx} batch={batch}: ITL {row['median_itl_ms']} ms, TPOT "
                   f"{row['median_tpot_ms']} ms, TTFT {row['median_ttft_ms']} ms, hit "
                   f"{row['hit_rate']}, kernels/step {row['kernels_per_step']}, GPU-busy ms/step "
                   f"{row['gpu_busy_ms_per_step']}", flush=True)
@@ -384,18 +355,6 @@ def run_variant(variant: str, points: list, model: str, a, workdir: Path):
             proc.wait(60)
         except subprocess.TimeoutExpired:
             proc.kill()
-
-
-def _extra_tokens(warm: dict, longest: int, ctx: int, batch: int) -> int:
-    """Output tokens to add to each request of a ``batch``-request point so that all of them
-    still decode when the last one has its first token: the other requests' prefills over a
-    decode step, plus 20%, at most EXTRA_MAX; 0 at batch 1. ``warm`` is a batch-1 result at
-    ``longest`` tokens (the same context's, else the warm-up's, whose TTFT is scaled linearly to
-    ``ctx``: an overestimate of the quadratic part)."""
-    if batch <= 1 or not warm.get("median_itl_ms") or not warm.get("median_ttft_ms"):
-        return 0
-    prefill_ms = warm["median_ttft_ms"] * ctx / longest
-    return min(int(1.2 * (batch - 1) * prefill_ms / warm["median_itl_ms"]) + 1, EXTRA_MAX)
 
 
 def _hit(before: dict, after: dict):
@@ -417,12 +376,6 @@ def _profile_path(csv_path: str, suffix: str = "") -> Path:
     return p.with_name(f"{p.stem}_profile{suffix}.md")
 
 
-def _step_ms(r: dict) -> float:
-    """A row's decode step: the full-batch ITL where measured (batch > 1), else the median ITL."""
-    full = r.get("full_batch_itl_ms")
-    return float(full) if full not in (None, "", "None") else float(r["median_itl_ms"])
-
-
 def _ctx(c: int) -> str:
     return f"{c // 1024}K" if c >= 1024 else str(c)
 
@@ -442,7 +395,7 @@ def plot(csv_path: str, png: str) -> None:
     fig, ax = plt.subplots(figsize=(1.6 + 1.4 * max(len(keys), 2), 3.6))
     w = 0.8 / max(len(names), 1)
     for i, n in enumerate(names):
-        ys = [next((_step_ms(r) for r in bars if name(r) == n
+        ys = [next((float(r["median_itl_ms"]) for r in bars if name(r) == n
                     and (int(r["ctx"]), int(r["batch"])) == k), 0.0) for k in keys]
         ax.bar([j + i * w for j in range(len(keys))], ys, w, label=n)
     for r in refs:
@@ -450,7 +403,7 @@ def plot(csv_path: str, png: str) -> None:
                    label=f"{name(r)}, {_ctx(int(r['ctx']))} / b{r['batch']} (reference)")
     ax.set_xticks([j + w * (len(names) - 1) / 2 for j in range(len(keys))])
     ax.set_xticklabels([f"{_ctx(c)} / b{b}" for c, b in keys])
-    ax.set_ylabel("decode step (median ITL; batch > 1: all requests decoding), ms")
+    ax.set_ylabel("decode step (median ITL), ms")
     ax.set_title("End to end in SGLang, Llama-3-8B shape")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -487,9 +440,6 @@ def main(argv=None):
     ap.add_argument("--profile", action="store_true",
                     help="profile --profile-steps decode steps of every point (see above)")
     ap.add_argument("--profile-steps", type=int, default=6)
-    ap.add_argument("--no-full-batch", dest="full_batch", action="store_false",
-                    help="do not lengthen the requests of a batch > 1 point so that the whole "
-                         "batch decodes together (full_batch_itl_ms is then often empty)")
     ap.add_argument("--workdir", default=None,
                     help="server logs and profiler traces (default: a temp dir)")
     ap.add_argument("--csv", default=str(ROOT / "benchmarks" / "results" / "serving.csv"))
@@ -518,7 +468,7 @@ def main(argv=None):
         else 0
     model = demo.shaped_model_dir(
         workdir / f"{a.shape}-shape", **{**shape, "num_hidden_layers": a.layers,
-                                         "max_position_embeddings": longest + a.out + 64 + EXTRA_MAX})
+                                         "max_position_embeddings": longest + a.out + 64})
     kept = _read(a.csv) if a.append else []
     rows = []
     for v in a.variants:
@@ -533,11 +483,10 @@ def main(argv=None):
             if a.profile:
                 _write_profile_table(a.csv)
         print(f"[{v}] server total {time.time() - t_v:.0f} s", flush=True)
-    print(f"{'variant':8s} {'ctx':>7s} {'batch':>5s} {'ITL ms':>8s} {'full ms':>8s} "
-          f"{'TPOT ms':>8s} {'TTFT ms':>9s} {'hit':>6s} {'kern/step':>9s} {'busy ms':>8s}")
+    print(f"{'variant':8s} {'ctx':>7s} {'batch':>5s} {'ITL ms':>8s} {'TPOT ms':>8s} "
+          f"{'TTFT ms':>9s} {'hit':>6s} {'kern/step':>9s} {'busy ms':>8s}")
     for r in rows:
         print(f"{r['variant']:8s} {r['ctx']:7d} {r['batch']:5d} {r['median_itl_ms']:8.2f} "
-              f"{str(r['full_batch_itl_ms']):>8s} "
               f"{r['median_tpot_ms']:8.2f} {r['median_ttft_ms']:9.1f} {str(r['hit_rate']):>6s} "
               f"{str(r['kernels_per_step']):>9s} {str(r['gpu_busy_ms_per_step']):>8s}")
     if rows:
