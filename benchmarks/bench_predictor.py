@@ -305,9 +305,13 @@ LAYER_GAIN = 0.05  # ... and >= reuse + 5 points where reuse-previous < LAYER_LO
 LAYER_LOW_REUSE = 0.90
 
 
-def layer_sources(trs: Sequence[traces.Trace]) -> Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]]:
+def layer_sources(trs: Sequence[traces.Trace], per_head: bool = False
+                  ) -> Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]]:
     """Captured traces regrouped by model layer: ``{"layer<id>": [(scores [1, T, Hk, NB], nblk
-    [1, T]) per request]}`` (requests keep their own shapes: prompts differ in length)."""
+    [1, T]) per request]}`` (requests keep their own shapes: prompts differ in length).
+    ``per_head``: every KV head of a request becomes a row of its own, ``[Hk, T, 1, NB]``, so
+    calibration picks theta* per (request, layer, KV head); the hit rates of the other predictors
+    are the same numbers, averaged over the same (step, head) cells."""
     out: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]] = {}
     ids = sorted({int(l) for t in trs for l in t.layers})
     for lid in ids:
@@ -315,7 +319,12 @@ def layer_sources(trs: Sequence[traces.Trace]) -> Dict[str, List[Tuple[torch.Ten
         for t in trs:
             where = [i for i, l in enumerate(t.layers) if int(l) == lid]
             if where:
-                groups.append(tuple(x[None] for x in t.torch_rows(where[0])))
+                sc, nb = t.torch_rows(where[0])  # [T, Hk, NB], [T]
+                if per_head:
+                    groups.append((sc.permute(1, 0, 2).unsqueeze(2).contiguous(),
+                                   nb.unsqueeze(0).expand(sc.shape[1], -1).contiguous()))
+                else:
+                    groups.append((sc[None], nb[None]))
         out[f"layer{lid}"] = groups
     return out
 
@@ -428,10 +437,15 @@ def main(argv: Sequence[str] = None) -> int:
                          "pooled) instead of one per request; replays the full grid at every "
                          "(K, delta) and writes the wide per-layer table to <out>.csv "
                          "(the long rows go to <out>_rows.csv)")
+    ap.add_argument("--per-head", action="store_true",
+                    help="with --per-layer: calibrate theta* per KV head (every head a row of "
+                         "its own) instead of per layer")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
     if a.per_layer and not a.trace:
         raise SystemExit("--per-layer needs --trace (synthetic families have one layer)")
+    if a.per_head and not a.per_layer:
+        raise SystemExit("--per-head needs --per-layer")
     if a.threads:
         torch.set_num_threads(a.threads)
     ks, deltas = _ints(a.k), _floats(a.delta)
@@ -446,7 +460,7 @@ def main(argv: Sequence[str] = None) -> int:
         sink = a.sink if a.sink is not None else int(trs[0].meta.get("sink_blocks", 1))
         local = a.local if a.local is not None else int(trs[0].meta.get("local_blocks", 1))
         if a.per_layer:
-            sources = layer_sources(trs)
+            sources = layer_sources(trs, per_head=a.per_head)
             structured = {name: True for name in sources}
             a.full_grid = "all"  # best theta in hindsight per layer at every (K, delta)
         else:
