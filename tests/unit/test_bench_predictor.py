@@ -177,3 +177,37 @@ def test_per_layer_rows_from_a_trace_directory(bp, seed, tmp_path):
 def test_per_layer_needs_a_trace(bp):
     with pytest.raises(SystemExit):
         bp.main(["--per-layer", "--no-plot"])
+
+
+def test_per_head_rows_keep_every_head_and_only_move_calibration(bp, seed, tmp_path):
+    """--per-head makes every KV head a row of its own: the predictors that do not calibrate
+    score the same (the same (step, head) cells averaged), theta* is chosen per head (the column
+    may move), and --per-head without --per-layer is refused."""
+    d = tmp_path / "tr"
+    d.mkdir()
+    T.save_trace(str(d / "r0.npz"), _two_layer_trace("retrieval", "noise", seed, 64 * 50 + 5,
+                                                    "r0"))
+    trs = T.load_traces(str(d))
+    plain, heads = bp.layer_sources(trs), bp.layer_sources(trs, per_head=True)
+    (s0, n0), (s1, n1) = plain["layer3"][0], heads["layer3"][0]
+    Hk = s0.shape[2]
+    assert s1.shape == (Hk, s0.shape[1], 1, s0.shape[3]) and n1.shape == (Hk, n0.shape[1])
+    assert torch.equal(s1[1, :, 0], s0[0, :, 1]) and torch.equal(n1[Hk - 1], n0[0])
+    outs = {}
+    for name, extra in (("plain", []), ("heads", ["--per-head"])):
+        out = tmp_path / name
+        assert bp.main(["--trace", str(d), "--per-layer", "--k", "8", "--delta", "1.5",
+                        "--calib-rows", "12", "--out", str(out), "--no-plot"] + extra) == 0
+        import csv
+        outs[name] = {r["layer"]: r for r in csv.DictReader(open(str(out) + ".csv"))}
+    for layer in ("3", "7"):
+        a, b = outs["plain"][layer], outs["heads"][layer]
+        for col in ("reuse_previous", "ema_default", "best_theta_hindsight"):
+            assert abs(float(a[col]) - float(b[col])) < 1e-5, (layer, col)
+        # Theta* per head: its hindsight bound is at least the per-request one.
+        assert float(b["oracle_per_request"]) >= float(a["oracle_per_request"]) - 1e-6
+    # Negative control: the compared columns are not equal everywhere (structure vs noise).
+    h = outs["heads"]
+    assert abs(float(h["3"]["reuse_previous"]) - float(h["7"]["reuse_previous"])) > 0.1
+    with pytest.raises(SystemExit):
+        bp.main(["--trace", str(d), "--per-head", "--no-plot"])
