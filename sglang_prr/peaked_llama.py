@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
@@ -95,24 +94,18 @@ def write_peaked_model(out: Path, seed: int = SEED, qk_std: float = QK_STD, o_st
     at ``SHAPE``; a few seconds on a CPU."""
     from safetensors.torch import save_file
 
-    from .demo import demo_model_path
+    from .demo import shaped_model_dir
 
-    src = Path(demo_model_path())
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    for f in src.iterdir():
-        if "token" in f.name or f.name.endswith(".jinja"):
-            shutil.copy(f, out / f.name)
-    cfg = json.loads((src / "config.json").read_text())
-    cfg.update(SHAPE, **shape)
-    cfg.update(dtype="bfloat16", torch_dtype="bfloat16", tie_word_embeddings=False,
-               rms_norm_eps=RMS_EPS, rope_theta=ROPE_THETA,
-               rope_parameters={"rope_theta": ROPE_THETA, "rope_type": "default"})
+    # The demo's tokenizer and a config.json of this shape (demo.shaped_model_dir), then weights.
+    path = shaped_model_dir(
+        Path(out), **{**SHAPE, **shape}, dtype="bfloat16", torch_dtype="bfloat16",
+        tie_word_embeddings=False, rms_norm_eps=RMS_EPS, rope_theta=ROPE_THETA,
+        rope_parameters={"rope_theta": ROPE_THETA, "rope_type": "default"})
+    cfg = json.loads((Path(path) / "config.json").read_text())
     sd = peaked_state_dict(cfg["vocab_size"], seed, qk_std, o_std, lm_head_std, **shape)
     save_file({k: v.to(torch.bfloat16).contiguous() for k, v in sd.items()},
-              str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=1))
-    return str(out)
+              str(Path(path) / "model.safetensors"), metadata={"format": "pt"})
+    return path
 
 
 def load_model(path: str) -> tuple:

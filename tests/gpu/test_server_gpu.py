@@ -233,31 +233,31 @@ def test_prr_server_decodes_sparse(runs):
     assert stats["mean_repair_blocks"] > 0, stats
 
 
-def test_prr_exact_equals_serial_dsa(runs):
-    res = _diffs(runs, "prr", "serial")
+def _assert_equal(runs, a: str, b: str, what: str) -> None:
+    res = _diffs(runs, a, b)
     for n, (d, steps) in zip(LENGTHS, res):
-        assert d <= TOL, f"len {n}: PRR(exact) vs serial DSA logprob diff {d} > {TOL} (seed {SEED})"
+        assert d <= TOL, f"len {n}: {what} logprob diff {d} > {TOL} (seed {SEED})"
     assert sum(s for _, s in res) >= len(LENGTHS) * 4, f"too few decode steps compared: {res}"
+
+
+def _assert_differs(runs, a: str, b: str, what: str) -> None:
+    worst = max(d for d, _ in _diffs(runs, a, b))
+    assert worst > DIFFERENT, f"{what} matched: max diff {worst} <= {DIFFERENT} (seed {SEED})"
+
+
+def test_prr_exact_equals_serial_dsa(runs):
+    _assert_equal(runs, "prr", "serial", "PRR(exact) vs serial DSA")
 
 
 def test_prr_without_repair_differs_from_serial_dsa(runs):
     """Negative control of the equality above: PRR with M forced empty drops missed blocks."""
-    res = _diffs(runs, "norep", "serial")
-    worst = max(d for d, _ in res)
-    assert worst > DIFFERENT, (f"PRR without repair matched serial DSA: max diff {worst} <= "
-                               f"{DIFFERENT} (seed {SEED})")
+    _assert_differs(runs, "norep", "serial", "PRR without repair vs serial DSA")
 
 
 def test_full_k_equals_dense(runs):
-    res = _diffs(runs, "full", "dense")
-    for n, (d, steps) in zip(LENGTHS, res):
-        assert d <= TOL, f"len {n}: PRR(K=all) vs dense logprob diff {d} > {TOL} (seed {SEED})"
-    assert sum(s for _, s in res) >= len(LENGTHS) * 4, f"too few decode steps compared: {res}"
+    _assert_equal(runs, "full", "dense", "PRR(K=all) vs dense")
 
 
 def test_small_k_differs_from_dense(runs):
     """Negative control of the equality above: DSA at K = 8 blocks is not dense attention."""
-    res = _diffs(runs, "serial", "dense")
-    worst = max(d for d, _ in res)
-    assert worst > DIFFERENT, (f"DSA at K={K} blocks matched dense: max diff {worst} <= "
-                               f"{DIFFERENT} (seed {SEED})")
+    _assert_differs(runs, "serial", "dense", f"DSA at K={K} blocks vs dense")
