@@ -199,9 +199,10 @@ class Calibrator:
                 st.h_sum[layers, row] += H * (Phi - 1)
                 st.h_cnt[layers, row] += Phi - 1
                 best = torch.argmax(st.h_sum[layers, row], dim=-1)  # first max: lower index
-                st.theta[layers, row] = self.grid[best]
+                chosen = self.grid[best]  # [Lc, 3]
+                st.theta[layers, row] = chosen
                 # What a request that cannot calibrate starts from (PRRState.shared_theta).
-                st.shared_theta[layers] = self.grid[best]
+                st.shared_theta[layers] = chosen
                 self.stats.calibrations += Lc
                 if taken[0][0] == 0:  # the chosen theta of layer 0, counted on the device
                     self.stats.theta_hist.index_add_(0, best[:1], self._one)

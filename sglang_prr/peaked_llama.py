@@ -255,14 +255,14 @@ def _main() -> None:
         def diff(x):
             return (dense - x).gather(-1, top).abs().amax(-1)
 
-        ent = -(dense.exp() * dense).sum(-1).mean().item()
+        ent = -(dense.exp() * dense).sum(-1).mean().item()  # host-ok: CLI measurement
         print(f"len {n} ({-(-n // 64)} blocks): entropy {ent:.2f} nats, top-{TOP_N} "
               f"max|dense fp32 - dense bf16| {diff(bf16).max():.3f} "
               f"({t1 - t0:.0f} s fp32, all K; {time.time() - t1:.0f} s bf16)")
         for k, sp in zip(a.ks, lp[1:]):
             dd = diff(sp)
             print(f"  K={k}: top-{TOP_N} max|dense - DSA| per step "
-                  f"{[round(v, 3) for v in dd.tolist()]}")
+                  f"{[round(v, 3) for v in dd.tolist()]}")  # host-ok: CLI measurement
 
 
 if __name__ == "__main__":
