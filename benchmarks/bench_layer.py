@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from sglang_prr import ops  # noqa: E402
-from sglang_prr.step import DecodeStep, LayerState  # noqa: E402
+from sglang_prr.step import DecodeStep, LayerState, new_layer_state  # noqa: E402
 from sglang_prr.synthetic import paged_kv  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -59,12 +59,8 @@ def build(batch, ctx, page, hq, hk, d, dtype, dev, n_queries, seed=0):
 
 def pool_state(R, hk, nb, width, dev):
     """Fresh predictor state of one layer over ``R`` request slots (as ``state.PRRState`` holds
-    it): P ``[R, Hk, width]`` empty, no history, theta = (0.6, 0.3, 0.5)."""
-    return LayerState(torch.full((R, hk, width), -1, dtype=torch.int32, device=dev),
-                      torch.zeros(R, hk, dtype=torch.int32, device=dev),
-                      torch.zeros(R, hk, nb, device=dev), torch.zeros(R, hk, nb, device=dev),
-                      torch.zeros(R, dtype=torch.long, device=dev),
-                      torch.tensor([[0.6, 0.3, 0.5]] * R, device=dev))
+    it): P ``[2R, Hk, width]`` (double-buffered) empty, no history, theta = (0.6, 0.3, 0.5)."""
+    return new_layer_state(R, hk, nb, width, (0.6, 0.3, 0.5), dev)
 
 
 def flashinfer_dense(env, batch, ctx, page, hq, hk, d, dev):
@@ -197,7 +193,10 @@ def main(argv=None):
             stats = torch.zeros(4, dtype=torch.int64, device=dev)  # sum |A|, |M|, |P|, rows
 
             def prr(q, count_hits=False):
-                return step.run(q, *kv, b, st, stats if count_hits else None, scale, dtype)
+                # Planned in the step (recorded into the graph, as the server records it): each
+                # replay flips P's double buffer, so the prediction evolves from step to step.
+                bb = step.plan(env["req_to_token"], env["rows"], env["seq"])
+                return step.run(q, *kv, bb, st, stats if count_hits else None, scale, dtype)
 
             res["PRR (exact)"] = time_graph(prr, q_buf, env["qs"], dev, a.iters)
             # The hit rate, from untimed steps that continue the same query stream (its
@@ -208,22 +207,24 @@ def main(argv=None):
             a_sum, m_sum = stats[:2].tolist()  # host-ok: benchmark readout
             hit = 1.0 - m_sum / max(a_sum, 1.0)
             # Stages alone, for the timeline (the step's ops, on the same pool-row state).
-            sel = dict(nblk=b.nblk, n_out=step.n_out, dense_row=b.dense_row, p_rows=slots)
+            # P(t) lives in rows b.p_cur of the double-buffered pool P.
+            sel = dict(nblk=b.nblk, n_out=step.n_out, dense_row=b.dense_row, p_rows=b.p_cur)
             res["stage: selection"] = time_graph(
                 lambda q: ops.select_fused("quest", q, summ, table, seq, a.page, scale, k, 1, 1,
                                            st.p_idx, st.p_cnt, **sel)[1],
                 q_buf, env["qs"], dev, a.iters)
-            scores = ops.quest_scores(q_buf, env["kmin"], env["kmax"], table, b.nblk)
             scratch = LayerState(*(t.clone() for t in st))  # the predictor writes it in place
-            res["stage: predictor"] = time_graph(
-                lambda q: ops.predict_update_rows(
-                    scratch.level, scratch.trend, scratch.n_init, scratch.p_idx, scratch.p_cnt,
-                    scratch.theta, slots, scores, b.nblk, b.nblk_next, n_pred, 1, 1),
+            res["stage: selection + predictor"] = time_graph(
+                lambda q: ops.quest_select_predict(
+                    q, summ[0], summ[1], table, b.nblk, b.nblk_next, scratch.p_idx,
+                    scratch.p_cnt, b.p_cur, b.p_nxt, scratch.level, scratch.trend,
+                    scratch.n_init, scratch.theta, slots, k, n_pred, 1, 1, step.n_out,
+                    b.dense_row)[1],
                 q_buf, env["qs"], dev, a.iters)
             res["stage: spec attention"] = time_graph(
                 lambda q: ops.sparse_attn_partials(q, env["k_buf"], env["v_buf"], table, seq,
                                                    st.p_idx, st.p_cnt, a.page, scale,
-                                                   idx_rows=slots),
+                                                   idx_rows=b.p_cur),
                 q_buf, env["qs"], dev, a.iters)
             # Repair over this step's M and the exact merge, alone (PRR's critical path after
             # the join).
@@ -235,17 +236,17 @@ def main(argv=None):
                                                    m_idx, m_cnt, a.page, scale),
                 q_buf, env["qs"], dev, a.iters)
             o_s, l_s = ops.sparse_attn_partials(q_buf, env["k_buf"], env["v_buf"], table, seq,
-                                                st.p_idx, st.p_cnt, a.page, scale, idx_rows=slots)
+                                                st.p_idx, st.p_cnt, a.page, scale, idx_rows=b.p_cur)
             o_r, l_r = ops.sparse_attn_partials(q_buf, env["k_buf"], env["v_buf"], table, seq,
                                                 m_idx, m_cnt, a.page, scale)
-            p_idx, p_cnt = st.p_idx[slots], st.p_cnt[slots]  # prr_merge reads batch-ordered P
+            p_idx, p_cnt = st.p_idx[b.p_cur], st.p_cnt[b.p_cur]  # prr_merge: batch-ordered P
             res["stage: merge"] = time_graph(
                 lambda q: ops.prr_merge(o_s, l_s, p_idx, p_cnt, a_idx, a_cnt, o_r, l_r, nb, True),
                 q_buf, env["qs"], dev, a.iters)
             res["stage: repair + merge"] = time_graph(
                 lambda q: ops.sparse_attn_merge(q, env["k_buf"], env["v_buf"], table, seq, m_idx,
                                                 m_cnt, a.page, scale, o_s, l_s, st.p_idx,
-                                                st.p_cnt, a_idx, a_cnt, nb, True, p_rows=slots,
+                                                st.p_cnt, a_idx, a_cnt, nb, True, p_rows=b.p_cur,
                                                 out_dtype=dtype),
                 q_buf, env["qs"], dev, a.iters)
             for name, (med, p10, p90) in res.items():

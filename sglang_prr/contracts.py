@@ -104,11 +104,13 @@ def selection(op: str, k: int, sink: int, local: int, n_out: int) -> None:
 
 
 def summaries(op: str, q: Tensor, parts: Sequence[Tensor], heads_dim: int) -> None:
-    """Quest ``(kmin, kmax)`` ``[pages, Hk, D]`` float32 (``heads_dim`` = 1) or InfLLM-v2 ``ck``
-    ``[pages, page // 16, Hk, D]`` (``heads_dim`` = 2), matching q's heads and head dim."""
+    """Quest ``(kmin, kmax)`` ``[pages, Hk, D]`` float32 or bfloat16 (``heads_dim`` = 1) or
+    InfLLM-v2 ``ck`` ``[pages, page // 16, Hk, D]`` float32 (``heads_dim`` = 2), matching q's
+    heads and head dim."""
+    allowed = (torch.float32, torch.bfloat16) if heads_dim == 1 else (torch.float32,)
     for t in parts:
-        if t.dtype != torch.float32:
-            fail(op, "summary dtype", t.dtype, "float32")
+        if t.dtype not in allowed:
+            fail(op, "summary dtype", t.dtype, " or ".join(str(d) for d in allowed))
         if t.dim() != heads_dim + 2 or t.shape[-1] != q.shape[-1]:
             fail(op, "summary shape", shape(t), f"[pages, ..., Hk, {q.shape[-1]}]")
         hk = t.shape[heads_dim]
@@ -116,6 +118,8 @@ def summaries(op: str, q: Tensor, parts: Sequence[Tensor], heads_dim: int) -> No
             fail(op, "summary KV heads", hk, f"a divisor of num_qo_heads={q.shape[1]}")
     if len(parts) == 2 and shape(parts[0]) != shape(parts[1]):
         fail(op, "kmin/kmax shapes", (shape(parts[0]), shape(parts[1])), "equal")
+    if len(parts) == 2 and parts[0].dtype != parts[1].dtype:
+        fail(op, "kmin/kmax dtypes", (parts[0].dtype, parts[1].dtype), "equal")
 
 
 # ----------------------------------------------------------------------------- per op
@@ -166,8 +170,8 @@ def check_select_topk(scores, nblk, k, sink, local, n_out, dense_row=None) -> No
 
 
 def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out,
-                       p_rows=None, dense_row=None, stats=None) -> None:
-    op = "quest_select"
+                       p_rows=None, dense_row=None, stats=None,
+                       op: str = "quest_select") -> None:
     if q.dim() != 3:
         fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
     summaries(op, q, (kmin, kmax), 1)
@@ -203,8 +207,8 @@ def check_quest_update(kmin, kmax, k, out_loc, positions, page_size_) -> None:
 
 
 def check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
-                              nblk_next, n_pred, sink, local) -> None:
-    op = "predict_update_rows"
+                              nblk_next, n_pred, sink, local, p_rows=None,
+                              op: str = "predict_update_rows") -> None:
     nonneg(op, n_pred=n_pred, sink_blocks=sink, local_blocks=local)
     if level.dim() != 3 or shape(trend) != shape(level):
         fail(op, "level/trend shapes", (shape(level), shape(trend)), "both [rows, Hk, NB]")
@@ -219,8 +223,13 @@ def check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, s
     if shape(n_init) != (R,) or shape(theta) != (R, 3):
         fail(op, "n_init/theta shapes", (shape(n_init), shape(theta)), f"({R},) and ({R}, 3)")
     block_list(op, "p", p_idx, p_cnt, Hk)
-    if p_idx.shape[0] != R or p_idx.shape[2] < n_pred + sink + local:
-        fail(op, "p_idx.shape", shape(p_idx), f"[{R}, {Hk}, >= {n_pred + sink + local}]")
+    # P's rows are the state's rows, or its own (p_rows: e.g. the other half of a double buffer).
+    if p_rows is None and p_idx.shape[0] != R:
+        fail(op, "p_idx.shape[0]", p_idx.shape[0], f"the state's rows {R} (or give p_rows)")
+    if p_idx.shape[2] < n_pred + sink + local:
+        fail(op, "p_idx.shape", shape(p_idx), f"[rows, {Hk}, >= {n_pred + sink + local}]")
+    if p_rows is not None:
+        rows_of(op, "p", p_rows, B, p_idx)
 
 
 def check_calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred, sink,
@@ -241,3 +250,16 @@ def check_calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred, 
     for name, t in (("alphas", alphas), ("betas", betas), ("gammas", gammas)):
         if t.dim() != 1 or t.shape[0] < 1 or t.dtype != torch.float32:
             fail(op, name, f"{t.dtype} {shape(t)}", "float32 [n >= 1]")
+
+
+def check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
+                               p_next_rows, level, trend, n_init, theta, rows, k, n_pred, sink,
+                               local, n_out, dense_row=None, stats=None) -> None:
+    op = "quest_select_predict"
+    check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows,
+                       dense_row, stats, op=op)
+    if level.dim() != 3 or shape(level)[1:] != (kmin.shape[1], table.shape[1]):
+        fail(op, "level.shape", shape(level), f"[rows, {kmin.shape[1]}, {table.shape[1]}]")
+    scores = torch.empty((q.shape[0],) + tuple(level.shape[1:]), device="meta")  # shape only
+    check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
+                              nblk_next, n_pred, sink, local, p_next_rows, op=op)

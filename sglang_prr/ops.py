@@ -204,14 +204,59 @@ def _(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks,
 def predict_update_rows(level: Tensor, trend: Tensor, n_init: Tensor, p_idx: Tensor,
                         p_cnt: Tensor, theta: Tensor, rows: Tensor, scores: Tensor, nblk: Tensor,
                         nblk_next: Tensor, n_pred: int, sink_blocks: int,
-                        local_blocks: int) -> None:
+                        local_blocks: int, p_rows: Optional[Tensor] = None) -> None:
     """``predict_update`` on the request pool's state in place (one launch on SM90, no gather or
-    scatter): batch entry ``b`` updates pool row ``rows[b]``. See
-    ``reference.predict_update_rows``."""
+    scatter): batch entry ``b`` updates pool row ``rows[b]`` and writes P(t+1) into row
+    ``p_rows[b]`` of p_idx/p_cnt (default ``rows[b]``). See ``reference.predict_update_rows``."""
     contracts.check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores,
-                                        nblk, nblk_next, n_pred, sink_blocks, local_blocks)
+                                        nblk, nblk_next, n_pred, sink_blocks, local_blocks,
+                                        p_rows)
     ref.predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
-                            nblk_next, n_pred, sink_blocks, local_blocks)
+                            nblk_next, n_pred, sink_blocks, local_blocks, p_rows)
+
+
+@_op("quest_select_predict",
+     mutates_args=("p_idx", "p_cnt", "level", "trend", "n_init", "stats"))
+def _quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
+                          nblk_next: Tensor, p_idx: Tensor, p_cnt: Tensor, p_rows: Tensor,
+                          p_next_rows: Tensor, level: Tensor, trend: Tensor, n_init: Tensor,
+                          theta: Tensor, rows: Tensor, k: int, n_pred: int, sink_blocks: int,
+                          local_blocks: int, n_out: int, dense_row: Optional[Tensor],
+                          stats: Optional[Tensor]
+                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    contracts.check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt,
+                                         p_rows, p_next_rows, level, trend, n_init, theta, rows,
+                                         k, n_pred, sink_blocks, local_blocks, n_out, dense_row,
+                                         stats)
+    return ref.quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
+                                    p_next_rows, level, trend, n_init, theta, rows, k, n_pred,
+                                    sink_blocks, local_blocks, n_out, dense_row, stats)
+
+
+@_quest_select_predict.register_fake
+def _(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level, trend,
+      n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats):
+    B, Hk, NB = q.shape[0], kmin.shape[1], table.shape[1]
+    lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32), q.new_empty((B, Hk), dtype=torch.int32)]
+    return (q.new_empty((B, Hk, NB), dtype=torch.float32), *lists,
+            torch.empty_like(lists[0]), torch.empty_like(lists[1]))
+
+
+def quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
+                         nblk_next: Tensor, p_idx: Tensor, p_cnt: Tensor, p_rows: Tensor,
+                         p_next_rows: Tensor, level: Tensor, trend: Tensor, n_init: Tensor,
+                         theta: Tensor, rows: Tensor, k: int, n_pred: int, sink_blocks: int,
+                         local_blocks: int, n_out: int, dense_row: Optional[Tensor] = None,
+                         stats: Optional[Tensor] = None
+                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Quest selection and the predictor's step of one decode step in one op (one launch on
+    SM90): ``(scores [B, Hk, NB] f32, a_idx, a_cnt, m_idx, m_cnt)`` with M = A \\ P(t), P(t) at
+    rows ``p_rows`` of p_idx ``[R', Hk, Np]``; the Holt update on state rows ``rows`` of level /
+    trend ``[R, Hk, NB]``, n_init ``[R]``, theta ``[R, 3]``; P(t+1) written at rows
+    ``p_next_rows``. See ``reference.quest_select_predict``."""
+    return _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
+                                 p_next_rows, level, trend, n_init, theta, rows, k, n_pred,
+                                 sink_blocks, local_blocks, n_out, dense_row, stats)
 
 
 @_op("calibrate")

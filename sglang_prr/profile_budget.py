@@ -195,18 +195,22 @@ class _Point:
         for _ in range(layers):
             lv = torch.zeros(R, Hk, NB, device=dev)
             lv[1:] = level
-            p_idx = torch.full((R, Hk, n_pred_width + cfg.sink_blocks + cfg.local_blocks), -1,
-                               dtype=torch.int32, device=dev)
-            p_cnt = torch.zeros(R, Hk, dtype=torch.int32, device=dev)
+            # P is double-buffered (rows 2r, 2r + 1), like PRRState's.
+            p_idx = torch.full((2 * R, Hk, n_pred_width + cfg.sink_blocks + cfg.local_blocks),
+                               -1, dtype=torch.int32, device=dev)
+            p_cnt = torch.zeros(2 * R, Hk, dtype=torch.int32, device=dev)
             n_init = torch.zeros(R, dtype=torch.long, device=dev)
             n_init[1:] = b.nblk
             theta = torch.zeros(R, 3, device=dev)
             st = LayerState(p_idx, p_cnt, lv, torch.zeros_like(lv), n_init, theta)
             if step.n_pred:
-                # P(t) for the first replay: what the predictor writes from this state.
-                ops.predict_update_rows(st.level, st.trend, st.n_init, st.p_idx, st.p_cnt,
-                                        st.theta, b.rows, scores, b.nblk, b.nblk_next,
-                                        step.n_pred, cfg.sink_blocks, cfg.local_blocks)
+                # P(t) for the first replay, in both halves: what the predictor writes from this
+                # state (theta = 0 keeps writing it).
+                for half in (0, 1):
+                    ops.predict_update_rows(st.level, st.trend, st.n_init, st.p_idx, st.p_cnt,
+                                            st.theta, b.rows, scores, b.nblk, b.nblk_next,
+                                            step.n_pred, cfg.sink_blocks, cfg.local_blocks,
+                                            p_rows=2 * b.rows.long() + half)
             out.append(st)
         return out
 

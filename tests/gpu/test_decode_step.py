@@ -24,7 +24,7 @@ if torch.cuda.get_device_capability() != (9, 0):
     pytest.skip("needs an SM90 GPU", allow_module_level=True)
 
 from sglang_prr import kernels, ops  # noqa: E402
-from sglang_prr.step import DecodeStep, LayerState  # noqa: E402
+from sglang_prr.step import DecodeStep, new_layer_state  # noqa: E402
 from sglang_prr.synthetic import paged_kv  # noqa: E402
 from test_kernels import (DEV, capture, make_pool, poison, random_lists, rel_err,  # noqa: E402
                           seeded)
@@ -175,11 +175,7 @@ def test_decode_step_graph_replay_equals_serial_dsa(batch, group, page, dtype):
     mk = lambda serial: DecodeStep("quest", 4, 6, 1, 1, page, min_context=8 * page + 1,  # noqa
                                    exact=True, serial=serial, device=dev)
     prr, serial = mk(False), mk(True)
-    state = LayerState(torch.full((R, hk, 8), -1, dtype=torch.int32, device=dev),
-                       torch.zeros(R, hk, dtype=torch.int32, device=dev),
-                       torch.zeros(R, hk, nb, device=dev), torch.zeros(R, hk, nb, device=dev),
-                       torch.zeros(R, dtype=torch.long, device=dev),
-                       torch.tensor([[0.6, 0.3, 0.5]] * R, device=dev))
+    state = new_layer_state(R, hk, nb, 8, (0.6, 0.3, 0.5), dev)
     # Batch: the requests in reverse slot order, then one padding row (slot 0, length 1).
     rows = torch.cat([kv.rows.flip(0), torch.zeros(1, dtype=torch.long, device=dev)])
     B = batch + 1
@@ -214,7 +210,10 @@ def test_decode_step_graph_replay_equals_serial_dsa(batch, group, page, dtype):
         torch.cuda.synchronize()
         for o in outs.values():
             assert torch.isfinite(o[:batch]).all()
-        assert rel_err(outs["prr"][:batch], outs["ser"][:batch]) < tol, t
+        if dtype == torch.float32:  # float32 KV runs the reference: equal up to fp32 rounding
+            assert rel_err(outs["prr"][:batch], outs["ser"][:batch]) < tol, t
+        else:  # the kernels: the same bits (same per-block partials, merged in one order)
+            assert torch.equal(outs["prr"][:batch], outs["ser"][:batch]), t
         table = ref.block_table(kv.req_to_token, rows[:batch], page)
         want = ops.dsa_decode(q[:batch].float(), kv.k_buf, kv.v_buf, [kv.kmin, kv.kmax], table,
                               seq[:batch], "quest", 4, 1, 1, page, scale)[0]

@@ -12,7 +12,7 @@ import torch
 from sglang_prr import ops, profile_budget
 from sglang_prr.budget import SPECULATE_MARGIN, BudgetPolicy, BudgetProfile, check_profile
 from sglang_prr.config import PRRConfig, PRRConfigError
-from sglang_prr.step import DecodeStep, LayerState
+from sglang_prr.step import DecodeStep, new_layer_state
 from sglang_prr.synthetic import paged_kv
 
 SHAPE = dict(method="quest", num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
@@ -130,10 +130,7 @@ def _step_world(seed, batch, ctx, page=16, hq=4, hk=2, d=16):
 
 
 def _state(rows, hk, nb, width):
-    return LayerState(torch.full((rows, hk, width), -1, dtype=torch.int32),
-                      torch.zeros(rows, hk, dtype=torch.int32), torch.zeros(rows, hk, nb),
-                      torch.zeros(rows, hk, nb), torch.zeros(rows, dtype=torch.long),
-                      torch.tensor([[0.5, 0.3, 0.2]]).repeat(rows, 1))
+    return new_layer_state(rows, hk, nb, width, (0.5, 0.3, 0.2), torch.device("cpu"))
 
 
 def test_step_follows_the_budget_per_batch_size():
@@ -165,11 +162,11 @@ def test_step_follows_the_budget_per_batch_size():
         assert (o - ref).abs().max() < 1e-5, f"seed {seed}: rows {rows}"
         if b.n_pred == 0:  # serial forward: the predictor state is left alone
             assert torch.equal(st.p_idx, before[0]) and torch.equal(st.level, before[1])
-        else:  # speculative forward: P(t+1) of |P| = 3 middle blocks + kept ones, in place
+        else:  # speculative forward: P(t+1) of |P| = 3 middle blocks + kept ones, at p_nxt
             assert not torch.equal(st.level, before[1])
-            cnt = st.p_cnt[r]
+            cnt = st.p_cnt[b.p_nxt]
             assert int(cnt.max()) <= 3 + sink + local and int(cnt.min()) > 0
-            assert (st.p_idx[r][..., 3 + sink + local:] == -1).all()
+            assert (st.p_idx[b.p_nxt][..., 3 + sink + local:] == -1).all()
     with pytest.raises(ValueError, match="budget gave"):
         DecodeStep("quest", k, width, sink, local, page, 0, exact=True, serial=False,
                    device=torch.device("cpu"), budget=lambda b: width + 1
