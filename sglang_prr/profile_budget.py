@@ -17,17 +17,12 @@ The prediction's quality is held fixed at ``--hit-rate`` (of the selection's mid
 |P| = K): the predictor state is the rank of each block's true score plus noise of a spread found
 by bisection, with theta = 0 so that the state, and so P, stays the same over the replays. A
 larger delta then covers more of A, as it does with a real predictor. ``--hit-rate real`` (the
-default) is the rate a real model shows: the server's predictor (calibrated theta*) replayed over
-the SmolLM2-135M-Instruct block-score traces of ``--real-traces``
-(``benchmarks/results/real_traces``; ``trace_replay.real_hit_rate``: |P n A| / |A| at |P| = K,
-0.831; an install without the traces uses that recorded value). Random weights give 0.62-0.72,
-which the profile held before (0.7): ``--compare-hit-rate`` (0.7 by default, ``none`` to skip)
-times every speculative delta at that rate too, prints its table and choices beside the real
-ones and stores them in the profile's ``compare`` entry (the server reads only ``layer_us``).
-
-With the layer's GEMMs (``--hidden-size`` > 0) the timing is cold-L2 by construction: the
-layer's weights (over 400 MB per Llama-3-8B layer) stream through the L2 between two decode
-steps, as in the server.
+default): the server's predictor (calibrated theta*) on the SmolLM2 block-score traces of
+``--real-traces`` (``trace_replay.real_hit_rate``, 0.831; random weights give 0.62-0.72, 0.7 was
+the old default). ``--compare-hit-rate`` (0.7; ``none``: off) times the speculative deltas at
+that rate too: its table and choices are printed beside, kept in the profile's ``compare`` entry.
+With the layer's GEMMs (``--hidden-size`` > 0) the L2 is cold by construction: over 400 MB of
+weights per Llama-3-8B layer stream through it between two steps, as in the server.
 
     python -m sglang_prr.profile_budget --model-path meta-llama/Meta-Llama-3-8B \\
         --prr-top-k 2048 --prr-top-k-unit tokens --out profile_h200.json
@@ -73,38 +68,16 @@ def _ints(text: str) -> List[int]:
 
 
 def _hit_rate(text: str):
-    """A hit rate in 0..1, or ``real`` (measured on the real traces at run time)."""
-    if text == "real":
-        return text
+    """A hit rate in 0..1, ``real`` (measured on the real traces at run time) or ``none``."""
+    if text in ("real", "none"):
+        return None if text == "none" else text
     try:
         v = float(text)
     except ValueError:
-        v = None
-    if v is None or not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"--hit-rate {text}: allowed 0..1 or 'real'")
+        v = -1.0
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text}: allowed 0..1 or 'real'")
     return v
-
-
-def _hit_rate_or_none(text: str):
-    return None if text == "none" else _hit_rate(text)
-
-
-def resolve_hit_rate(value, traces: str) -> Tuple[float, str]:
-    """``(hit rate, where it comes from)``: a number as given; ``real``: the calibrated
-    predictor's |P n A| / |A| at |P| = K on the traces (``trace_replay.real_hit_rate``), or
-    the recorded value of the repository's traces when ``traces`` holds none."""
-    if value != "real":
-        return float(value), "given (--hit-rate)"
-    try:
-        r = trace_replay.real_hit_rate(traces, delta=1.0)
-    except (FileNotFoundError, OSError):
-        return (trace_replay.REAL_HIT_RATE_AT_K,
-                f"real traces (no traces under {traces}: the value recorded from the "
-                f"repository's SmolLM2 traces)")
-    per = ", ".join(f"layer {k} {v:.3f}" for k, v in r["per_layer"].items())
-    return (round(r["overlap"], 4),
-            f"real traces ({r['traces']} requests under {traces}, K = {r['k']} blocks, "
-            f"calibrated predictor, |P| = K; {per})")
 
 
 def _deltas(text: str) -> List[float]:
@@ -139,7 +112,7 @@ def parse_args(argv: Optional[Sequence[str]] = None):
                          "the real traces (--real-traces)")
     ap.add_argument("--real-traces", default=trace_replay.REAL_TRACES,
                     help="block-score traces of a real model for --hit-rate real")
-    ap.add_argument("--compare-hit-rate", type=_hit_rate_or_none,
+    ap.add_argument("--compare-hit-rate", type=_hit_rate,
                     default=trace_replay.SYNTHETIC_HIT_RATE,
                     help="also time the speculative deltas at this hit rate and show its "
                          "choices beside the others ('none': skip)")
@@ -376,7 +349,7 @@ def time_point(a, pt: _Point, delta: float, hit_rate: Optional[float] = None) ->
 def measure(a) -> BudgetProfile:
     """The profile at ``a.hit_rate``; with ``a.compare_hit_rate`` its speculative deltas are
     timed at that rate too (serial DSA predicts nothing: its time is shared), kept in the
-    profile's ``compare`` entry (``compare_profile`` reads it back)."""
+    profile's ``compare`` entry (``BudgetProfile.compared`` reads it back)."""
     cfg = a.cfg
     compare = getattr(a, "compare_hit_rate", None)
     points = [(c, b) for c in a.contexts for b in a.batch_sizes]
@@ -419,33 +392,6 @@ def measure(a) -> BudgetProfile:
     return BudgetProfile(shape, us, meta)
 
 
-def compare_profile(prof: BudgetProfile) -> Optional[BudgetProfile]:
-    """The profile as it would be at the compare hit rate (its speculative times, the shared
-    serial ones), or None without a ``compare`` entry."""
-    cmp = prof.meta.get("compare")
-    if not cmp:
-        return None
-    us = {k: t for k, t in prof.layer_us.items() if k[2] == 0.0}
-    us.update({(int(e["batch"]), int(e["context"]), float(e["delta"])): float(e["us"])
-               for e in cmp["layer_us"]})
-    return BudgetProfile(dict(prof.shape), us, {"hit_rate": cmp["hit_rate"]})
-
-
-def choices(prof: BudgetProfile, max_budget: float) -> str:
-    """One line per batch size: the policy's choice at the profile's hit rate, and at the
-    compare hit rate where the profile has one."""
-    cmp = compare_profile(prof)
-    name = lambda d: "serial" if d == 0 else f"delta {d:g}"
-    lines = []
-    for b in prof.batch_sizes:
-        line = f"batch {b}: {name(prof.choose(b, max_budget))} at hit rate " \
-               f"{prof.meta.get('hit_rate')}"
-        if cmp is not None:
-            line += f" ({name(cmp.choose(b, max_budget))} at {cmp.meta['hit_rate']})"
-        lines.append(line)
-    return "\n".join(lines)
-
-
 def _progress(done: int, total: int, t0: float, what: str) -> None:
     width = 30
     fill = int(width * done / total)
@@ -456,19 +402,22 @@ def _progress(done: int, total: int, t0: float, what: str) -> None:
 
 def table(prof: BudgetProfile, max_budget: float) -> str:
     """Markdown: each delta's time relative to serial DSA, per batch and context, and the
-    policy's choice per batch size."""
-    deltas = sorted({d for _, _, d in prof.layer_us})
-    head = "| batch | context | serial us | " + " | ".join(f"d={d:g}" for d in deltas if d) + \
-           " | choice |"
-    lines = [head, "|" + "---|" * (4 + sum(1 for d in deltas if d))]
+    policy's choice per batch size; with a ``compare`` entry, each cell and choice is ``at the
+    profile's hit rate / at the compare hit rate``."""
+    profs = [prof] + [p for p in (prof.compared(),) if p is not None]
+    deltas = sorted({d for _, _, d in prof.layer_us if d})
+    name = lambda d: "serial" if d == 0 else f"delta {d:g}"
+    lines = ["cells: layer time / serial DSA's at hit rate "
+             + " / ".join(str(p.meta.get("hit_rate")) for p in profs), "",
+             "| batch | context | serial us | " + " | ".join(f"d={d:g}" for d in deltas)
+             + " | choice |", "|" + "---|" * (4 + len(deltas))]
     for b in prof.batch_sizes:
-        choice = prof.choose(b, max_budget)
+        choice = " / ".join(name(p.choose(b, max_budget)) for p in profs)
         for c in prof.contexts:
             base = prof.layer_us[(b, c, 0.0)]
-            cells = [f"{prof.layer_us[(b, c, d)] / base:.3f}" if (b, c, d) in prof.layer_us
-                     else "-" for d in deltas if d]
-            lines.append(f"| {b} | {c} | {base:.1f} | " + " | ".join(cells) +
-                         f" | {'serial' if choice == 0 else f'delta {choice:g}'} |")
+            cells = [" / ".join(f"{p.layer_us[(b, c, d)] / base:.3f}" if (b, c, d) in p.layer_us
+                                else "-" for p in profs) for d in deltas]
+            lines.append(f"| {b} | {c} | {base:.1f} | " + " | ".join(cells) + f" | {choice} |")
     return "\n".join(lines)
 
 
@@ -482,19 +431,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from . import kernels
 
         kernels.load()
-    a.hit_rate, a.hit_rate_source = resolve_hit_rate(a.hit_rate, a.real_traces)
+    a.hit_rate, a.hit_rate_source = trace_replay.profile_hit_rate(a.hit_rate, a.real_traces)
     print(f"hit rate {a.hit_rate} ({a.hit_rate_source})"
           + (f"; compared with {a.compare_hit_rate}" if a.compare_hit_rate is not None else ""),
           flush=True)
     prof = measure(a)
     prof.save(a.out)
-    print(f"hit rate {a.hit_rate} at |P| = K ({a.hit_rate_source}):")
     print(table(prof, a.cfg.max_budget))
-    cmp = compare_profile(prof)
-    if cmp is not None:
-        print(f"\nthe same at hit rate {cmp.meta['hit_rate']} (compare):")
-        print(table(cmp, a.cfg.max_budget))
-    print("\n" + choices(prof, a.cfg.max_budget))
     print(f"wrote {a.out}")
     return 0
 

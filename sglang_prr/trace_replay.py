@@ -172,3 +172,21 @@ def real_hit_rate(path: str = REAL_TRACES, k: Optional[int] = None, delta: float
                 hit=float(torch.cat(hit).mean()), missed=float(torch.cat(missed).mean()),
                 per_layer=per_layer, k=k, delta=delta, n_pred=n_pred_of(k, delta),
                 traces=len(trs), path=path)
+
+
+def profile_hit_rate(value, traces: str = REAL_TRACES) -> Tuple[float, str]:
+    """``(hit rate, where it comes from)``: a number as given; ``real``: the calibrated
+    predictor's |P n A| / |A| at |P| = K on the traces (``real_hit_rate``), or
+    the recorded value of the repository's traces when ``traces`` holds none."""
+    if value != "real":
+        return float(value), "given (--hit-rate)"
+    try:
+        r = real_hit_rate(traces, delta=1.0)
+    except (FileNotFoundError, OSError):
+        return (REAL_HIT_RATE_AT_K,
+                f"real traces (no traces under {traces}: the value recorded from the "
+                f"repository's SmolLM2 traces)")
+    per = ", ".join(f"layer {k} {v:.3f}" for k, v in r["per_layer"].items())
+    return (round(r["overlap"], 4),
+            f"real traces ({r['traces']} requests under {traces}, K = {r['k']} blocks, "
+            f"calibrated predictor, |P| = K; {per})")
