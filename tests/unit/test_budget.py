@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -210,17 +211,52 @@ def test_profiler_plumbing_on_cpu(tmp_path, capsys):
         "--hidden-size", "32", "--prr-block-size", "16", "--prr-top-k", "3",
         "--prr-top-k-unit", "blocks", "--prr-min-context", "64", "--contexts", "200",
         "--batch-sizes", "1,2", "--deltas", "1,2", "--iters", "1", "--repeats", "1",
-        "--layers", "2", "--dtype", "float32", "--out", str(out)])
+        "--layers", "2", "--dtype", "float32", "--hit-rate", "0.9", "--compare-hit-rate", "0.5",
+        "--out", str(out)])
     assert rc == 0
     prof = BudgetProfile.load(str(out))
     assert prof.batch_sizes == [1, 2] and prof.contexts == [200]
     assert sorted({d for _, _, d in prof.layer_us}) == [0.0, 1.0, 2.0]  # serial added
     assert prof.shape == dict(method="quest", num_qo_heads=4, num_kv_heads=2, head_dim=16,
                               page_size=16, top_k_tokens=48)
-    assert "choice" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "cells: layer time / serial DSA's at hit rate 0.9 / 0.5" in text
     pol = BudgetPolicy(_cfg(str(out), top_k=3, top_k_unit="blocks", block_size=16),
                        prof.shape)
     assert pol.delta(1) in (0.0, 1.0, 2.0)
+    # the compare hit rate: its own speculative times, serial DSA's shared
+    assert prof.meta["hit_rate"] == 0.9 and prof.meta["compare"]["hit_rate"] == 0.5
+    cmp = prof.compared()
+    assert cmp.meta["hit_rate"] == 0.5 and set(cmp.layer_us) == set(prof.layer_us)
+    assert all(cmp.layer_us[k] == prof.layer_us[k] for k in prof.layer_us if k[2] == 0.0)
+    assert any(cmp.layer_us[k] != prof.layer_us[k] for k in prof.layer_us if k[2] > 0.0)
+    rows = [ln for ln in profile_budget.table(prof, 4.0).splitlines() if ln.startswith("| 1 |")]
+    cell = rows[0].split("|")[4].strip()  # d=1: real / compare
+    assert cell == (f"{prof.layer_us[(1, 200, 1.0)] / prof.layer_us[(1, 200, 0.0)]:.3f} / "
+                    f"{cmp.layer_us[(1, 200, 1.0)] / prof.layer_us[(1, 200, 0.0)]:.3f}")
+    assert rows[0].split("|")[-2].strip().count("/") == 1  # the two choices
+    bare = BudgetProfile(prof.shape, prof.layer_us, {"hit_rate": 0.9})  # no compare entry
+    assert bare.compared() is None
+    assert " / " not in "\n".join(profile_budget.table(bare, 4.0).splitlines()[2:])
+
+
+def test_profiler_hit_rate_real_from_traces_or_recorded(tmp_path):
+    """--hit-rate real: the calibrated predictor's |P n A| / |A| at |P| = K on the traces
+    (one request here), or the recorded value when the folder holds no trace."""
+    from sglang_prr import trace_replay
+    one = tmp_path / "one"
+    one.mkdir()
+    src = sorted(Path(trace_replay.REAL_TRACES).glob("*.npz"))[0]
+    (one / src.name).write_bytes(src.read_bytes())
+    rate, where = trace_replay.profile_hit_rate("real", str(one))
+    assert rate == round(trace_replay.real_hit_rate(str(one))["overlap"], 4)
+    assert "1 requests" in where and "K = 16 blocks" in where and 0.6 < rate < 1.0
+    rate, where = trace_replay.profile_hit_rate("real", str(tmp_path / "none"))
+    assert rate == trace_replay.REAL_HIT_RATE_AT_K and "recorded" in where
+    assert trace_replay.profile_hit_rate(0.7, str(one)) == (0.7, "given (--hit-rate)")
+    a = profile_budget.parse_args(["--device", "cpu", "--num-qo-heads", "4", "--num-kv-heads",
+                                   "2", "--head-dim", "16", "--out", str(tmp_path / "p.json")])
+    assert a.hit_rate == "real" and a.compare_hit_rate == 0.7  # the defaults
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -228,6 +264,8 @@ def test_profiler_plumbing_on_cpu(tmp_path, capsys):
     (["--deltas", "0.5"], "deltas are 0"),
     (["--deltas", "8"], "max-budget"),
     (["--hit-rate", "1.5"], "hit-rate"),
+    (["--hit-rate", "high"], "allowed 0..1 or 'real'"),
+    (["--compare-hit-rate", "-0.1"], "allowed 0..1"),
     (["--prr-method", "dense"], "nothing to profile"),
     (["--num-kv-heads", "3"], "must divide"),
 ])
