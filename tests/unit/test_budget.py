@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
@@ -240,20 +239,27 @@ def test_profiler_plumbing_on_cpu(tmp_path, capsys):
     assert " / " not in "\n".join(profile_budget.table(bare, 4.0).splitlines()[2:])
 
 
-def test_profiler_hit_rate_real_from_traces_or_recorded(tmp_path):
-    """--hit-rate real: the calibrated predictor's |P n A| / |A| at |P| = K on the traces
-    (one request here), or the recorded value when the folder holds no trace."""
+def test_profiler_hit_rate_real_from_traces_or_recorded(tmp_path, monkeypatch):
+    """--hit-rate real: trace_replay.real_hit_rate's |P n A| / |A| at |P| = K on the traces
+    (tests/unit/test_trace_replay_real.py checks that number), or the recorded value when the
+    folder holds no trace; a number is taken as given."""
     from sglang_prr import trace_replay
-    one = tmp_path / "one"
-    one.mkdir()
-    src = sorted(Path(trace_replay.REAL_TRACES).glob("*.npz"))[0]
-    (one / src.name).write_bytes(src.read_bytes())
-    rate, where = trace_replay.profile_hit_rate("real", str(one))
-    assert rate == round(trace_replay.real_hit_rate(str(one))["overlap"], 4)
-    assert "1 requests" in where and "K = 16 blocks" in where and 0.6 < rate < 1.0
+    seen = []
+
+    def fake(path, k=None, delta=1.0, calib_rows=None):
+        seen.append((path, delta))
+        if path != "traces":
+            raise FileNotFoundError(path)
+        return dict(overlap=0.83114, per_layer={0: 0.8, 10: 0.9}, traces=4, k=16)
+
+    monkeypatch.setattr(trace_replay, "real_hit_rate", fake)
+    rate, where = trace_replay.profile_hit_rate("real", "traces")
+    assert rate == 0.8311 and seen == [("traces", 1.0)]  # at |P| = K
+    assert "4 requests" in where and "K = 16 blocks" in where and "layer 10 0.900" in where
     rate, where = trace_replay.profile_hit_rate("real", str(tmp_path / "none"))
     assert rate == trace_replay.REAL_HIT_RATE_AT_K and "recorded" in where
-    assert trace_replay.profile_hit_rate(0.7, str(one)) == (0.7, "given (--hit-rate)")
+    assert trace_replay.profile_hit_rate(0.7, "traces") == (0.7, "given (--hit-rate)")
+    assert len(seen) == 2  # a given number reads no trace
     a = profile_budget.parse_args(["--device", "cpu", "--num-qo-heads", "4", "--num-kv-heads",
                                    "2", "--head-dim", "16", "--out", str(tmp_path / "p.json")])
     assert a.hit_rate == "real" and a.compare_hit_rate == 0.7  # the defaults

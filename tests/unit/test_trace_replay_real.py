@@ -30,23 +30,28 @@ def test_real_hit_rate_matches_the_recorded_value_and_the_predictor_table():
 
 
 def test_more_budget_more_hits_and_shuffled_steps_fewer(tmp_path, seed):
-    src = sorted(Path(trace_replay.REAL_TRACES).glob("*.npz"))[0]
+    """On one request cut to two traced layers and 72 steps (8 calibrate, 64 are replayed)."""
+    t = traces.load_traces(trace_replay.REAL_TRACES)[0]
+    t.scores, t.nblk, t.layers = t.scores[:72, :2], t.nblk[:72], t.layers[:2]
     one = tmp_path / "one"
     one.mkdir()
-    (one / src.name).write_bytes(src.read_bytes())
-    base = trace_replay.real_hit_rate(str(one), delta=1.0)
-    wider = trace_replay.real_hit_rate(str(one), delta=1.5)
+    traces.save_trace(str(one / "0001.npz"), t)
+    base = trace_replay.real_hit_rate(str(one), delta=1.0, calib_rows=8)
+    wider = trace_replay.real_hit_rate(str(one), delta=1.5, calib_rows=8)
+    assert base["traces"] == 1 and set(base["per_layer"]) == {0, 10}
     assert wider["n_pred"] == 24 and wider["overlap"] > base["overlap"] + 0.05
     assert wider["missed"] < base["missed"]
-    # negative control: the same scores in a random step order (no temporal continuity)
-    t = traces.load_trace(str(src))
+    # negative control: the same scores in a random step order (no temporal continuity); every
+    # step gets the last step's blocks (nblk stays non-decreasing), blocks not yet there score low
     perm = np.random.default_rng(seed).permutation(t.steps)
-    t.scores, t.nblk = t.scores[perm], np.full_like(t.nblk, t.nblk.max())
-    t.scores[:, :, :, : t.nblk.max()] = np.where(np.isfinite(t.scores[:, :, :, : t.nblk.max()]),
-                                                 t.scores[:, :, :, : t.nblk.max()], -1e4)
+    nb = int(t.nblk.max())
+    t.scores, t.nblk = t.scores[perm], np.full_like(t.nblk, nb)
+    t.scores[..., :nb] = np.where(np.isfinite(t.scores[..., :nb]), t.scores[..., :nb], -1e4)
     shuffled = tmp_path / "shuffled"
     shuffled.mkdir()
-    traces.save_trace(str(shuffled / src.name), t)
-    worse = trace_replay.real_hit_rate(str(shuffled), delta=1.0)
+    traces.save_trace(str(shuffled / "0001.npz"), t)
+    worse = trace_replay.real_hit_rate(str(shuffled), delta=1.0, calib_rows=8)
     print(f"seed {seed}: in order {base['overlap']:.3f}, shuffled {worse['overlap']:.3f}")
     assert worse["overlap"] < base["overlap"] - 0.05
+    with pytest.raises(FileNotFoundError):
+        trace_replay.real_hit_rate(str(tmp_path / "empty"))
