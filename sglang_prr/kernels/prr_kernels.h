@@ -104,6 +104,8 @@ struct SelectArgs {
 bool select_one_pass(int D, int G, int NB, int k, int n_pred, int Np, int n_out, int* nch,
                      int* kca, int* kcp, size_t* smem);
 cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s);
+// The row-tail kernel alone (scores by chunks, top-K by the last CTA of a row; no predictor).
+cudaError_t launch_quest_select_rowtail(const SelectArgs& a, cudaStream_t s);
 int max_select_group_dim();  // largest G * D of quest_select (shared-memory bound)
 
 // Fused predictor: Holt update (eq 3) + P(t+1) (eq 2 + top-K), one launch.
