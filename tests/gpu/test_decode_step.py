@@ -18,22 +18,15 @@ from sglang_prr import reference as ref
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device (SM90 kernels)", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip("needs an SM90 GPU", allow_module_level=True)
+from sm90 import require_sm90  # noqa: E402  (the SM90 gate, tests/gpu/sm90.py)
 
-from sglang_prr import kernels, ops  # noqa: E402
+require_sm90()
+
+from sglang_prr import ops  # noqa: E402
 from sglang_prr.step import DecodeStep, new_layer_state  # noqa: E402
 from sglang_prr.synthetic import paged_kv  # noqa: E402
 from test_kernels import (DEV, capture, make_pool, poison, random_lists, rel_err,  # noqa: E402
                           seeded)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _lib():
-    assert kernels.load(), f"kernel library failed to build/load: {kernels.load_error()}"
-    yield
 
 
 def _pool_lists(R, rows, idx, cnt):
