@@ -22,6 +22,17 @@ from torch import Tensor
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
 
+# The decode counters the selection accumulates (int64, one slot each, in this order): sum |A|,
+# sum |M| and sum |P| over the sparse (request, KV head) rows of every layer-step, and the
+# number of such rows. The kernels' ``StatSlot`` enum (kernels/prr_kernels.h) lists the same
+# slots in the same order (tests/unit/test_structure.py reads both).
+STATS_SLOTS = ("selected", "repair", "predicted", "rows")
+
+
+def new_stats(device=None) -> Tensor:
+    """Zeroed decode counters, ``[len(STATS_SLOTS)]`` int64 (see ``STATS_SLOTS``)."""
+    return torch.zeros(len(STATS_SLOTS), dtype=torch.int64, device=device)
+
 
 def fail(op: str, what: str, got, expected: str) -> None:
     raise ValueError(f"{op}: {what} is {got}, expected {expected}")
@@ -188,8 +199,8 @@ def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local,
     if dense_row is not None and (dense_row.dtype != torch.bool
                                   or shape(dense_row) != (q.shape[0],)):
         fail(op, "dense_row", (dense_row.dtype, shape(dense_row)), f"bool ({q.shape[0]},)")
-    if stats is not None and (stats.dtype != torch.int64 or shape(stats) != (4,)):
-        fail(op, "stats", (stats.dtype, shape(stats)), "int64 (4,)")
+    if stats is not None and (stats.dtype != torch.int64 or shape(stats) != (len(STATS_SLOTS),)):
+        fail(op, "stats", (stats.dtype, shape(stats)), f"int64 ({len(STATS_SLOTS)},)")
 
 
 def check_quest_update(kmin, kmax, k, out_loc, positions, page_size_) -> None:

@@ -50,7 +50,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import ops, summaries, trace_replay
+from . import contracts, ops, summaries, trace_replay
 from .budget import DEFAULT_DELTAS, PROFILE_VERSION, BudgetProfile
 from .config import PRRConfig
 from .server_args_patch import add_prr_args, pop_prr_args
@@ -302,7 +302,7 @@ def time_point(a, pt: _Point, delta: float, hit_rate: Optional[float] = None) ->
                       exact=cfg.mode == "exact", serial=serial, device=dev)
     hit = a.hit_rate if hit_rate is None else hit_rate
     states = pt.state(a, a.layers, step.n_pred, step, hit) if not serial else [None] * a.layers
-    stats = torch.zeros(4, dtype=torch.int64, device=dev)
+    stats = contracts.new_stats(dev)
     k_buf, v_buf, dtype = pt.k_buf, pt.v_buf, pt.q.dtype
     gem = _gemms(a, pt.batch, dev, dtype)
 

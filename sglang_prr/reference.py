@@ -707,8 +707,9 @@ def select_blocks(method: str, q: Tensor, summary: Sequence[Tensor], table: Tens
 
 def accumulate_stats(stats: Tensor, a_cnt: Tensor, m_cnt: Tensor, p_cnt: Optional[Tensor],
                      dense_row: Optional[Tensor]) -> None:
-    """PRR's counters, in place: ``stats: [4] int64 += (sum |A|, sum |M|, sum |P|, rows)`` over
-    the (request, KV head) rows of the step that are not dense rows. Counts ``[B, Hk]``."""
+    """PRR's counters, in place: ``stats`` (``contracts.STATS_SLOTS``: int64 sum |A|, sum |M|,
+    sum |P|, rows) accumulates over the (request, KV head) rows of the step that are not dense
+    rows. Counts ``[B, Hk]``."""
     w = torch.ones(a_cnt.shape[0], dtype=torch.int64, device=a_cnt.device)
     if dense_row is not None:
         w = (~dense_row).to(torch.int64)

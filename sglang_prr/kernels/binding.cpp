@@ -502,7 +502,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
   }
   if (stats.has_value()) {
     TORCH_CHECK(stats->scalar_type() == at::kLong && stats->is_contiguous() &&
-                stats->numel() == 4, op, ": stats must be contiguous int64 [4]");
+                stats->numel() == prr::kNumStatSlots, op, ": stats must be contiguous int64 [",
+                prr::kNumStatSlots, "]");
     a.stats = reinterpret_cast<unsigned long long*>(stats->data_ptr<int64_t>());
   }
   a.a_idx = a_idx.data_ptr<int32_t>(); a.a_cnt = a_cnt.data_ptr<int32_t>();

@@ -197,7 +197,7 @@ def _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats) -> bool:
             and 0 < table.shape[1] <= TOPK_MAX_BLOCKS and B * Hk <= MAX_GROUPS
             and (p_idx is None or (p_idx.dtype == torch.int32 and p_cnt.dtype == torch.int32))
             and (stats is None or (stats.dtype == torch.int64 and stats.is_contiguous()
-                                   and stats.numel() == 4)))
+                                   and stats.numel() == len(contracts.STATS_SLOTS))))
 
 
 def _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,

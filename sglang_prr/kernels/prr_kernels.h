@@ -12,6 +12,13 @@ enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 // Largest GQA group handled by the attention kernels (query heads per KV head).
 constexpr int kMaxGroup = 8;
 
+// The decode counters the selection kernels accumulate (int64), in the order of
+// sglang_prr/contracts.py's STATS_SLOTS: sum |A|, sum |M|, sum |P| over the sparse (request,
+// KV head) rows, and the number of such rows.
+enum StatSlot : int {
+  kStatSelected = 0, kStatRepair = 1, kStatPredicted = 2, kStatRows = 3, kNumStatSlots = 4
+};
+
 struct AttnArgs {
   const void* q; int q_dtype; int64_t q_stride;  // [B, Hq, D], rows q_stride apart, heads packed
   const void* k; const void* v; int kv_dtype;   // [num_slots, Hk, D], last dim contiguous

@@ -394,10 +394,10 @@ quest_select_onepass_kernel(SelectArgs a) {
   if (tid == 0) {
     a.m_cnt[row] = base;
     if (a.stats && !dense) {
-      atomicAdd(a.stats + 0, (unsigned long long)acnt);
-      atomicAdd(a.stats + 1, (unsigned long long)base);
-      atomicAdd(a.stats + 2, (unsigned long long)pc);
-      atomicAdd(a.stats + 3, 1ull);
+      atomicAdd(a.stats + kStatSelected, (unsigned long long)acnt);
+      atomicAdd(a.stats + kStatRepair, (unsigned long long)base);
+      atomicAdd(a.stats + kStatPredicted, (unsigned long long)pc);
+      atomicAdd(a.stats + kStatRows, 1ull);
     }
   }
 }

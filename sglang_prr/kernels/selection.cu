@@ -238,10 +238,10 @@ quest_select_kernel(SelectArgs a) {
   write_list<kSelThreads>(s_key, nb, 1u, a.m_idx + row * a.n_out, a.n_out, a.m_cnt + row);
   // write_list's last barrier makes both counts visible to thread 0, which wrote them.
   if (a.stats && !dense && tid == 0) {
-    atomicAdd(a.stats + 0, (unsigned long long)a.a_cnt[row]);
-    atomicAdd(a.stats + 1, (unsigned long long)a.m_cnt[row]);
-    atomicAdd(a.stats + 2, (unsigned long long)pc);
-    atomicAdd(a.stats + 3, 1ull);
+    atomicAdd(a.stats + kStatSelected, (unsigned long long)a.a_cnt[row]);
+    atomicAdd(a.stats + kStatRepair, (unsigned long long)a.m_cnt[row]);
+    atomicAdd(a.stats + kStatPredicted, (unsigned long long)pc);
+    atomicAdd(a.stats + kStatRows, 1ull);
   }
 }
 
