@@ -64,6 +64,7 @@ def _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
 
 
 def _quest_scores(q, kmin, kmax, table, nblk):
+    contracts.check_quest_scores(q, kmin, kmax, table, nblk)
     ok = (active(q.device) and q.shape[-1] % 8 == 0 and q.shape[1] % kmin.shape[1] == 0
           and q.dtype in FLOAT_TYPES and kmin.dtype in SUMMARY_TYPES
           and kmax.dtype == kmin.dtype and kmin.is_contiguous() and kmax.is_contiguous()
@@ -83,6 +84,8 @@ def _select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row=No
 
 
 def _predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks, local_blocks):
+    contracts.check_predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks,
+                                local_blocks)
     ok = (active(level.device) and level.shape[-1] <= TOPK_MAX_BLOCKS
           and level.dtype == torch.float32 and trend.dtype == torch.float32
           and level.is_contiguous() and trend.is_contiguous())
@@ -94,6 +97,7 @@ def _predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks, lo
 
 
 def _set_difference(a_idx, a_cnt, p_idx, p_cnt, nb):
+    contracts.check_set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
     ok = (active(a_idx.device) and a_idx.dtype == torch.int32 and p_idx.dtype == torch.int32
           and a_cnt.dtype == torch.int32 and p_cnt.dtype == torch.int32 and nb <= (1 << 20))
     if not ok:
@@ -119,6 +123,7 @@ def _calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred, sink_
 
 
 def _holt_update(level, trend, n_init, scores, nblk, alpha, beta):
+    contracts.check_holt_update(level, trend, n_init, scores, nblk, alpha, beta)
     ok = (active(level.device) and level.dtype == torch.float32 and trend.dtype == torch.float32
           and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
           and n_init.dtype in (torch.int32, torch.int64))
@@ -225,6 +230,8 @@ def _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p
 
 def _predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks,
                     local_blocks):
+    contracts.check_predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred,
+                                   sink_blocks, local_blocks)
     ok = (active(level.device) and level.shape[-1] <= TOPK_MAX_BLOCKS
           and level.dtype == torch.float32 and trend.dtype == torch.float32
           and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
@@ -267,6 +274,8 @@ def _merge_ok(o) -> bool:
 
 
 def _prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb, exact):
+    contracts.check_prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb,
+                              exact)
     ok = (_merge_ok(o_spec) and o_rep.shape[-1] == o_spec.shape[-1]
           and p_idx.dtype == torch.int32 and a_idx.dtype == torch.int32
           and (not exact or nb <= (1 << 20)))
@@ -278,6 +287,7 @@ def _prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb,
 
 
 def _merge_partials(o, lse):
+    contracts.check_merge_partials(o, lse)
     if not _merge_ok(o):
         return ref.merge_partials(o, lse)
     return torch.ops.sglang_prr_cuda.merge_partials(o, lse)
