@@ -2,9 +2,9 @@
 
 ``loader``: build, load and device checks (``load()``, ``active(device)``); ``dispatch``: the
 per-op guards that pick the kernel or the torch reference, and ``register()``, which
-``sglang_prr.ops`` calls at import; ``infllm``: the guards of the InfLLM-v2 ops; ``build``: the
-JIT build spec. Call ``load()`` at server start to keep the build out of the first decode step /
-graph capture. This module only re-exports the names callers use.
+``sglang_prr.custom_ops`` calls at import; ``infllm``: the guards of the InfLLM-v2 ops;
+``build``: the JIT build spec. Call ``load()`` at server start to keep the build out of the
+first decode step / graph capture. This module only re-exports the names callers use.
 """
 
 from .dispatch import (ATTN_HEAD_DIMS, ATTN_MAX_GROUP, CALIB_MAX_BLOCKS, IMPLS,  # noqa: F401

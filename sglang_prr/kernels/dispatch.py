@@ -1,10 +1,11 @@
 """The per-op guards of the SM90 kernels and their registration as the ops' CUDA implementation.
 
-``register()`` (called by ``sglang_prr.ops`` at import) installs, for every ``sglang_prr::*`` op
-that has a kernel, a CUDA implementation that checks its inputs and runs either the kernel or,
-for anything the kernel does not cover, the pure-torch reference. Nothing is built then: the
-first guard that asks ``loader.active`` builds and loads the library. On a GPU other than SM90,
-or when the build or load fails (one warning is logged), every op keeps running the reference.
+``register()`` (called by ``sglang_prr.custom_ops`` at import) installs, for every
+``sglang_prr::*`` op that has a kernel, a CUDA implementation that checks its inputs and runs
+either the kernel or, for anything the kernel does not cover, the pure-torch reference. Nothing
+is built then: the first guard that asks ``loader.active`` builds and loads the library. On a
+GPU other than SM90, or when the build or load fails (one warning is logged), every op keeps
+running the reference.
 
 Fallbacks are decided from shapes, dtypes and device properties only (no tensor values are read),
 so the choice is static within a CUDA graph. A new op: its guard here (the kernel's limits as
