@@ -20,12 +20,24 @@ from torch import Tensor
 
 from . import methods
 from . import reference as ref
-from .custom_ops import (attend_set, calib_grid_terms, calibrate, holt_update,  # noqa: F401
-                         infllm_scores, infllm_update, merge_partials, predict_set,
-                         predict_update, predict_update_rows, prr_merge, quest_scores,
-                         quest_select, quest_select_predict, quest_update, select_topk,
-                         set_difference, sparse_attn_merge, sparse_attn_partials)
+from .custom_ops import (attend_set, calib_grid_terms, calibrate, holt_update, infllm_scores,
+                         infllm_update, merge_partials, predict_set, predict_update,
+                         predict_update_rows, prr_merge, quest_scores, quest_select,
+                         quest_select_predict, quest_update, select_topk, set_difference,
+                         sparse_attn_merge, sparse_attn_partials)
 from .methods import Selected, SelectSpec
+
+__all__ = [
+    # the custom ops (custom_ops.py)
+    "attend_set", "calib_grid_terms", "calibrate", "holt_update", "infllm_scores",
+    "infllm_update", "merge_partials", "predict_set", "predict_update", "predict_update_rows",
+    "prr_merge", "quest_scores", "quest_select", "quest_select_predict", "quest_update",
+    "select_topk", "set_difference", "sparse_attn_merge", "sparse_attn_partials",
+    # paging helpers of the reference (no op: index arithmetic)
+    "num_blocks", "best_theta", "block_table",
+    # the compositions through the methods' registry
+    "select_blocks", "select_fused", "dsa_decode", "prr_decode",
+]
 
 num_blocks = ref.num_blocks
 best_theta = ref.best_theta

@@ -211,9 +211,12 @@ def reference_logprobs(cfg: Dict, sd: Dict[str, Tensor], ids: List[int], cont: L
                 if k_blocks is None:
                     o = ref.dense_attention(q, kv[i][0], kv[i][1], table, seq_lens, page_size,
                                             scale)
-                else:
-                    o = ref.dsa_decode(q, kv[i][0], kv[i][1], summ[i], table, seq_lens, "quest",
-                                       k_blocks, sink, local, page_size, scale)[0]
+                else:  # serial Quest DSA on the reference: scores, A, attention over A
+                    nblk = ref.num_blocks(seq_lens, page_size)
+                    a = ref.select_topk(ref.quest_scores(q, *summ[i], table, nblk), nblk,
+                                        k_blocks, sink, local)
+                    o = ref.attend_set(q, kv[i][0], kv[i][1], table, seq_lens, *a, page_size,
+                                       scale)[0]
                 x = finish(i, x, o)
             out.append(head(x)[0])
         modes.append(torch.stack(out))

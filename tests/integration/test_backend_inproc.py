@@ -355,13 +355,14 @@ def test_decode_updates_the_pool_rows_in_place(method):
         assert same(getattr(b.state, n)[:, rows2], before[n][:, rows2]), n
     assert not same(b.state.level[:, [1, 3]], before["level"][:, [1, 3]])
     # P(t+1) of layer 1, row 3 (batch entry 0), from the reference on the state before the step.
+    from sglang_prr import ops
     from sglang_prr import reference as ref
     l, r = 1, 3
     q3 = q.reshape(2, 4, D)[0:1]
     summary = b._summary(l)
     table = ref.block_table(w.req.req_to_token, torch.tensor([r]), PAGE)
     seq = fb.seq_lens[0:1]
-    scores = ref.select_blocks(method, q3, summary, table, seq, PAGE, D ** -0.5)
+    scores = ops.select_blocks(method, q3, summary, table, seq, PAGE, D ** -0.5)
     lv, tr, ni = (before[n][l, r:r + 1].clone() for n in ("level", "trend", "n_init"))
     p_idx, p_cnt = ref.predict_update(lv, tr, ni, scores, ref.num_blocks(seq, PAGE),
                                       b.state.theta[l, r:r + 1], ref.num_blocks(seq + 1, PAGE),

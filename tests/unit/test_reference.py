@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import oracle
+import ref_steps
 from paged import list_from_sets, make_paged, rel_err, score_series, sets_from_list
 from sglang_prr import ops
 from sglang_prr import reference as R
@@ -414,8 +415,9 @@ def test_calibration_recovers_the_best_theta_on_constructed_sequences():
 
 # ----------------------------------------------------------------------------- graph safety
 def test_decode_step_runs_on_meta_tensors():
-    """The whole PRR decode step runs on the meta device: no op reads a tensor value on the host
-    (a .item()/.tolist()/data-dependent shape would raise), so it is CUDA-graph capturable."""
+    """The whole PRR decode step, on the reference alone (``ref_steps``, Quest's scores), runs on
+    the meta device: no reference op reads a tensor value on the host (a .item()/.tolist()/
+    data-dependent shape would raise), so it is CUDA-graph capturable."""
     B, Hk, G, D, page, nb, slots = 3, 2, 4, 16, 16, 9, 16 * 40
     m = torch.device("meta")
     q = torch.empty(B, Hk * G, D, device=m)
@@ -428,7 +430,8 @@ def test_decode_step_runs_on_meta_tensors():
     level = torch.empty(B, Hk, nb, device=m)
     n_init = torch.empty(B, dtype=torch.long, device=m)
     theta = torch.empty(B, 3, device=m)
-    out = R.prr_decode(q, kv, kv, [kmin, kmin], table, seq, p_idx, p_cnt, level, level.clone(),
-                       n_init, theta, "quest", 2, 4, 1, 1, page, 0.25)
+    scores = R.quest_scores(q, kmin, kmin, table, R.num_blocks(seq, page))
+    out = ref_steps.prr_decode(q, kv, kv, scores, table, seq, p_idx, p_cnt, level, level.clone(),
+                               n_init, theta, 2, 4, 1, 1, page, 0.25)
     assert out[0].shape == (B, Hk * G, D) and out[0].device.type == "meta"
     assert out[5].shape == (B, Hk, 6)

@@ -1,0 +1,119 @@
+"""Quest's ops: the per-page key bounds (bf16 rounded outward), their fold, the block scores, and
+the selection of a decode step (scores, top-K, ``M = A \\ P``), also fused with the predictor's
+step. ``methods/quest.py`` is the method; these are its ops' reference."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .paging import NEG_INF
+from .predictor import predict_update_rows
+from .selection import select_from_scores
+
+# index_reduce_ (deterministic amin/amax scatter) is flagged beta by torch; its semantics are what
+# the summaries need, so the warning is silenced here rather than printed on every update.
+warnings.filterwarnings("ignore", message="index_reduce\\(\\) is in beta")
+
+
+def round_bf16(x: Tensor, down: bool) -> Tensor:
+    """``x`` (float32) rounded to bfloat16 toward -inf (``down``) or +inf: the outward rounding
+    that keeps ``kmin`` a lower and ``kmax`` an upper bound of the keys, as the kernels'
+    ``__float2bfloat16_rd`` / ``_ru`` round. Round to nearest, then one step outward where that
+    went the wrong way."""
+    y = x.to(torch.bfloat16)
+    yf = y.float()
+    wrong = (yf > x) if down else (yf < x)
+    bits = y.view(torch.int16).to(torch.int32)
+    neg = bits < 0  # sign bit set
+    # One step toward -inf: |y| up for y < 0, down for y > 0; from +/-0 to the smallest
+    # negative subnormal (0x8001). Toward +inf: the mirror image.
+    zero = (bits & 0x7FFF) == 0
+    if down:
+        step = torch.where(zero, torch.full_like(bits, -32767), torch.where(neg, bits + 1, bits - 1))
+    else:
+        step = torch.where(zero, torch.ones_like(bits), torch.where(neg, bits - 1, bits + 1))
+    out = torch.where(wrong, step, bits).to(torch.int16).view(torch.bfloat16)
+    return out
+
+
+def quest_update(kmin: Tensor, kmax: Tensor, k: Tensor, out_loc: Tensor, positions: Tensor,
+                 page_size: int, one_per_page: bool = False) -> None:
+    """Fold newly written keys into the per-page key min/max, in place.
+
+    kmin, kmax: ``[num_pages, Hk, D]`` float32 summaries, indexed by page.
+    k: ``[N, Hk, D]`` the new keys; out_loc: ``[N]`` their slots; positions: ``[N]`` their
+    positions in their requests. A page is reset when the token at its first position is
+    written (so a reused page forgets its previous owner); tokens of one call may share pages.
+    ``one_per_page`` promises that they do not (decode): the result is the same, and the kernel
+    then needs one launch instead of two.
+    """
+    page = out_loc.long() // page_size
+    first = (positions.long() % page_size) == 0
+    reset = torch.where(first, page, torch.zeros_like(page))  # page 0 = padding sink
+    kmin.index_fill_(0, reset, float("inf"))
+    kmax.index_fill_(0, reset, NEG_INF)
+    if kmin.dtype == torch.bfloat16:  # outward rounding: min/max commute with it
+        lo, hi = round_bf16(k.float(), down=True), round_bf16(k.float(), down=False)
+    else:
+        lo = hi = k.to(kmin.dtype)
+    kmin.index_reduce_(0, page, lo, "amin")
+    kmax.index_reduce_(0, page, hi, "amax")
+
+
+def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor) -> Tensor:
+    """Quest block scores ``IS = sum_d max(q_d*kmax_d, q_d*kmin_d)``, summed over each GQA group.
+
+    q: ``[B, Hq, D]``; kmin/kmax: ``[num_pages, Hk, D]``; table: ``[B, NB]`` page ids;
+    nblk: ``[B]`` blocks per request. Returns ``[B, Hk, NB]`` float32, ``-inf`` past nblk.
+    Summing the per-head upper bounds keeps an upper bound of the group's summed logits.
+    """
+    B, Hq, D = q.shape
+    Hk = kmin.shape[1]
+    G = Hq // Hk
+    nb = table.shape[1]
+    lo = kmin[table].float()  # [B, NB, Hk, D] (bfloat16 summaries: exact in float32)
+    hi = kmax[table].float()
+    qg = q.float().view(B, Hk, G, D)
+    s = torch.maximum(torch.einsum("bhgd,bnhd->bhgnd", qg, hi),
+                      torch.einsum("bhgd,bnhd->bhgnd", qg, lo)).sum(-1).sum(2)  # [B, Hk, NB]
+    exists = torch.arange(nb, device=q.device) < nblk.long().unsqueeze(-1)
+    return torch.where(exists.unsqueeze(1), s, torch.full_like(s, NEG_INF))
+
+
+def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
+                 p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,
+                 local_blocks: int, n_out: int, p_rows: Optional[Tensor] = None,
+                 dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Quest selection of one step: scores, A = top-K + kept blocks, and M = A \\ P.
+
+    ``p_idx``/``p_cnt`` None gives ``M = A``; with ``p_rows: [B]`` they are rows of the pool-wide
+    prediction ``[R, Hk, Np]`` / ``[R, Hk]``. ``dense_row: [B]`` bool selects every block of those
+    rows (``select_topk``); ``stats: [4]`` int64, if given, accumulates ``accumulate_stats``.
+    Returns ``(scores [B, Hk, NB], a_idx, a_cnt, m_idx, m_cnt)`` with lists of width ``n_out``.
+    """
+    return select_from_scores(quest_scores(q, kmin, kmax, table, nblk), nblk, table.shape[1],
+                              p_idx, p_cnt, k, sink_blocks, local_blocks, n_out, p_rows,
+                              dense_row, stats)
+
+
+def quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
+                         nblk_next: Tensor, p_idx: Tensor, p_cnt: Tensor, p_rows: Tensor,
+                         p_next_rows: Tensor, level: Tensor, trend: Tensor, n_init: Tensor,
+                         theta: Tensor, rows: Tensor, k: int, n_pred: int, sink_blocks: int,
+                         local_blocks: int, n_out: int, dense_row: Optional[Tensor] = None,
+                         stats: Optional[Tensor] = None
+                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A Quest decode step's selection and the predictor's step (one launch on SM90):
+    ``quest_select`` with P(t) read at rows ``p_rows`` of p_idx/p_cnt, then
+    ``predict_update_rows`` on state rows ``rows`` with P(t+1) written at rows ``p_next_rows``
+    (P(t) is read before P(t+1) is written, so the two may be the same rows)."""
+    out = quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks,
+                       n_out, p_rows, dense_row, stats)
+    predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, out[0], nblk, nblk_next,
+                        n_pred, sink_blocks, local_blocks, p_next_rows)
+    return out
