@@ -2,7 +2,7 @@
 implementation. Callers import them through ``sglang_prr.ops``, which adds the compositions that
 depend on the DSA method (``methods/``); the methods themselves compose the ops defined here.
 
-Every op's default implementation is the pure-torch reference (``reference.py``), which runs on
+Every op's default implementation is the pure-torch reference (``reference/``), which runs on
 any device; ``sglang_prr.kernels`` registers CUDA implementations of the same ops on SM90 when
 they build, through ``torch.library.register_kernel``. Callers never choose: the dispatcher picks
 the kernel for CUDA tensors when one is registered and the reference otherwise. Fake

@@ -17,9 +17,10 @@ The predictor's step is the selection's epilogue (the scores are on chip there):
 into the other half of a double buffer of P (``DecodeBatch.p_cur`` / ``p_nxt``: rows ``2 r + par``
 and ``2 r + 1 - par`` of the pool's P, the parity flipped once per speculating forward), so it
 never races the speculative pass or the merge, which read P(t). The main stream's wait for the
-selection is the only join. InfLLM-v2's selection composes its scores, top-K and set difference,
-and its predictor step follows on the side stream (joined once per forward, after the last
-sparse layer: ``run(..., join=True)``).
+selection is the only join. The selection is the DSA method's (``methods/``, picked once by
+name): Quest's is that one launch (``fuses_predictor``); InfLLM-v2's composes its scores, top-K
+and set difference, and the predictor's step follows on the side stream (joined once per
+forward, after the last sparse layer: ``run(..., join=True)``).
 
 The repair's merge visits the partials of A in ascending block id whichever pass computed
 them, so PRR (exact) gives serial DSA's output bits.
@@ -44,7 +45,8 @@ from typing import Callable, NamedTuple, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import ops
+from . import methods, ops
+from .methods import SelectSpec
 
 
 class DecodeBatch(NamedTuple):
@@ -89,8 +91,9 @@ def new_layer_state(rows: int, num_kv_heads: int, num_blocks: int, p_width: int,
 class DecodeStep:
     """Serial DSA or PRR decode of one layer (see the module docstring).
 
-    method: ``quest`` | ``infllm_v2``; k / n_pred: K and |P| max in blocks; sink / local: kept
-    blocks; exact: attend exactly A (else P u A); serial: serial DSA instead of PRR, always;
+    method: a registered DSA method (``methods.get``: ``quest`` | ``infllm_v2``); k / n_pred: K
+    and |P| max in blocks; sink / local: kept blocks; exact: attend exactly A (else P u A);
+    serial: serial DSA instead of PRR, always;
     budget: batch size -> |P| in blocks (at most ``n_pred``; 0: serial DSA for that batch size),
     ``n_pred`` for every batch size when None; skip_repair: debug negative control (M forced
     empty, so PRR(exact) != serial DSA).
@@ -100,6 +103,7 @@ class DecodeStep:
                  min_context: int, exact: bool, serial: bool, device: torch.device,
                  skip_repair: bool = False, budget: Optional[Callable[[int], int]] = None):
         self.method, self.k, self.n_pred = method, int(k), int(n_pred)
+        self.dsa = methods.get(method)
         self.budget = budget
         self.sink, self.local, self.page = int(sink), int(local), int(page_size)
         self.min_context = int(min_context)
@@ -107,6 +111,9 @@ class DecodeStep:
         # Width of A and M: K + kept blocks, or every block of the longest dense row.
         self.n_out = max(self.k + self.sink + self.local,
                          -(-max(self.min_context - 1, 0) // self.page))
+        # The selection's constants, the same for every forward and graph shape of this step.
+        self.spec = SelectSpec(k=self.k, sink_blocks=self.sink, local_blocks=self.local,
+                               n_out=self.n_out, page_size=self.page)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._p_par: Optional[Tensor] = None
@@ -159,71 +166,71 @@ class DecodeStep:
         """One layer's decode attention: ``o [B, Hq, D]`` in ``out_dtype``.
 
         q: ``[B, Hq, D]`` (rows may be strided, heads packed); k_buf/v_buf: the layer's
-        ``[slots, Hk, D]`` pool buffers; summary: ``(kmin, kmax)`` or ``(ck,)`` of the layer;
+        ``[slots, Hk, D]`` pool buffers; summary: the layer's summary tensors (the method's
+        ``layout``: ``(kmin, kmax)``, ``(ck,)``);
         state: the layer's predictor state (PRR; updated in place, P(t+1) included, P's rows
         double-buffered: ``[2R, Hk, Np]``); stats: ``[4]`` int64 counters
         (``reference.accumulate_stats``) or None; join: end this forward's side-stream work here
         (the last sparse layer; InfLLM-v2's predictor step runs there after the selection)."""
-        b = batch
+        b, dsa = batch, self.dsa
         # A serial forward of a speculating server leaves the PRR counters alone (its M = A
         # would read as misses); the host counts those steps.
-        sel = dict(nblk=b.nblk, n_out=self.n_out, dense_row=b.dense_row,
+        sel = dict(table=b.table, seq_lens=b.seq_lens, nblk=b.nblk, spec=self.spec,
+                   sm_scale=sm_scale, dense_row=b.dense_row,
                    stats=stats if (b.n_pred or self.serial) else None)
-        args = (self.method, q, list(summary), b.table, b.seq_lens, self.page, sm_scale, self.k,
-                self.sink, self.local)
+        attn = dict(table=b.table, seq_lens=b.seq_lens, page_size=self.page, sm_scale=sm_scale,
+                    out_dtype=out_dtype)
         if b.n_pred == 0:
-            _, a_idx, a_cnt, _, _ = ops.select_fused(*args, **sel)
-            return ops.sparse_attn_merge(q, k_buf, v_buf, b.table, b.seq_lens, a_idx, a_cnt,
-                                         self.page, sm_scale, None, None, None, None, None, None,
-                                         0, True, out_dtype=out_dtype)[0]
+            a = dsa.select(q, summary, **sel)
+            return ops.sparse_attn_merge(q, k_buf, v_buf, idx=a.a_idx, cnt=a.a_cnt, **attn)[0]
         st = state
         if st.p_idx.shape[0] != 2 * st.level.shape[0]:
             raise ValueError(f"state.p_idx has {st.p_idx.shape[0]} rows, expected 2 x "
                              f"{st.level.shape[0]} (P is double-buffered: rows 2r and 2r + 1)")
-        quest = self.method == "quest"
+        fused = dsa.fuses_predictor
 
         def select():
-            if quest:  # the predictor's step in the selection's epilogue
-                return ops.quest_select_predict(
-                    q, summary[0], summary[1], b.table, b.nblk, b.nblk_next, st.p_idx, st.p_cnt,
-                    b.p_cur, b.p_nxt, st.level, st.trend, st.n_init, st.theta, b.rows, self.k,
-                    b.n_pred, self.sink, self.local, self.n_out, b.dense_row, sel["stats"])
-            return ops.select_fused(*args, st.p_idx, st.p_cnt, p_rows=b.p_cur, **sel)
+            if fused:  # the predictor's step in the selection's epilogue
+                return dsa.select_predict(q, summary, nblk_next=b.nblk_next, state=st,
+                                          rows=b.rows, p_rows=b.p_cur, p_next_rows=b.p_nxt,
+                                          n_pred=b.n_pred, **sel)
+            return dsa.select(q, summary, p_idx=st.p_idx, p_cnt=st.p_cnt, p_rows=b.p_cur, **sel)
 
-        def predict(scores):  # InfLLM-v2: P(t+1) into the other half of P's double buffer
-            ops.predict_update_rows(st.level, st.trend, st.n_init, st.p_idx, st.p_cnt, st.theta,
-                                    b.rows, scores, b.nblk, b.nblk_next, b.n_pred, self.sink,
-                                    self.local, p_rows=b.p_nxt)
+        def predict(scores):  # P(t+1) into the other half of P's double buffer
+            ops.predict_update_rows(level=st.level, trend=st.trend, n_init=st.n_init,
+                                    p_idx=st.p_idx, p_cnt=st.p_cnt, theta=st.theta, rows=b.rows,
+                                    scores=scores, nblk=b.nblk, nblk_next=b.nblk_next,
+                                    n_pred=b.n_pred, sink_blocks=self.sink,
+                                    local_blocks=self.local, p_rows=b.p_nxt)
 
         if self.cuda:
             main = torch.cuda.current_stream(self.device)
             self.forked.record(main)
             with torch.cuda.stream(self.side):
                 self.side.wait_event(self.forked)
-                scores, a_idx, a_cnt, m_idx, m_cnt = select()
+                a = select()
                 self.selected.record(self.side)
-                if not quest:
-                    predict(scores)
+                if not fused:
+                    predict(a.scores)
                     if join:
                         self.predicted.record(self.side)
         else:
-            scores, a_idx, a_cnt, m_idx, m_cnt = select()
-            if not quest:
-                predict(scores)
+            a = select()
+            if not fused:
+                predict(a.scores)
         # Reuse: the speculative pass over P(t) (beside the selection on CUDA).
         o_s, lse_s = ops.sparse_attn_partials(q, k_buf, v_buf, b.table, b.seq_lens, st.p_idx,
                                               st.p_cnt, self.page, sm_scale, idx_rows=b.p_cur)
         if self.cuda:
             main.wait_event(self.selected)
-            for t in (a_idx, a_cnt, m_idx, m_cnt):
+            for t in (a.a_idx, a.a_cnt, a.m_idx, a.m_cnt):
                 t.record_stream(main)  # allocated on the side stream, read on the main one
-        if self.skip_repair:
-            m_cnt = torch.zeros_like(m_cnt)
+        m_cnt = torch.zeros_like(a.m_cnt) if self.skip_repair else a.m_cnt
         # Repair over M = A \ P(t), merged with the speculative partials of P(t) n A (exact).
-        o, _ = ops.sparse_attn_merge(q, k_buf, v_buf, b.table, b.seq_lens, m_idx, m_cnt,
-                                     self.page, sm_scale, o_s, lse_s, st.p_idx, st.p_cnt, a_idx,
-                                     a_cnt, b.table.shape[1], self.exact, p_rows=b.p_cur,
-                                     out_dtype=out_dtype)
-        if self.cuda and join and not quest:
+        o, _ = ops.sparse_attn_merge(q, k_buf, v_buf, idx=a.m_idx, cnt=m_cnt, o_spec=o_s,
+                                     lse_spec=lse_s, p_idx=st.p_idx, p_cnt=st.p_cnt,
+                                     a_idx=a.a_idx, a_cnt=a.a_cnt, nb=b.table.shape[1],
+                                     exact=self.exact, p_rows=b.p_cur, **attn)
+        if self.cuda and join and not fused:
             main.wait_event(self.predicted)
         return o
