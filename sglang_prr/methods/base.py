@@ -96,8 +96,9 @@ def select_from_scores(scores: Tensor, *, nblk: Tensor, nb: int, spec: SelectSpe
     (``reference.accumulate_stats``). ``p_rows: [B]``: P is read at those rows of pool-wide
     lists ``[R, Hk, Np]``; ``dense_row: [B]`` bool rows select every block. The composition
     ``reference.select_from_scores`` states on the reference alone."""
-    a_idx, a_cnt = ops.select_topk(scores, nblk, spec.k, spec.sink_blocks, spec.local_blocks,
-                                   spec.n_out, dense_row)
+    a_idx, a_cnt = ops.select_topk(scores, nblk, k=spec.k, sink_blocks=spec.sink_blocks,
+                                   local_blocks=spec.local_blocks, n_out=spec.n_out,
+                                   dense_row=dense_row)
     if p_idx is None:
         m_idx, m_cnt = a_idx.clone(), a_cnt.clone()
     else:
@@ -201,9 +202,11 @@ class DSAMethod:
         sel = self.select(q, summary, table=table, seq_lens=seq_lens, spec=spec,
                           sm_scale=sm_scale, nblk=nblk, p_idx=st.p_idx, p_cnt=st.p_cnt,
                           p_rows=p_rows, dense_row=dense_row, stats=stats)
-        ops.predict_update_rows(st.level, st.trend, st.n_init, st.p_idx, st.p_cnt, st.theta,
-                                rows, sel.scores, nblk, nblk_next, n_pred, spec.sink_blocks,
-                                spec.local_blocks, p_rows=p_next_rows)
+        ops.predict_update_rows(level=st.level, trend=st.trend, n_init=st.n_init,
+                                p_idx=st.p_idx, p_cnt=st.p_cnt, theta=st.theta, rows=rows,
+                                scores=sel.scores, nblk=nblk, nblk_next=nblk_next, n_pred=n_pred,
+                                sink_blocks=spec.sink_blocks, local_blocks=spec.local_blocks,
+                                p_rows=p_next_rows)
         return sel
 
     def __repr__(self) -> str:

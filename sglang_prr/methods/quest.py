@@ -59,8 +59,9 @@ class Quest(DSAMethod):
                stats: Optional[Tensor] = None) -> Selected:
         nblk = ref.num_blocks(seq_lens, spec.page_size) if nblk is None else nblk
         return Selected(*ops.quest_select(
-            q, summary[0], summary[1], table, nblk, p_idx, p_cnt, spec.k, spec.sink_blocks,
-            spec.local_blocks, spec.n_out, p_rows=p_rows, dense_row=dense_row, stats=stats))
+            q=q, kmin=summary[0], kmax=summary[1], table=table, nblk=nblk, p_idx=p_idx,
+            p_cnt=p_cnt, k=spec.k, sink_blocks=spec.sink_blocks, local_blocks=spec.local_blocks,
+            n_out=spec.n_out, p_rows=p_rows, dense_row=dense_row, stats=stats))
 
     def select_predict(self, q: Tensor, summary: Sequence[Tensor], *, table: Tensor,
                        seq_lens: Tensor, nblk: Tensor, nblk_next: Tensor, spec: SelectSpec,
@@ -69,6 +70,8 @@ class Quest(DSAMethod):
                        stats: Optional[Tensor] = None) -> Selected:
         st = state
         return Selected(*ops.quest_select_predict(
-            q, summary[0], summary[1], table, nblk, nblk_next, st.p_idx, st.p_cnt, p_rows,
-            p_next_rows, st.level, st.trend, st.n_init, st.theta, rows, spec.k, n_pred,
-            spec.sink_blocks, spec.local_blocks, spec.n_out, dense_row=dense_row, stats=stats))
+            q=q, kmin=summary[0], kmax=summary[1], table=table, nblk=nblk, nblk_next=nblk_next,
+            p_idx=st.p_idx, p_cnt=st.p_cnt, p_rows=p_rows, p_next_rows=p_next_rows,
+            level=st.level, trend=st.trend, n_init=st.n_init, theta=st.theta, rows=rows,
+            k=spec.k, n_pred=n_pred, sink_blocks=spec.sink_blocks,
+            local_blocks=spec.local_blocks, n_out=spec.n_out, dense_row=dense_row, stats=stats))
