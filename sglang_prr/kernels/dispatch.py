@@ -149,9 +149,9 @@ def attn_merge_smem(n: int, n1: int, na: int, group: int) -> int:
     return 4 * (n + n1 + na + 3 * e) + 4 * group * e
 
 
-def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, o_spec,
-                       lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact, p_rows=None,
-                       out_dtype=None):
+def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale,
+                       o_spec=None, lse_spec=None, p_idx=None, p_cnt=None, a_idx=None,
+                       a_cnt=None, nb=0, exact=True, p_rows=None, out_dtype=None):
     """One launch: the attention over ``idx`` whose last CTA per (request, KV head) merges the
     kept partials in ascending block id (the same bits for serial DSA and PRR exact)."""
     contracts.check_sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,

@@ -198,3 +198,38 @@ def test_an_empty_selection_attends_nothing():
                          1, 0, P.page, P.sm_scale)[0]
     assert float(one.abs().sum()) > 0  # control: one kept block attends something
     assert ref.merge_partials(torch.zeros(2, 0, 4), torch.zeros(2, 0))[1].isneginf().all()
+
+
+def _guard_mismatches(guard, schema):
+    """Arguments of the op's schema the CUDA guard ``guard`` names otherwise, or takes without the
+    op's default (the dispatcher passes on only what the caller gave: an argument the caller
+    leaves to its default reaches the guard missing)."""
+    import inspect
+
+    params = list(inspect.signature(guard).parameters.values())
+    bad = [f"names {[p.name for p in params]}"] if [p.name for p in params] != [
+        a.name for a in schema.arguments] else []
+    for p, a in zip(params, schema.arguments):
+        if a.has_default_value() and (p.default is inspect.Parameter.empty
+                                      or p.default != a.default_value):
+            bad.append(f"{a.name}: default {p.default!r}, the op's {a.default_value!r}")
+    return bad
+
+
+def test_cuda_guards_take_the_ops_arguments_and_defaults():
+    """Every CUDA implementation registered for an op (``kernels.IMPLS``, built or not) takes
+    the op's arguments, with its defaults, so a call that omits an optional argument works on
+    CUDA as on the CPU. Control: a guard without the defaults is caught."""
+    from sglang_prr import kernels
+
+    for name, guard in kernels.IMPLS.items():
+        schema = getattr(torch.ops.sglang_prr, name).default._schema
+        assert not _guard_mismatches(guard, schema), name
+    schema = torch.ops.sglang_prr.sparse_attn_merge.default._schema
+    assert any(a.has_default_value() for a in schema.arguments if a.name == "o_spec")
+
+    def old_guard(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, o_spec,
+                  lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact, p_rows=None, out_dtype=None):
+        pass
+
+    assert len(_guard_mismatches(old_guard, schema)) == 8
