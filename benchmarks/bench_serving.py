@@ -93,7 +93,6 @@ import random
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -108,10 +107,10 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import profile_trace  # noqa: E402
-from ports import free_port  # noqa: E402  (ports outside the range SGLang draws its own from)
+
+from sglang_prr.serving import harness  # noqa: E402  (start, readiness, stop, log)
 
 # Llama-3-8B: 32 layers, 32 query / 8 KV heads of 128, hidden 4096, MLP 14336.
 LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -135,6 +134,7 @@ SMOLLM2_MAX_POSITIONS = 8192
 WARMUP_OUT = 4  # output tokens of the warm-up request: prefill plus a few decode graph replays
 PROFILE_WAIT_S = 60  # how long a trace may take to appear once the requests are done
 STAGGER_TOKENS = 2  # --arrival staggered: tokens request i-1 has before request i is sent
+STOP_GRACE_S = 60.0  # a server with a 128K-token KV pool takes a while to free it
 LOG_SETTLE_S = 1.0  # the scheduler writes a step's log line after the step; wait for the last
 COLUMNS = ["variant", "label", "ctx", "batch", "out", "median_itl_ms", "p90_itl_ms",
            "median_tpot_ms", "median_ttft_ms", "output_tok_s", "completed", "hit_rate",
@@ -232,6 +232,12 @@ def plan(a) -> List[Tuple[Server, List[Point]]]:
 
 
 def server_cmd(model: str, port: int, srv: Server, points: Sequence[Point], a) -> list:
+    """The server's whole command line (``--dry-run`` prints it)."""
+    return harness.launch_command(server_args(model, srv, points, a), port)
+
+
+def server_args(model: str, srv: Server, points: Sequence[Point], a) -> list:
+    """The launcher's flags for one server (the harness adds ``--host``/``--port``)."""
     ctx_len = max(p.ctx for p in points) + a.out + 64
     max_bs = max(p.batch for p in points)
     if srv.model == SMOLLM2:
@@ -253,8 +259,7 @@ def server_cmd(model: str, port: int, srv: Server, points: Sequence[Point], a) -
     # on, and the dense baseline should read the same paged KV layout. Scheduler logs at info
     # level (one "Decode batch" line per --decode-log-interval steps: the decode batch), the
     # HTTP access log off.
-    return [sys.executable, "-m", "sglang_prr.launch_server", "--model-path", model,
-            "--host", "127.0.0.1", "--port", str(port)] + weights + [
+    return ["--model-path", model] + weights + [
             "--grammar-backend", "none", "--max-running-requests", str(max_bs),
             "--context-length", str(ctx_len), "--random-seed", "0",
             "--skip-server-warmup", "--log-level", "info", "--log-level-http", "warning",
@@ -262,21 +267,6 @@ def server_cmd(model: str, port: int, srv: Server, points: Sequence[Point], a) -
             "--prr-block-size", str(a.page), "--prr-top-k", str(a.top_k),
             "--prr-top-k-unit", "tokens", "--prr-min-context", str(a.min_context)] + dev + \
         budget + VARIANTS[srv.variant] + method
-
-
-def wait_ready(proc, url: str, log: Path, timeout: float) -> None:
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except Exception:  # noqa: BLE001 - not up yet
-            pass
-        time.sleep(2)
-    raise RuntimeError(f"server not ready in {timeout:.0f} s:\n{log.read_text()[-3000:]}")
 
 
 def prr_stats(url: str) -> dict:
@@ -760,20 +750,16 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
 def run_server(srv: Server, points: List[Point], model: str, a, workdir: Path,
                num_layers: int):
     """Start the server, warm it up and yield one CSV row per point."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log = workdir / f"server-{srv.name}.log"
     prof_dir = workdir / f"profile-{srv.name}"
     prof_dir.mkdir(exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-               SGLANG_TORCH_PROFILER_DIR=str(prof_dir))
     t0 = time.time()
-    proc = subprocess.Popen(server_cmd(model, port, srv, points, a), stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
-                            start_new_session=True)
+    server = harness.Server(server_args(model, srv, points, a), log, name=srv.name,
+                            env={"SGLANG_TORCH_PROFILER_DIR": str(prof_dir)})
     label = _label(srv, a)
     try:
-        wait_ready(proc, url, log, a.start_timeout)
+        server.wait_ready(a.start_timeout)
+        url = server.url  # after the start: a lost port moves the server to another
         print(f"[{srv.name}] up in {time.time() - t0:.0f} s ({len(points)} points: "
               + ", ".join(f"{p.kind} {p.ctx}x{p.batch}" for p in points) + ")", flush=True)
         t1 = time.time()
@@ -783,22 +769,7 @@ def run_server(srv: Server, points: List[Point], model: str, a, workdir: Path,
         for pt in points:
             yield measure_point(url, log, srv, pt, a, model, prof_dir, label, num_layers)
     finally:
-        stop(proc)
-
-
-def stop(proc) -> None:
-    """SIGTERM the server's process group (the launcher's supervisor and SGLang's children),
-    then SIGKILL what is left after a minute."""
-    try:
-        pgid = os.getpgid(proc.pid)
-    except ProcessLookupError:
-        return
-    os.killpg(pgid, signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(pgid, signal.SIGKILL)
-        proc.wait(30)
+        server.stop(STOP_GRACE_S)
 
 
 # ----------------------------------------------------------------------------- output

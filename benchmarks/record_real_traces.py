@@ -22,10 +22,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -34,12 +30,6 @@ from typing import List
 import requests
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def package_dir(name: str):
@@ -102,6 +92,7 @@ def main(argv=None) -> int:
     from tokenizers import Tokenizer
 
     from sglang_prr import models
+    from sglang_prr.serving import harness
 
     model_path = args.model_path or str(models.ensure_smollm2_subprocess())
     tok = Tokenizer.from_file(str(Path(model_path) / "tokenizer.json"))
@@ -120,45 +111,29 @@ def main(argv=None) -> int:
     for old in out.glob("*.npz"):
         old.unlink()
     ctx = max(lens) + args.steps + 64
-    port = free_port()
-    cmd = [sys.executable, "-m", "sglang_prr.launch_server", "--port", str(port),
-           "--model-path", model_path,
-           "--page-size", str(args.block_size), "--max-total-tokens", str(sum(lens) + 4096),
-           "--max-running-requests", str(len(lens)), "--chunked-prefill-size", "2048",
-           "--context-length", str(max(ctx, 8192)),
-           "--random-seed", "0", "--log-level", "warning", "--skip-server-warmup",
-           "--sleep-on-idle", "--mem-fraction-static", "0.95",
-           "--prr-block-size", str(args.block_size), "--prr-top-k", str(args.top_k),
-           "--prr-top-k-unit", "blocks", "--prr-min-context", str(args.min_context),
-           "--prr-calib-queries", str(args.calib_queries),
-           "--prr-trace-path", str(out.resolve()), "--prr-trace-layers", args.layers,
-           "--prr-trace-max-steps", str(args.steps),
-           # /health_generate probes are requests too and count against the recorder's bound;
-           # leave room for them (their one-step traces, if any, are dropped below).
-           "--prr-trace-max-requests", str(len(lens) + 16)]
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.pop("SGLANG_PRR_CONFIG", None)
-    log_path = out / "server.log"
+    flags = ["--model-path", model_path,
+             "--page-size", str(args.block_size), "--max-total-tokens", str(sum(lens) + 4096),
+             "--max-running-requests", str(len(lens)), "--chunked-prefill-size", "2048",
+             "--context-length", str(max(ctx, 8192)),
+             "--random-seed", "0", "--log-level", "warning", "--skip-server-warmup",
+             "--sleep-on-idle", "--mem-fraction-static", "0.95",
+             "--prr-block-size", str(args.block_size), "--prr-top-k", str(args.top_k),
+             "--prr-top-k-unit", "blocks", "--prr-min-context", str(args.min_context),
+             "--prr-calib-queries", str(args.calib_queries),
+             "--prr-trace-path", str(out.resolve()), "--prr-trace-layers", args.layers,
+             "--prr-trace-max-steps", str(args.steps),
+             # /health_generate probes are requests too and count against the recorder's bound;
+             # leave room for them (their one-step traces, if any, are dropped below).
+             "--prr-trace-max-requests", str(len(lens) + 16)]
     t0 = time.monotonic()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
-                                start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    server = harness.Server(flags, out / "server.log", name="record")
     results = []
     try:
-        deadline = time.monotonic() + args.start_timeout
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"server exited {proc.returncode}:\n{log_path.read_text()[-3000:]}")
-            try:
-                if requests.get(url + "/health_generate", timeout=30).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            if time.monotonic() > deadline:
-                raise SystemExit("server not ready in time")
-            time.sleep(2)
+        try:
+            server.wait_ready(args.start_timeout)
+        except harness.ServerError as e:
+            raise SystemExit(str(e))
+        url = server.url
         print(f"server up in {time.monotonic() - t0:.0f} s", flush=True)
 
         def gen(ids):
@@ -177,15 +152,7 @@ def main(argv=None) -> int:
             results = [gen(p) for p in prompts]
         print(f"{len(prompts)} requests done in {time.monotonic() - t1:.0f} s", flush=True)
     finally:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGTERM)  # the group this script started
-                proc.wait(timeout=60)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        server.stop(grace_s=60)
     from sglang_prr import traces as T
 
     files = []
@@ -194,7 +161,7 @@ def main(argv=None) -> int:
             f.unlink()
         else:
             files.append(f)
-    manifest = {"model_path": model_path, "command": cmd[1:], "prompt_tokens": lens,
+    manifest = {"model_path": model_path, "command": server.cmd[1:], "prompt_tokens": lens,
                 "steps": args.steps, "sources": [s[:3] + (["..."] if len(s) > 3 else [])
                                                  for s in sources],
                 "outputs": [r.get("text", "")[:200] for r in results],

@@ -26,15 +26,12 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
-from ports import free_port
 
 pytestmark = pytest.mark.gpu
 NEEDS_KERNEL_LIBRARY = False  # the servers load it
@@ -50,6 +47,7 @@ except ImportError:
     pytest.skip("needs SGLang", allow_module_level=True)
 
 from sglang_prr import peaked_llama  # noqa: E402
+from sglang_prr.serving import harness  # noqa: E402
 
 START_TIMEOUT = 420
 MAX_NEW = 16
@@ -96,46 +94,23 @@ def _get(url, timeout=60):
         return json.loads(r.read()) if "json" in r.headers.get("Content-Type", "") else r.read()
 
 
-class Server:
-    def __init__(self, model: str, name: str, log: Path):
-        extra, env = CONFIGS[name]
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.name = name
-        cmd = [sys.executable, "-m", "sglang_prr.launch_server", "--model-path", model,
-               "--host", "127.0.0.1", "--port", str(self.port)] + COMMON + DEVICE + extra
-        e = dict(os.environ)
-        for var in ("SGLANG_PRR_CONFIG", "SGLANG_PRR_STATS_FILE", "SGLANG_PRR_DEBUG_SKIP_REPAIR"):
-            e.pop(var, None)
-        e.update(env)
-        self.proc = subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT,
-                                     env=e)
-        t0 = time.time()
-        while time.time() - t0 < START_TIMEOUT:
-            if self.proc.poll() is not None:
-                break
-            try:
-                with urllib.request.urlopen(self.url + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        print(f"server {name} up in {time.time() - t0:.0f} s")
-                        return
-            except Exception:  # noqa: BLE001 - not up yet
-                pass
-            time.sleep(2)
-        tail = log.read_text()[-4000:]
-        self.stop()
-        pytest.fail(f"server {name} did not start:\n{tail}")
-
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+def start(model: str, name: str, log: Path) -> harness.Server:
+    """One configuration's server through the package's harness, ready (or the test fails with
+    its log's tail)."""
+    extra, env = CONFIGS[name]
+    t0 = time.time()
+    server = harness.Server(["--model-path", model] + COMMON + DEVICE + extra, log, name=name,
+                            env=env)
+    try:
+        server.wait_ready(START_TIMEOUT)
+    except harness.ServerError as e:
+        server.stop()
+        pytest.fail(str(e))
+    print(f"server {name} up in {time.time() - t0:.0f} s")
+    return server
 
 
-def _generate(server: Server, prompts):
+def _generate(server: harness.Server, prompts):
     """Per prompt: the greedy ids and the top-N ``{id: logprob}`` of every output step (step 0
     comes from the prefill, the others from decode steps)."""
     outs = []
@@ -150,7 +125,7 @@ def _generate(server: Server, prompts):
     return outs
 
 
-def _stats_after(server: Server):
+def _stats_after(server: harness.Server):
     """/prr/stats is refreshed at the start of a forward, at most once a second on GPU: wait a
     second and send a one-token request so that the counts include the requests before it."""
     time.sleep(1.5)
@@ -194,7 +169,7 @@ def runs(tmp_path_factory):
     logs = Path(os.environ.get("OUT", tmp_path_factory.mktemp("logs")))
     out, stats = {}, None
     for name in CONFIGS:
-        server = Server(model, name, logs / f"server_{name}.log")
+        server = start(model, name, logs / f"server_{name}.log")
         try:
             out[name] = _generate(server, prompts)
             if name == "prr":

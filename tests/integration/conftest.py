@@ -17,19 +17,12 @@ Configurations:
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
-import requests
-from ports import free_port
 
-REPO = Path(__file__).resolve().parents[2]
+from sglang_prr.serving import harness
+
 START_TIMEOUT_S = 600
 COMMON = ["--prr-block-size", "16", "--prr-top-k", "2", "--prr-top-k-unit", "blocks",
           "--prr-min-context", "64", "--prr-calib-queries", "8", "--max-total-tokens", "16384",
@@ -50,86 +43,14 @@ CONFIGS = {
 }
 
 
-BIND_RETRIES = 2
-
-
-class Server:
-    def __init__(self, name, args, env, explicit_model, model_path, logdir):
-        self.name = name
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = Path(logdir) / f"server-{name}.log"
-        cmd = [sys.executable, "-m", "sglang_prr.launch_server", "--port", str(self.port)] + args
-        if explicit_model:
-            cmd += ["--model-path", model_path]
-        e = dict(os.environ)
-        e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
-        e.pop("SGLANG_PRR_CONFIG", None)
-        e.pop("SGLANG_PRR_STATS_FILE", None)
-        e.update(env)
-        self.cmd = cmd
-        self.env = e
-        self.ready = False
-        self.model = model_path
-        self.retries = BIND_RETRIES
-        self._start()
-
-    def _start(self, mode="w"):
-        self._log = open(self.log_path, mode)
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env=self.env, cwd=str(REPO), start_new_session=True)
-
-    def _restart_on_new_port(self) -> bool:
-        """Start again on another port if the last start lost a bind race; False otherwise."""
-        self._log.close()
-        if self.retries == 0 or "already in use" not in self.log_path.read_text():
-            return False
-        self.retries -= 1
-        i = self.cmd.index("--port") + 1
-        self.port = free_port()
-        self.cmd[i] = str(self.port)
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._start(mode="a")  # keep the failed start's log above the retry's
-        return True
-
-    def wait(self):
-        if self.ready:
-            return self
-        deadline = time.time() + START_TIMEOUT_S
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                if self._restart_on_new_port():
-                    deadline = time.time() + START_TIMEOUT_S
-                    continue
-                raise RuntimeError(f"server {self.name} exited with {self.proc.returncode}:\n"
-                                   + self.log_path.read_text()[-4000:])
-            try:
-                if requests.get(self.url + "/health_generate", timeout=30).status_code == 200:
-                    self.ready = True
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(2)
-        raise RuntimeError(f"server {self.name} not ready in {START_TIMEOUT_S}s:\n"
-                           + self.log_path.read_text()[-4000:])
-
-    def healthy(self) -> bool:
-        try:
-            return requests.get(self.url + "/health_generate", timeout=60).status_code == 200
-        except requests.RequestException:
-            return False
-
-    def stop(self):
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)  # the group this fixture started
-                self.proc.wait(timeout=30)
-            except (ProcessLookupError, subprocess.TimeoutExpired):
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-        self._log.close()
+def start_server(name, args, env, explicit_model, model_path, logdir) -> harness.Server:
+    """``python -m sglang_prr.launch_server`` through the package's harness, started now and
+    waited for with ``wait_ready()``; ``explicit_model`` adds ``--model-path model_path``
+    (else the launcher's default model serves), ``env`` goes on top of the environment."""
+    args = list(args) + (["--model-path", model_path] if explicit_model else [])
+    srv = harness.Server(args, Path(logdir) / f"server-{name}.log", name=name, env=env)
+    srv.model = model_path
+    return srv
 
 
 @pytest.fixture(scope="session")
@@ -145,15 +66,15 @@ def servers(demo_model, tmp_path_factory):
     pool = {}
     try:
         for name, (args, env, explicit) in CONFIGS.items():
-            pool[name] = Server(name, args, env, explicit, demo_model, logdir)
+            pool[name] = start_server(name, args, env, explicit, demo_model, logdir)
         yield pool
     finally:
         for s in pool.values():
             s.stop()
 
 
-def _get(servers, name) -> Server:
-    return servers[name].wait()
+def _get(servers, name) -> harness.Server:
+    return servers[name].wait_ready(START_TIMEOUT_S)
 
 
 @pytest.fixture(scope="session")

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from conftest import Server
+from conftest import START_TIMEOUT_S, start_server
 from helpers import first_step_diff, generate, logprob_table, max_logprob_diff
 
 pytestmark = pytest.mark.server
@@ -114,10 +114,10 @@ def real(real_model, tmp_path_factory):
         try:
             t0 = time.monotonic()
             for name, (args, env, explicit) in rnd.items():
-                pool[name] = Server("real-" + name, list(args), env, explicit, real_model,
-                                    logdir)
+                pool[name] = start_server("real-" + name, list(args), env, explicit,
+                                          real_model, logdir)
             for s in pool.values():
-                s.wait()
+                s.wait_ready(START_TIMEOUT_S)
             times.append(f"{'+'.join(pool)} up in {time.monotonic() - t0:.0f} s")
             for name, s in pool.items():
                 t0 = time.monotonic()

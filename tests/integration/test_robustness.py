@@ -26,7 +26,7 @@ from pathlib import Path
 import psutil
 import pytest
 import requests
-from conftest import COMMON, Server
+from conftest import COMMON, START_TIMEOUT_S, start_server
 from helpers import generate, prompt_ids
 
 from sglang_prr import launch_server, supervisor
@@ -236,9 +236,9 @@ def test_sigterm_after_health_stops_every_child(demo_model, tmp_path):
     """Also the end-to-end check of item 2: K = 10^6 tokens is served, capped at 64 blocks."""
     args = COMMON[:2] + ["--prr-top-k", "1000000", "--prr-top-k-unit", "tokens"] + COMMON[6:]
     assert "--context-length" in args and args[args.index("--context-length") + 1] == "1024"
-    srv = Server("sigterm", args, {}, True, demo_model, tmp_path)
+    srv = start_server("sigterm", args, {}, True, demo_model, tmp_path)
     try:
-        srv.wait()
+        srv.wait_ready(START_TIMEOUT_S)
         stats = requests.get(srv.url + "/prr/stats", timeout=30).json()
         cfg = stats["config"]
         assert cfg["max_context_blocks"] == 64, cfg  # 1024 / 16
@@ -258,7 +258,7 @@ def test_sigterm_after_health_stops_every_child(demo_model, tmp_path):
 def test_sigterm_during_startup_stops_every_child(demo_model, tmp_path):
     """A signal while SGLang's processes start (before SGLang's own handlers exist) used to
     leave the detokenizer and the multiprocessing resource tracker running."""
-    srv = Server("sigterm-startup", list(COMMON), {}, True, demo_model, tmp_path)
+    srv = start_server("sigterm-startup", list(COMMON), {}, True, demo_model, tmp_path)
     try:
         me = psutil.Process(srv.proc.pid)
         deadline = time.monotonic() + 300
