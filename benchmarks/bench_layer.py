@@ -55,11 +55,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from sglang_prr import ops, trace_replay, traces  # noqa: E402
+from sglang_prr import ops  # noqa: E402
+from sglang_prr.tools import trace_replay, traces  # noqa: E402
 from sglang_prr import reference as ref  # noqa: E402
 from sglang_prr.config import PRRConfig  # noqa: E402
 from sglang_prr.step import DecodeStep, LayerState, new_layer_state  # noqa: E402
-from sglang_prr.synthetic import paged_kv  # noqa: E402
+from sglang_prr.tools.synthetic import paged_kv  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (the benchmarks' one graph timer)

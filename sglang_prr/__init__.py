@@ -1,7 +1,10 @@
 """sglang-prr: Predict, Reuse, Repair for dynamic sparse attention decoding in SGLang.
 
-The algorithm core (``config``, ``reference``, ``ops``) imports torch only; the SGLang shell
-(``plugin``, ``backend``, ``launch_server``) is imported on demand.
+Layers, as folders: the core here (``config``, ``ops``, ``step``, ..., ``methods/``,
+``reference/``, ``kernels/``) imports torch only; ``tools/`` (models, budget profiler, traces)
+builds on it; ``serving/`` (launcher, plugin, backend, harness) is the only part that imports
+SGLang, and only when imported. ``launch_server``, ``plugin``, ``profile_budget`` and ``models``
+are the public paths of serving and tool modules, kept here. docs/ARCHITECTURE.md has the map.
 """
 
 from .config import PRRConfig, PRRConfigError

@@ -14,7 +14,7 @@ import torch
 
 from . import ops
 from .config import PRRConfig
-from .synthetic import paged_kv
+from .tools.synthetic import paged_kv
 
 
 def main(argv=None) -> None:

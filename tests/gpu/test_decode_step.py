@@ -24,7 +24,7 @@ require_sm90()
 
 from sglang_prr import ops  # noqa: E402
 from sglang_prr.step import DecodeStep, new_layer_state  # noqa: E402
-from sglang_prr.synthetic import paged_kv  # noqa: E402
+from sglang_prr.tools.synthetic import paged_kv  # noqa: E402
 from test_kernels import (DEV, capture, make_pool, poison, random_lists, rel_err,  # noqa: E402
                           seeded)
 

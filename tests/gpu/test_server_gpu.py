@@ -1,7 +1,7 @@
 """The PRR server on a GPU: SGLang's FlashInfer backend wrapped by PRR, decode in CUDA graphs.
 
 Writes a seeded bf16 Llama checkpoint whose attention decides the logprobs
-(``sglang_prr.peaked_llama``: head dim 128, GQA 4, 4 layers; block = page = 64 tokens) and
+(``sglang_prr.tools.peaked_llama``: head dim 128, GQA 4, 4 layers; block = page = 64 tokens) and
 serves it with ``python -m sglang_prr.launch_server``, five servers one after another, CUDA graphs
 on, on the same fresh random prompts of 1.5-4.7K tokens (> --prr-min-context, so decode is
 sparse), greedy, logprobs compared over the top-N of every decode step:
@@ -46,7 +46,7 @@ try:
 except ImportError:
     pytest.skip("needs SGLang", allow_module_level=True)
 
-from sglang_prr import peaked_llama  # noqa: E402
+from sglang_prr.tools import peaked_llama  # noqa: E402
 from sglang_prr.serving import harness  # noqa: E402
 
 START_TIMEOUT = 420
@@ -58,7 +58,7 @@ SEED = int(os.environ.get("PRR_TEST_SEED", random.randrange(1 << 30)))
 # Equalities: on CPU (fp32) the paths differ only in summation order. On the GPU the activations
 # are bf16: the same weights decoded densely in fp32 and in bf16 (every activation rounded) differ
 # by at most 0.06 on the top-5 logprobs of the first decode steps (CPU, 1.5K/3.1K tokens,
-# ``python -m sglang_prr.peaked_llama``); two bf16 paths that differ only in how attention
+# ``python -m sglang_prr.tools.peaked_llama``); two bf16 paths that differ only in how attention
 # partials are summed differ by less.
 TOL = 1e-4 if ON_CPU else 0.1
 # Controls: a real change of the attended set moves these weights' logprobs by whole units

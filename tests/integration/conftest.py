@@ -55,7 +55,7 @@ def start_server(name, args, env, explicit_model, model_path, logdir) -> harness
 
 @pytest.fixture(scope="session")
 def demo_model() -> str:
-    from sglang_prr.demo import demo_model_path
+    from sglang_prr.tools.demo import demo_model_path
 
     return demo_model_path()
 

@@ -23,8 +23,8 @@ from sglang.srt.layers.radix_attention import AttentionType  # noqa: E402
 from sglang.srt.mem_cache.memory_pool import unwrap_write_loc  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-from sglang_prr import backend as bk  # noqa: E402
-from sglang_prr import stats  # noqa: E402
+from sglang_prr.serving import backend as bk  # noqa: E402
+from sglang_prr.serving import stats  # noqa: E402
 from sglang_prr.config import PRRConfig  # noqa: E402
 
 PAGE = 16
@@ -203,7 +203,7 @@ def test_slot_reuse_resets_state():
 
 
 def test_trace_recording(tmp_path):
-    traces = pytest.importorskip("sglang_prr.traces")
+    traces = pytest.importorskip("sglang_prr.tools.traces")
     cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=0,
                     calib_queries=4, trace_path=str(tmp_path / "tr"), trace_layers=(1,),
                     trace_max_steps=3).validate()

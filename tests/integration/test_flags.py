@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from sglang_prr.config import PRRConfig
-from sglang_prr.server_args_patch import complete_argv, flag_name
+from sglang_prr.flags import flag_name
+from sglang_prr.serving.server_args_patch import complete_argv
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -57,7 +58,7 @@ def test_bad_flag_exits_nonzero_from_the_command_line():
                  marks=pytest.mark.skipif(_cuda(), reason="fa3 is valid with a GPU")),
 ])
 def test_bad_flags_exit_nonzero_with_message(args, needle, capsys, monkeypatch):
-    from sglang_prr import launch_server
+    from sglang_prr.serving import launch_server
 
     monkeypatch.delenv("SGLANG_PRR_CONFIG", raising=False)
     # A model path is given so no demo is built: the checks run before anything is loaded.
@@ -71,12 +72,13 @@ def test_bad_flags_exit_nonzero_with_message(args, needle, capsys, monkeypatch):
 
 def test_good_flags_pass_validation(monkeypatch):
     """Negative control for the test above: a valid combination is accepted up to the model."""
-    from sglang_prr import launch_server
-    from sglang_prr.server_args_patch import PRRArgsError, check_compatibility
+    from sglang_prr.serving import launch_server
+    from sglang_prr.serving.server_args_patch import PRRArgsError, check_compatibility
 
     ns = launch_server.build_parser().parse_args(
         ["--model-path", "m", "--page-size", "16", "--prr-block-size", "16"])
-    from sglang_prr.server_args_patch import config_from_given, pop_prr_args
+    from sglang_prr.flags import pop_prr_args
+    from sglang_prr.serving.server_args_patch import config_from_given
 
     cfg = config_from_given(pop_prr_args(ns))
     check_compatibility(cfg, ns, has_cuda=False)  # no exception

@@ -74,7 +74,7 @@ CHAT = {"model": "default", "temperature": 0.0, "max_tokens": 24,
 def real_model() -> str:
     """The converted SmolLM2-135M-Instruct folder: downloaded and converted at most once per
     cache (``$SGLANG_PRR_CACHE`` or ``~/.cache/sglang_prr``), then reused."""
-    from sglang_prr import models
+    from sglang_prr.tools import models
 
     t0 = time.monotonic()
     try:  # in a child process, as the launcher does: the test process stays lean

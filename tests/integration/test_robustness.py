@@ -29,8 +29,8 @@ import requests
 from conftest import COMMON, START_TIMEOUT_S, start_server
 from helpers import generate, prompt_ids
 
-from sglang_prr import launch_server, supervisor
-from sglang_prr.server_args_patch import ENV_CONFIG
+from sglang_prr.serving import launch_server, supervisor
+from sglang_prr.serving.server_args_patch import ENV_CONFIG
 
 REPO = Path(__file__).resolve().parents[2]
 STOP_WITHIN_S = 30
@@ -56,7 +56,7 @@ def demo_config(demo_model):
 
 
 def test_check_input_ids_names_the_bad_id():
-    from sglang_prr.plugin import check_input_ids
+    from sglang_prr.serving.plugin import check_input_ids
 
     check_input_ids([0, 5, VOCAB - 1], VOCAB)  # the edges are fine
     check_input_ids([[1, 2], [3]], VOCAB)
@@ -71,7 +71,7 @@ def test_check_input_ids_names_the_bad_id():
 def test_request_validation_patch_is_idempotent():
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-    from sglang_prr import plugin
+    from sglang_prr.serving import plugin
 
     plugin._patch_request_validation()
     first = TokenizerManager._validate_one_request
@@ -134,7 +134,7 @@ def test_top_k_capped_at_the_context_length(clean_env, demo_model, demo_config):
     assert cfg.top_k_blocks == 63 and cfg.predicted_blocks == 63
     exported = json.loads(os.environ[ENV_CONFIG])  # what the scheduler processes read
     assert exported["max_context_blocks"] == 63
-    from sglang_prr.server_args_patch import load_config
+    from sglang_prr.serving.server_args_patch import load_config
 
     child = load_config()
     assert child.top_k_blocks == 63 and child.predicted_blocks == 63
@@ -155,7 +155,7 @@ def test_unknown_context_length_leaves_k_uncapped():
     from types import SimpleNamespace
 
     from sglang_prr.config import PRRConfig
-    from sglang_prr.server_args_patch import cap_to_context, context_len_of
+    from sglang_prr.serving.server_args_patch import cap_to_context, context_len_of
 
     no_model = SimpleNamespace(model_path="/nonexistent-model", context_length=None)
     cfg = PRRConfig(top_k=100, top_k_unit="blocks", block_size=16).validate()
@@ -306,7 +306,7 @@ def test_supervisor_kills_stubborn_and_orphaned_children(sig, tmp_path):
     ready = tmp_path / "ready"
     env = dict(os.environ, SGLANG_PRR_STOP_GRACE_S="1")
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    code = ("import sys; from sglang_prr.supervisor import supervise; "
+    code = ("import sys; from sglang_prr.serving.supervisor import supervise; "
             f"sys.exit(supervise([], cmd=[sys.executable, {str(fake)!r}, {str(ready)!r}]))")
     launcher = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=str(REPO),
                                 start_new_session=True)

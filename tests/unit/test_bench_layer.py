@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from sglang_prr import reference as ref
-from sglang_prr import trace_replay, traces
+from sglang_prr.tools import trace_replay, traces
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_prr import trace_families as F
-from sglang_prr import traces as T
+from sglang_prr.tools import trace_families as F
+from sglang_prr.tools import traces as T
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

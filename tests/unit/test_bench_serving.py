@@ -151,7 +151,7 @@ def test_logprob_comparison(bench):
 
 
 def test_text_prompts_are_real_text_and_deterministic(bench, tmp_path):
-    from sglang_prr import demo
+    from sglang_prr.tools import demo
     tok = str(Path(demo.demo_model_path()) / "tokenizer.json")
     lib = tmp_path / "Lib"
     lib.mkdir()
@@ -215,7 +215,7 @@ def test_cpu_server_steady_batch_and_staggered_control(bench, tmp_path):
     """One CPU server (demo shape, 2 layers): a steady batch of 2 decodes bs = 2 at every
     logged and profiled step; the same point staggered (negative control) does not, and the
     check says so. About a minute on two cores."""
-    from sglang_prr import demo
+    from sglang_prr.tools import demo
     _, a = bench.parse_args(
         ["--device", "cpu", "--shape", "demo", "--layers", "2", "--out", "8", "--page", "16",
          "--top-k", "32", "--min-context", "64", "--profile", "--profile-steps", "3",

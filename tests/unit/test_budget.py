@@ -9,11 +9,12 @@ import random
 import pytest
 import torch
 
-from sglang_prr import ops, profile_budget
+from sglang_prr import ops
+from sglang_prr.tools import profile_budget
 from sglang_prr.budget import SPECULATE_MARGIN, BudgetPolicy, BudgetProfile, check_profile
 from sglang_prr.config import PRRConfig, PRRConfigError
 from sglang_prr.step import DecodeStep, new_layer_state
-from sglang_prr.synthetic import paged_kv
+from sglang_prr.tools.synthetic import paged_kv
 
 SHAPE = dict(method="quest", num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
              top_k_tokens=2048)
@@ -243,7 +244,7 @@ def test_profiler_hit_rate_real_from_traces_or_recorded(tmp_path, monkeypatch):
     """--hit-rate real: trace_replay.real_hit_rate's |P n A| / |A| at |P| = K on the traces
     (tests/unit/test_trace_replay_real.py checks that number), or the recorded value when the
     folder holds no trace; a number is taken as given."""
-    from sglang_prr import trace_replay
+    from sglang_prr.tools import trace_replay
     seen = []
 
     def fake(path, k=None, delta=1.0, calib_rows=None):

@@ -1,4 +1,4 @@
-"""The default real model (sglang_prr.models) and the launcher's model choice, without network.
+"""The default real model (tools.models) and the launcher's model choice, without network.
 
 The conversion fixes are tested on a small synthetic folder shaped like the GGUF conversion's
 output (a byte-level BPE tokenizer whose merges join digits, EOS ``<|im_start|>``, class
@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from sglang_prr import launch_server, models
+from sglang_prr.serving import launch_server
+from sglang_prr.tools import models
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = ["In 2024, 12345 people counted 2024 apples and 99 pears.",
@@ -246,7 +247,7 @@ def test_smollm2_alias_resolves_or_exits(cache, monkeypatch):
 
 
 def test_demo_alias_expands_to_the_demo_folder(monkeypatch):
-    import sglang_prr.demo as demo
+    import sglang_prr.tools.demo as demo
 
     monkeypatch.setattr(demo, "demo_model_path", lambda: "/cache/demo")
     assert launch_server._expand_demo_alias(["--model-path", "demo-tiny", "--port", "1"]) == \

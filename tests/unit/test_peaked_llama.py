@@ -1,6 +1,6 @@
 """The GPU server test's weights make block selection visible in the logprobs (CPU, no server).
 
-``sglang_prr.peaked_llama`` writes the checkpoint that ``tests/gpu/test_server_gpu.py`` serves;
+``tools.peaked_llama`` writes the checkpoint that ``tests/gpu/test_server_gpu.py`` serves;
 its controls (DSA at small K != dense) hold only if attention decides the output. Checked here
 with the pure-torch forward on the written file: DSA at K = 2 blocks moves the top logprobs by
 far more than the GPU test's threshold, K covering every block equals dense, and (the check's
@@ -13,7 +13,7 @@ import random
 
 import torch
 
-from sglang_prr import peaked_llama as pl
+from sglang_prr.tools import peaked_llama as pl
 
 LENGTH = 1100  # 18 blocks of 64 (not a multiple of the block)
 DIFFERENT = 0.5  # the GPU test's threshold for "differs"

@@ -1,6 +1,6 @@
 """benchmarks/stage_model.py: the GGUF split into capped parts and rebuilt bit for bit, every
 missing or damaged part named, and ``unpack`` handing the rebuilt file to
-``sglang_prr.models.smollm2_path`` (no download, no conversion here)."""
+``sglang_prr.tools.models.smollm2_path`` (no download, no conversion here)."""
 
 from __future__ import annotations
 

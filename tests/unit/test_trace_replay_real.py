@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sglang_prr import trace_replay, traces
+from sglang_prr.tools import trace_replay, traces
 
 ROOT = Path(__file__).resolve().parents[2]
 

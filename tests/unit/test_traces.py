@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from sglang_prr import trace_families as F
-from sglang_prr import trace_replay as R
-from sglang_prr import traces as T
+from sglang_prr.tools import trace_families as F
+from sglang_prr.tools import trace_replay as R
+from sglang_prr.tools import traces as T
 from sglang_prr.config import PRRConfig, PRRConfigError
 
 

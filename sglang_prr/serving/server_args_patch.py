@@ -1,98 +1,30 @@
-"""The ``--prr-*`` server flags, generated from ``PRRConfig``, and how they reach every process.
-
-One source of truth: each dataclass field of ``PRRConfig`` becomes ``--prr-<name>`` with the
-field's help text, so a new option needs no edit here. Flags default to ``None`` in argparse so
-that "not given" is visible (the page size is derived from the block size only when the user did
-not choose one); the values then go through ``PRRConfig.validate()``, whose errors name the value
-and the allowed range.
+"""The ``--prr-*`` flags (``sglang_prr.flags``) against SGLang's own: what the launcher fills
+in (``complete_argv``), the combinations that cannot work (``check_compatibility``), the cap of K
+and |P| at the context length, and how the configuration reaches every process.
 
 The validated configuration travels to SGLang's spawned scheduler processes as JSON in the
 environment variable ``SGLANG_PRR_CONFIG`` (children inherit the parent's environment), where
-``sglang_prr.plugin.apply()`` reads it back.
+``sglang_prr.serving.plugin.apply()`` reads it back.
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
 import os
-import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from .budget import check_profile
-from .config import PRRConfig, PRRConfigError
+from ..budget import check_profile
+from ..config import PRRConfig, PRRConfigError
 
 logger = logging.getLogger(__name__)
 
 ENV_CONFIG = "SGLANG_PRR_CONFIG"
-FLAG_PREFIX = "--prr-"
-DEST_PREFIX = "prr_"
 
 
 class PRRArgsError(ValueError):
     """An invalid PRR flag or an incompatible combination with SGLang's own flags."""
-
-
-def flag_name(field_name: str) -> str:
-    return FLAG_PREFIX + field_name.replace("_", "-")
-
-
-def _str2bool(v: str) -> bool:
-    low = str(v).strip().lower()
-    if low in ("1", "true", "yes", "on"):
-        return True
-    if low in ("0", "false", "no", "off"):
-        return False
-    raise argparse.ArgumentTypeError(f"invalid boolean {v!r}: expected true | false")
-
-
-def _argparse_type(f: dataclasses.Field) -> Any:
-    """argparse ``type`` for a field: ints and floats parse early; everything else (tuples,
-    'auto'-or-number, optional paths) stays a string for ``PRRConfig.validate()``."""
-    hint = typing.get_type_hints(PRRConfig)[f.name]
-    if hint is int:
-        return int
-    if hint is float:
-        return float
-    return str
-
-
-def add_prr_args(parser: argparse.ArgumentParser) -> None:
-    """Add one ``--prr-*`` flag per ``PRRConfig`` field, in a group of its own."""
-    group = parser.add_argument_group("PRR (Predict, Reuse, Repair) sparse decoding")
-    hints = typing.get_type_hints(PRRConfig)
-    for f in dataclasses.fields(PRRConfig):
-        meta = f.metadata
-        default = f.default if f.default is not dataclasses.MISSING else None
-        if isinstance(default, tuple):
-            shown = ",".join(str(x) for x in default) if default else "(none)"
-        else:
-            shown = default
-        help_text = f"{meta.get('help', '')} (default: {shown})"
-        if "choices" in meta:
-            help_text += " [choices: " + " | ".join(str(c) for c in meta["choices"]) + "]"
-        help_text = help_text.replace("%", "%%")
-        if hints[f.name] is bool:
-            group.add_argument(flag_name(f.name), dest=DEST_PREFIX + f.name, type=_str2bool,
-                               nargs="?", const=True, default=None, help=help_text)
-        else:
-            group.add_argument(flag_name(f.name), dest=DEST_PREFIX + f.name,
-                               type=_argparse_type(f), default=None, help=help_text)
-
-
-def pop_prr_args(ns: argparse.Namespace) -> Dict[str, Any]:
-    """Remove the ``prr_*`` attributes from the namespace; return those the user gave."""
-    given = {}
-    for f in dataclasses.fields(PRRConfig):
-        dest = DEST_PREFIX + f.name
-        if hasattr(ns, dest):
-            v = getattr(ns, dest)
-            delattr(ns, dest)
-            if v is not None:
-                given[f.name] = v
-    return given
 
 
 def config_from_given(given: Dict[str, Any]) -> PRRConfig:
@@ -207,7 +139,7 @@ def complete_argv(argv: List[str], has_cuda: bool, demo_path_fn=None) -> Tuple[L
         return argv, notes
     if not argv_has(argv, "--model-path") and not argv_has(argv, "--model"):
         if demo_path_fn is None:
-            from .demo import demo_model_path as demo_path_fn
+            from ..tools.demo import demo_model_path as demo_path_fn
         path = demo_path_fn()
         argv += ["--model-path", path]
         notes.append(f"--model-path {path} (built-in demo model)")
@@ -225,18 +157,3 @@ def complete_argv(argv: List[str], has_cuda: bool, demo_path_fn=None) -> Tuple[L
             argv += ["--page-size", block]
             notes.append(f"--page-size {block} (= --prr-block-size)")
     return argv, notes
-
-
-def flags_markdown() -> str:
-    """The ``--prr-*`` flags as a Markdown table (for the README), from the dataclass."""
-    rows = ["| flag | default | meaning |", "|---|---|---|"]
-    for f in dataclasses.fields(PRRConfig):
-        d = f.default
-        shown = ",".join(str(x) for x in d) if isinstance(d, tuple) else d
-        help_text = f.metadata.get("help", "").replace("|", "\\|")
-        rows.append(f"| `{flag_name(f.name)}` | `{shown}` | {help_text} |")
-    return "\n".join(rows)
-
-
-if __name__ == "__main__":
-    print(flags_markdown())

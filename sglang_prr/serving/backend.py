@@ -35,14 +35,14 @@ from typing import List, Optional
 
 import torch
 
-from . import ops
-from .budget import BudgetPolicy
-from .calibration import Calibrator
-from .config import PRRConfig
-from .state import PRRState
+from .. import ops
+from ..budget import BudgetPolicy
+from ..calibration import Calibrator
+from ..config import PRRConfig
+from ..state import PRRState
+from ..step import DecodeStep
+from ..summaries import BlockSummaries
 from .stats import Stats
-from .step import DecodeStep
-from .summaries import BlockSummaries
 
 logger = logging.getLogger("sglang_prr")
 
@@ -136,7 +136,7 @@ class PRRBackend:
         if self.device.type == "cuda":
             # Build/load the SM90 kernels now, not in the first decode step or a graph capture
             # (falls back to the reference with one warning on other GPUs or a failed build).
-            from . import kernels
+            from .. import kernels
 
             kernels.load()
         self.stats = shared["stats"]
@@ -194,9 +194,9 @@ class PRRBackend:
         if not self.cfg.trace_path:
             return None
         try:
-            from .traces import TraceRecorder
+            from ..tools.traces import TraceRecorder
         except ImportError:
-            logger.warning("sglang_prr: --prr-trace-path given but sglang_prr.traces is missing")
+            logger.warning("sglang_prr: --prr-trace-path given but tools.traces is missing")
             return None
         return TraceRecorder(self.cfg, self.num_layers, self.num_kv_heads)
 

@@ -1,7 +1,7 @@
 """Replay of block-score traces: how well the Holt predictor's P covers the selected set A.
 
 ``replay`` runs the library's own ops (``predict_set``, ``select_topk``, ``holt_update``) over
-recorded or synthetic traces (``sglang_prr.traces``, ``sglang_prr.trace_families``) for any
+recorded or synthetic traces (``traces``, ``trace_families``) for any
 number of candidate thetas at once and scores every step with eq 4's weighted hit, the overlap
 ``|P n A| / |A|`` and the misses ``|A \\ P|``; ``benchmarks/bench_predictor.py`` is built on it.
 ``calibrate`` picks theta* per trace as the prefill does, and ``calibrated_replay`` /
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from . import ops
-from . import reference as ref
-from .config import PRRConfig
+from .. import ops
+from .. import reference as ref
+from ..config import PRRConfig
 from .traces import Trace, load_traces
 
 REUSE_THETA = (1.0, 0.5, 0.0)  # alpha = 1, gamma = 0: the prediction is the previous step's scores
@@ -96,8 +96,8 @@ def reuse_overlap(traces: Sequence[Trace], k: int, sink_blocks: int = 1,
 # The SmolLM2-135M-Instruct traces in the repository (4 requests of 4200-5400 tokens of Python
 # source, 128 decode steps, layers 0/10/20/29, block 16, K = 16 blocks), recorded with
 # benchmarks/record_real_traces.py; a source checkout has them, an installed wheel does not.
-REAL_TRACES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                           "benchmarks", "results", "real_traces")
+REAL_TRACES = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
+                                            "..", "benchmarks", "results", "real_traces"))
 SYNTHETIC_HIT_RATE = 0.7  # what the profile held before real traces (reported beside them)
 # real_hit_rate(REAL_TRACES)["overlap"] at delta 1 (|P| = K = 16 blocks), for installs without
 # the traces; tests/unit/test_trace_replay_real.py recomputes it from them.

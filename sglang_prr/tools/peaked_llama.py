@@ -14,9 +14,9 @@ fix that, deterministically from a seed:
 * embeddings are independent Gaussians (distinct tokens, distinct rows), the MLP is small, and
   the unembedding gives logits of std about ``LM_HEAD_STD``: a peaked but not saturated softmax.
 
-The scales were chosen by measurement (``python -m sglang_prr.peaked_llama``): on 1.5-4.7K-token
-prompts, dense decode vs DSA over a few blocks differ by whole units of logprob, and dense fp32
-vs dense bf16 by far less (the numbers are in the README).
+The scales were chosen by measurement (``python -m sglang_prr.tools.peaked_llama``): on
+1.5-4.7K-token prompts, dense decode vs DSA over a few blocks differ by whole units of logprob,
+and dense fp32 vs dense bf16 by far less (the numbers are in the README).
 
 ``reference_logprobs`` is a plain Llama forward in torch (dense prefill, then teacher-forced
 decode steps whose attention goes through ``sglang_prr.reference``: dense, or DSA with Quest
@@ -34,7 +34,7 @@ from typing import Dict, List, Optional, Sequence
 import torch
 from torch import Tensor
 
-from . import reference as ref
+from .. import reference as ref
 
 SEED = 20261
 # The shape the GPU server test runs: head dim 128, GQA 4, 4 layers, bf16.

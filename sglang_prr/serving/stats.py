@@ -21,8 +21,8 @@ from typing import Any, Dict
 
 import torch
 
-from . import contracts
-from .config import PRRConfig
+from .. import contracts
+from ..config import PRRConfig
 from .server_args_patch import load_config
 
 logger = logging.getLogger("sglang_prr")

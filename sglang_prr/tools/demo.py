@@ -1,7 +1,7 @@
 """The built-in demo model: a tiny Llama-shaped model and a BPE tokenizer, created offline.
 
 ``python -m sglang_prr.launch_server --model-path demo-tiny`` serves it, and so does the launcher
-without ``--model-path`` when its default real model (``sglang_prr.models``) cannot be fetched:
+without ``--model-path`` when its default real model (``models``) cannot be fetched:
 it needs no download. The weights are random (seeded), with the
 q/k projections scaled up so attention is peaked and long-range: a few blocks dominate each query,
 which makes the choice of blocks visible in the output (dense attention and DSA at a small K give

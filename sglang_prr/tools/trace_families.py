@@ -1,6 +1,6 @@
 """Synthetic block-score traces: families of score processes with a known structure.
 
-Traces in the format of ``sglang_prr.traces`` (``Trace``), for measuring the predictor where no
+Traces in the format of ``traces`` (``Trace``), for measuring the predictor where no
 real trace covers a pattern (``benchmarks/bench_predictor.py``).
 
 ``generate(family, ...)`` draws a one-layer trace whose scores are, on a logit-like scale,

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from . import ops
+from .. import ops
 
 
 @dataclass

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .config import PRRConfig, PRRConfigError
+from ..config import PRRConfig, PRRConfigError
 
 FORMAT = "sglang_prr.trace"
 VERSION = 1

@@ -1,0 +1,338 @@
+"""SGLang plugin entry point (group ``sglang.srt.plugins``): ``apply()`` installs PRR.
+
+``apply()`` is idempotent and safe in every process. SGLang 0.5.17 calls ``load_plugins()`` in
+the launching process (``sglang.launch_server``, ``sgl.Engine``) and again at the start of every
+spawned scheduler process (``run_scheduler_process``), so with the package installed the entry
+point reaches them all. Independently of the entry point, ``apply()`` makes SGLang spawn its
+schedulers through ``run_scheduler_process`` below, which calls ``apply()`` in the child first:
+the patches reach the children even when the package is only on ``PYTHONPATH``.
+
+What it patches (each once, each logged):
+
+* the attention backend registry: every registered backend is wrapped by ``PRRBackend`` (on CPU
+  that is ``torch_native``, the one name SGLang does not treat as Triton);
+* ``PagedTokenToKVPoolAllocator.alloc_extend/alloc_decode``: a torch fallback on CPU, where the
+  Triton kernels cannot run, so one PRR block is one KV page on every device;
+* ``ReqToTokenPool.alloc/clear``: tell the PRR state which request slots were handed out anew;
+* the KV cell size: the per-page block summaries are accounted for before SGLang sizes its KV
+  cache;
+* the HTTP app (launching process only): ``GET /prr/stats``;
+* request validation (``TokenizerManager._validate_one_request``): token ids outside the
+  model's vocabulary ``[0, vocab_size)`` are rejected with a ``ValueError``, which SGLang turns
+  into HTTP 400 (``/generate``, ``/v1/completions``), instead of reaching the scheduler, where
+  the embedding lookup fails and takes the server down.
+
+PRR is active when the environment holds a configuration (``SGLANG_PRR_CONFIG``, written by
+``python -m sglang_prr.launch_server`` or by ``enable()``); without one, ``apply()`` does nothing
+beyond registering the hooks, and SGLang runs unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import multiprocessing
+import numbers
+import os
+from typing import Any, Optional
+
+import torch
+
+from ..config import PRRConfig
+from . import stats
+from .server_args_patch import ENV_CONFIG, export_config, load_config
+
+logger = logging.getLogger("sglang_prr")
+
+# Request slots assumed when --max-running-requests is not given, for the state reservation.
+STATE_ROWS_ESTIMATE = 256
+
+_applied = False
+_patched = set()
+
+
+def enable(cfg: Optional[PRRConfig] = None, **options: Any) -> PRRConfig:
+    """Turn PRR on for engines created afterwards in this process (``sgl.Engine(...)``).
+
+    ``enable(top_k=512, block_size=16)`` or ``enable(PRRConfig(...))``. The engine must use
+    ``page_size=cfg.block_size``. Returns the validated configuration.
+    """
+    cfg = (cfg or PRRConfig(**options)).validate()
+    export_config(cfg)
+    global _applied
+    _applied = False  # re-run so that the configuration is picked up
+    apply()
+    return cfg
+
+
+def current_config() -> Optional[PRRConfig]:
+    return load_config()
+
+
+def _is_main_process() -> bool:
+    return multiprocessing.parent_process() is None
+
+
+def apply() -> None:
+    """Install PRR's hooks into SGLang (idempotent)."""
+    global _applied
+    if _applied:
+        return
+    _applied = True
+    cfg = load_config()
+    if cfg is None:
+        logger.debug("sglang_prr: no PRR configuration in %s; SGLang runs unchanged", ENV_CONFIG)
+        return
+    if _is_main_process():
+        stats.stats_path()  # fix the path before children are spawned, so they inherit it
+    _patch_scheduler_entry()
+    _patch_allocator()  # paged KV on CPU, also for the dense baseline (--prr-method dense)
+    if _is_main_process():
+        _patch_http_app()
+    _patch_request_validation()  # wherever a TokenizerManager may run; class-level, cheap
+    if not cfg.enabled:
+        logger.info("sglang_prr: --prr-method dense: dense attention, PRR off")
+        return
+    _patch_attention_registry()
+    _patch_req_pool()
+    _patch_cell_size(cfg)
+    logger.info("sglang_prr: PRR installed (pid %d): %s", os.getpid(), json.dumps(cfg.to_dict()))
+
+
+def run_scheduler_process(*args, **kwargs):
+    """SGLang's scheduler process entry, preceded by ``apply()`` in the child process."""
+    apply()
+    from sglang.srt.managers.scheduler import run_scheduler_process as _orig
+
+    return _orig(*args, **kwargs)
+
+
+# ----------------------------------------------------------------------------- patches
+def _once(name: str) -> bool:
+    if name in _patched:
+        return False
+    _patched.add(name)
+    return True
+
+
+def _patch_scheduler_entry() -> None:
+    if not _once("scheduler_entry"):
+        return
+    from sglang.srt.entrypoints.engine import Engine
+
+    Engine.run_scheduler_process_func = staticmethod(run_scheduler_process)
+    logger.info("sglang_prr: scheduler processes start through sglang_prr.serving.plugin")
+
+
+def _patch_attention_registry() -> None:
+    if not _once("attention_registry"):
+        return
+    from sglang.srt.layers.attention import attention_registry as reg
+
+    def wrap(name, factory):
+        def create(runner):
+            from .backend import wrap_backend
+
+            return wrap_backend(factory(runner), runner, name)
+
+        create._prr_wrapped = True
+        return create
+
+    for name, factory in list(reg.ATTENTION_BACKENDS.items()):
+        if not getattr(factory, "_prr_wrapped", False):
+            reg.ATTENTION_BACKENDS[name] = wrap(name, factory)
+    logger.info("sglang_prr: attention backends wrapped by PRRBackend")
+
+
+def _cpu_alloc_extend(self, prefix_lens, prefix_lens_cpu, seq_lens, seq_lens_cpu, last_loc,
+                      extend_num_tokens, num_new_pages=None):
+    from sglang.srt.mem_cache.allocator.paged import alloc_extend_naive
+    from sglang.srt.utils import get_num_new_pages
+
+    bs = len(prefix_lens)
+    if self.need_sort and extend_num_tokens // self.page_size + bs + 1 > len(self.free_pages):
+        self.merge_and_sort_free()
+    if num_new_pages is None:
+        num_new_pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size,
+                                          prefix_lens=prefix_lens_cpu)
+    if num_new_pages > len(self.free_pages):
+        return None
+    out_indices = torch.empty((extend_num_tokens,), dtype=torch.int64, device=self.device)
+    alloc_extend_naive(prefix_lens, seq_lens, last_loc, self.free_pages, out_indices,
+                       self.page_size, self.device)
+    self.free_pages = self.free_pages[num_new_pages:]
+    return out_indices
+
+
+def _cpu_alloc_decode(self, seq_lens, seq_lens_cpu, last_loc):
+    from sglang.srt.utils import get_num_new_pages
+
+    bs = len(seq_lens)
+    if self.need_sort and bs > len(self.free_pages):
+        self.merge_and_sort_free()
+    num_new_pages = get_num_new_pages(seq_lens=seq_lens_cpu, page_size=self.page_size,
+                                      decode=True)
+    if num_new_pages > len(self.free_pages):
+        return None
+    p = self.page_size
+    s = seq_lens.long()
+    new = ((s + p - 1) // p - (s - 1 + p - 1) // p) > 0  # [bs] needs a fresh page
+    start = torch.cumsum(new.long(), 0) - new.long()
+    pages = self.free_pages[start.clamp(max=max(len(self.free_pages) - 1, 0))] \
+        if len(self.free_pages) else torch.zeros_like(s)
+    out = torch.where(new, pages * p, last_loc.long() + 1)
+    self.free_pages = self.free_pages[num_new_pages:]
+    return out
+
+
+def _patch_allocator() -> None:
+    if not _once("allocator"):
+        return
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator as A
+
+    orig_ext, orig_dec = A.alloc_extend, A.alloc_decode
+
+    def alloc_extend(self, *args, **kwargs):
+        if str(self.device).startswith("cpu"):
+            return _cpu_alloc_extend(self, *args, **kwargs)
+        return orig_ext(self, *args, **kwargs)
+
+    def alloc_decode(self, *args, **kwargs):
+        if str(self.device).startswith("cpu"):
+            return _cpu_alloc_decode(self, *args, **kwargs)
+        return orig_dec(self, *args, **kwargs)
+
+    A.alloc_extend, A.alloc_decode = alloc_extend, alloc_decode
+    logger.info("sglang_prr: paged KV allocator has a torch fallback on CPU")
+
+
+def _patch_req_pool() -> None:
+    if not _once("req_pool"):
+        return
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
+    from .. import state
+
+    orig_alloc, orig_clear = ReqToTokenPool.alloc, ReqToTokenPool.clear
+
+    def alloc(self, reqs):
+        fresh = [r for r in reqs if r.req_pool_idx is None]
+        out = orig_alloc(self, reqs)
+        if out is not None and fresh:
+            state.notify_new_slots(self, [r.req_pool_idx for r in fresh])
+        return out
+
+    def clear(self):
+        orig_clear(self)
+        state.notify_clear(self)
+
+    ReqToTokenPool.alloc, ReqToTokenPool.clear = alloc, clear
+    logger.info("sglang_prr: request slots reset the PRR state when handed out")
+
+
+def _patch_cell_size(cfg: PRRConfig) -> None:
+    if not _once("cell_size"):
+        return
+    from sglang.srt.model_executor import pool_configurator as pc
+
+    orig = pc.DefaultPoolConfigurator._compute_cell_size
+
+    def _compute_cell_size(self, kvc, num_layers):
+        cell = orig(self, kvc, num_layers)
+        try:
+            from sglang.srt.runtime_context import get_parallel
+
+            from ..state import summary_bytes_per_token
+
+            mc = kvc.model_config
+            hk = mc.get_num_kv_heads(get_parallel().attn_tp_size)
+            extra = summary_bytes_per_token(cfg, num_layers, hk, mc.head_dim)
+            # The predictor state is per request slot; SGLang picks the slot count after the
+            # KV size, so reserve it for the configured (or default-capped) request count.
+            from ..state import state_bytes
+
+            rows = int(kvc.server_args.max_running_requests or STATE_ROWS_ESTIMATE) + 1
+            self._prr_state_bytes = state_bytes(cfg, num_layers, hk, rows,
+                                                int(mc.context_len))
+        except Exception as e:  # never block startup on the estimate
+            logger.warning("sglang_prr: could not size block summaries (%s)", e)
+            extra = 0
+        return cell + extra
+
+    orig_sizes = pc.DefaultPoolConfigurator.calculate_pool_sizes
+
+    def calculate_pool_sizes(self, available_bytes, page_size):
+        reserve = int(getattr(self, "_prr_state_bytes", 0))
+        if reserve:
+            logger.info("sglang_prr: reserving %.1f MiB for the predictor state",
+                        reserve / 2**20)
+        return orig_sizes(self, max(int(available_bytes) - reserve, 0), page_size)
+
+    pc.DefaultPoolConfigurator._compute_cell_size = _compute_cell_size
+    pc.DefaultPoolConfigurator.calculate_pool_sizes = calculate_pool_sizes
+
+
+def _patch_http_app() -> None:
+    if not _once("http_app"):
+        return
+    try:
+        from sglang.srt.entrypoints import http_server
+    except Exception as e:  # engine-only installs may lack the HTTP stack
+        logger.info("sglang_prr: no HTTP app to extend (%s)", e)
+        return
+    from fastapi.responses import JSONResponse
+
+    async def prr_stats():
+        return JSONResponse(stats.read_stats())
+
+    http_server.app.add_api_route("/prr/stats", prr_stats, methods=["GET"])
+    logger.info("sglang_prr: GET /prr/stats added")
+
+
+def check_input_ids(input_ids: Any, vocab_size: int) -> None:
+    """Raise ``ValueError`` unless every id of ``input_ids`` (a list, or a batch of lists) is
+    an integer in ``[0, vocab_size)``; the message names the first bad id and the range."""
+    if hasattr(input_ids, "tolist"):  # a tensor or an array
+        input_ids = input_ids.tolist()  # host-ok: request validation, before the scheduler
+    if input_ids is None or len(input_ids) == 0:
+        return
+    seqs = input_ids if isinstance(input_ids[0], (list, tuple)) else [input_ids]
+    for seq in seqs:
+        if hasattr(seq, "tolist"):
+            seq = seq.tolist()  # host-ok: request validation
+        if len(seq) == 0:
+            continue
+        if not set(map(type, seq)) <= {int}:  # the fast path; numpy-style ints are fine too
+            for t in seq:
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise ValueError(f"input_ids must be integer token ids; got {t!r}")
+        lo, hi = min(seq), max(seq)
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"input_ids contains token id {int(bad)} outside the model's vocabulary: "
+                f"allowed ids are in [0, {vocab_size})")
+
+
+def _patch_request_validation() -> None:
+    if not _once("request_validation"):
+        return
+    try:
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    except Exception as e:  # pragma: no cover - SGLang without the tokenizer manager
+        logger.info("sglang_prr: no tokenizer manager to validate requests (%s)", e)
+        return
+    orig = TokenizerManager._validate_one_request
+    if getattr(orig, "_prr_wrapped", False):
+        return
+
+    def _validate_one_request(self, obj, input_ids):
+        vocab = getattr(getattr(self, "model_config", None), "vocab_size", None)
+        if vocab:
+            check_input_ids(input_ids, int(vocab))
+        return orig(self, obj, input_ids)
+
+    _validate_one_request._prr_wrapped = True
+    TokenizerManager._validate_one_request = _validate_one_request
+    logger.info("sglang_prr: requests with token ids outside the vocabulary are rejected (400)")
+
