@@ -1,17 +1,20 @@
 """The package's layers, as folders: the core at the top (``config``, ``ops``, ``step``, ...,
 with ``methods/``, ``reference/``, ``kernels/``), ``tools/`` above it, ``serving/`` (the SGLang
 layer) on top, imports going one way only (the AST walker of ``test_structure`` sees lazy imports
-too); and the public paths users type, kept at the top as entry points."""
+too); the public paths users type, kept at the top as entry points; and SGLang nowhere outside
+the serving layer, in the sources or when imported."""
 
 from __future__ import annotations
 
+import ast
 import importlib
+import os
 import subprocess
 import sys
 import tomllib
 from typing import Dict, List, Set
 
-from test_structure import PKG, _write, import_graph
+from test_structure import PKG, _modules, _write, import_graph
 
 # Public commands and imports kept at their paths: entry point -> the module it stands for.
 ENTRY_POINTS = {
@@ -102,3 +105,107 @@ def test_public_command_runs_from_its_kept_path():
                          capture_output=True, text=True, timeout=300, cwd=str(PKG.parent))
     assert out.returncode == 0, out.stderr[-2000:]
     assert "--prr-top-k" in out.stdout and "python -m sglang_prr.profile_budget" in out.stdout
+
+
+# ------------------------------------------------------------------ the core never imports SGLang
+# Everything but the serving layer (the core, the tools, the entry points that stand for them)
+# runs on torch alone: testable and benchmarkable without SGLang, and unaffected by its upgrades.
+def not_serving(mod: str, pkg: str = "sglang_prr") -> bool:
+    target = ENTRY_POINTS.get(mod.replace(pkg, "sglang_prr", 1))
+    return layer(mod, pkg) != "serving" and not (target and layer(target) == "serving")
+
+
+def sglang_importers(pkg_dir) -> Set[str]:
+    """Modules of the package that import SGLang (``sglang`` or a submodule), anywhere."""
+    out = set()
+    for name, f in _modules(pkg_dir).items():
+        for node in ast.walk(ast.parse(f.read_text(), str(f))):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            if any(n == "sglang" or n.startswith("sglang.") for n in names):
+                out.add(name)
+    return out
+
+
+def sglang_reach(pkg_dir, pkg: str = "sglang_prr") -> List[str]:
+    """Modules outside the serving layer that reach SGLang: themselves, or through any module
+    they import (lazily included)."""
+    graph, sg = import_graph(pkg_dir), sglang_importers(pkg_dir)
+    bad = []
+    for start in (m for m in graph if not_serving(m, pkg)):
+        seen, todo = set(), [start]
+        while todo:
+            m = todo.pop()
+            if m not in seen:
+                seen.add(m)
+                todo += graph.get(m, ())
+        bad += [f"{start} -> {m}" for m in sorted(seen & sg)]
+    return bad
+
+
+def test_core_never_imports_sglang_in_its_source():
+    assert not sglang_reach(PKG)
+    # Control: the serving layer does import SGLang, and it is the serving layer that does.
+    sg = sglang_importers(PKG)
+    assert "sglang_prr.serving.backend" in sg and all(layer(m) == "serving" for m in sg)
+
+
+def test_sglang_check_negative_control(tmp_path):
+    """A core module importing SGLang inside a function, and one reaching it through a tool
+    that imports the serving layer: both found; the serving layer itself is allowed to."""
+    pkg = _write(tmp_path, {
+        "pkg/__init__.py": "", "pkg/ops.py": "def f():\n    import sglang.srt\n",
+        "pkg/step.py": "from .tools import replay\n",
+        "pkg/tools/__init__.py": "", "pkg/tools/replay.py": "from ..serving import backend\n",
+        "pkg/serving/__init__.py": "",
+        "pkg/serving/backend.py": "from sglang.srt.layers import radix_attention\n"})
+    assert sglang_reach(pkg, pkg="pkg") == [
+        "pkg.ops -> pkg.ops", "pkg.step -> pkg.serving.backend",
+        "pkg.tools.replay -> pkg.serving.backend"]
+
+
+# Imports the named modules with every import of ``sglang`` refused, then runs ``THEN`` (code of
+# the caller's); prints how many modules it imported and exits 0 only if SGLang is nowhere in
+# ``sys.modules`` afterwards.
+NO_SGLANG = """
+import importlib, importlib.abc, os, sys
+
+class NoSGLang(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "sglang" or name.startswith("sglang."):
+            raise ImportError(f"sglang refused: {name!r} imported")
+        return None
+
+sys.meta_path.insert(0, NoSGLang())
+mods = [importlib.import_module(m) for m in sys.argv[1:]]
+exec(os.environ["THEN"])
+leaked = sorted(n for n in sys.modules if n == "sglang" or n.startswith("sglang."))
+assert not leaked, leaked
+print("imported", len(mods))
+"""
+
+
+def _import_without_sglang(mods, then: str = ""):
+    return subprocess.run([sys.executable, "-c", NO_SGLANG, *mods], capture_output=True,
+                          text=True, timeout=600, cwd=str(PKG.parent),
+                          env={**os.environ, "THEN": then})
+
+
+def test_core_imports_without_sglang_at_run_time():
+    """Every module outside the serving layer imports in a process where SGLang cannot be
+    imported (what the source check cannot see: an import by a third-party package, or by name
+    through importlib); and the step runs there. Control: the serving layer, which imports
+    SGLang only where it needs it, fails there once it does (the launcher's parser)."""
+    mods = sorted(m for m in import_graph(PKG) if not_serving(m))
+    assert {"sglang_prr.ops", "sglang_prr.tools.profile_budget", "sglang_prr.kernels.build",
+            "sglang_prr.profile_budget", "sglang_prr.__main__"} <= set(mods)
+    out = _import_without_sglang(mods, then=(  # serial DSA and PRR on a synthetic cache
+        "sys.modules['sglang_prr.__main__'].main(['--steps', '2', '--batch', '1', '--context',"
+        " '256', '--block-size', '16', '--top-k', '64', '--device', 'cpu'])"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "max|PRR-DSA|" in out.stdout, out.stdout[-2000:]
+    assert out.stdout.strip().endswith(f"imported {len(mods)}"), out.stdout[-2000:]
+    ctl = _import_without_sglang(["sglang_prr.serving.launch_server"],
+                                 then="mods[0].build_parser()")
+    assert ctl.returncode != 0 and "sglang refused" in ctl.stderr, ctl.stderr[-2000:]

@@ -108,52 +108,8 @@ def test_reference_is_a_leaf():
     assert not outside, f"the reference imports outside itself: {sorted(outside)}"
 
 
-# The algorithm core: torch and the package's own core only, never SGLang (testable and
-# benchmarkable on its own; it survives SGLang upgrades). The shell (backend, plugin, ...) is
-# the only place that imports SGLang.
-CORE = ("sglang_prr.config", "sglang_prr.contracts", "sglang_prr.budget",
-        "sglang_prr.calibration", "sglang_prr.step", "sglang_prr.summaries", "sglang_prr.ops",
-        "sglang_prr.custom_ops", "sglang_prr.reference", "sglang_prr.methods",
-        "sglang_prr.kernels")
-
-
 def _in(mod: str, prefixes) -> bool:
     return any(mod == p or mod.startswith(p + ".") for p in prefixes)
-
-
-def sglang_importers(pkg_dir: Path) -> Set[str]:
-    """Modules of the package that import SGLang (``sglang`` or a submodule), anywhere."""
-    out = set()
-    for name, f in _modules(pkg_dir).items():
-        for node in ast.walk(ast.parse(f.read_text(), str(f))):
-            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                     [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
-                     else [])
-            if any(n == "sglang" or n.startswith("sglang.") for n in names):
-                out.add(name)
-    return out
-
-
-def core_violations(pkg_dir: Path, core=CORE) -> List[str]:
-    """Core modules that reach SGLang: themselves, or through any module they import."""
-    graph, sg = import_graph(pkg_dir), sglang_importers(pkg_dir)
-    bad = []
-    for start in (m for m in graph if _in(m, core)):
-        seen, todo = set(), [start]
-        while todo:
-            m = todo.pop()
-            if m not in seen:
-                seen.add(m)
-                todo += graph.get(m, ())
-        bad += [f"{start} -> {m}" for m in sorted(seen & sg)]
-    return bad
-
-
-def test_core_never_imports_sglang():
-    assert not core_violations(PKG)
-    # Control: the shell does import SGLang, and a core that included it would be caught.
-    assert "sglang_prr.serving.backend" in sglang_importers(PKG)
-    assert core_violations(PKG, CORE + ("sglang_prr.serving.backend",))
 
 
 def test_no_branch_on_a_method_name_outside_methods():
