@@ -16,8 +16,8 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
   launcher picks is the one-pass kernel where it fits; ``SGLANG_PRR_SELECT_KERNEL=rowtail`` runs
   the row-tail kernels instead, and ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass
   kernel after its chunks' pass / the tail's loads / the tail's merges (timing probes of where
-  the time goes; the outputs are then incomplete). Both are read once per process: one run per
-  setting, the ``select_kernel`` and ``debug_stop`` columns say which.
+  the time goes; the outputs are then incomplete; read once per process). One run per setting,
+  the ``select_kernel`` and ``debug_stop`` columns say which.
 
 Shape: Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16), page 64, K = 2048 tokens
 (32 blocks + sink + local), |P| = 48 blocks (delta 1.5).

@@ -31,6 +31,7 @@ CUDA_SOURCES = ["attention.cu", "selection.cu", "select_predict.cu", "predictor.
 HOST_SOURCES = ["binding.cpp", "infllm_binding.cpp"]
 HEADERS = ["prr_kernels.h", "infllm_kernels.h", "common.cuh", "topk.cuh"]
 LIB_NAME = "libsglang_prr_kernels.so"
+STAMP_NAME = "source_hash"  # beside a library built into a named folder
 
 # Hopper only: sm_90a enables the arch-specific instructions; no PTX fallback is embedded, so a
 # non-SM90 GPU keeps the reference path instead of JIT-compiling PTX at load time.
@@ -154,7 +155,11 @@ def build(out_dir: Optional[Path] = None, verbose: bool = False) -> Path:
     """
     final_dir = Path(out_dir) if out_dir is not None else cache_dir()
     final = final_dir / LIB_NAME
-    if final.exists():
+    # A named output folder keeps the hash of the sources it was built from: a library built
+    # from other sources is rebuilt, never returned as if it were current.
+    stamp = final_dir / STAMP_NAME
+    want = source_hash()
+    if final.exists() and (out_dir is None or (stamp.exists() and stamp.read_text() == want)):
         return final
     final_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=final_dir, prefix=".build-") as tmp:
@@ -168,6 +173,7 @@ def build(out_dir: Optional[Path] = None, verbose: bool = False) -> Path:
             list(ex.map(_run, cmds[:-1]))
         _run(cmds[-1])
         os.replace(tmp_dir / LIB_NAME, final)
+    stamp.write_text(want)
     return final
 
 

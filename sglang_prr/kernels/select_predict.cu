@@ -419,16 +419,14 @@ cudaError_t onepass_dispatch(const SelectArgs& a, size_t smem, cudaStream_t s) {
 }
 
 // SGLANG_PRR_SELECT_KERNEL=rowtail|onepass forces one selection kernel where both apply (a
-// tuning knob, read once per process); by default the one-pass kernel runs when it fits.
+// tuning and test knob, read at each launch on the host: a captured graph keeps the kernel it was
+// captured with); by default the one-pass kernel runs when it fits.
 inline int select_kernel_env() {
-  static int v = [] {
-    const char* e = getenv("SGLANG_PRR_SELECT_KERNEL");
-    if (!e) return 0;
-    if (!strcmp(e, "rowtail")) return 1;
-    if (!strcmp(e, "onepass")) return 2;
-    return 0;
-  }();
-  return v;
+  const char* e = getenv("SGLANG_PRR_SELECT_KERNEL");
+  if (!e) return 0;
+  if (!strcmp(e, "rowtail")) return 1;
+  if (!strcmp(e, "onepass")) return 2;
+  return 0;
 }
 
 }  // namespace

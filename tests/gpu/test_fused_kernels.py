@@ -2,7 +2,8 @@
 
 * ``sparse_attn_merge``: attention over a block list and the merge of its partials, optionally with
   speculative partials filtered to ``P n A`` (the PRR repair + exact merge) or all kept (union);
-* ``quest_select``: Quest scores + top-K (A) + ``M = A \\ P``;
+* ``quest_select``: Quest scores + top-K (A) + ``M = A \\ P``, each shape through both selection
+  kernels (``SGLANG_PRR_SELECT_KERNEL``: the one-pass kernel where it fits, the row-tail kernels);
 * ``predict_update``: Holt update + P(t+1).
 
 The kernels finish with "the last CTA of a group merges", through counters that must return to
@@ -32,6 +33,14 @@ from test_kernels import (ATTN_CASES, DEV, make_pool, poison, random_lists, rel_
                           seeded, _scores_with_ties)
 
 CUDA = torch.ops.sglang_prr_cuda
+
+
+@pytest.fixture(params=["onepass", "rowtail"])
+def select_kernel(request, monkeypatch):
+    """The selection kernel the launcher is asked for (read at each launch; sizes the one-pass
+    kernel does not take run the row-tail kernels either way)."""
+    monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", request.param)
+    return request.param
 
 
 def _dev(*ts):
@@ -141,8 +150,8 @@ def test_repair_merge_with_arbitrary_prediction(B, Hq, Hk, D, page, dtype, exact
     (1, 32, 8, 128, 2048, 32, 1, 2), (3, 8, 8, 64, 77, 5, 1, 1), (17, 32, 4, 128, 300, 64, 0, 0),
     (3, 64, 8, 128, 9000, 700, 4, 4), (2, 4, 1, 128, 50, 100, 2, 3), (1, 32, 8, 128, 1, 4, 1, 1)])
 @pytest.mark.parametrize("with_p,sdt", [(True, torch.bfloat16), (False, torch.float32)])
-def test_quest_select(B, Hq, Hk, D, NB, k, sink, local, with_p, sdt):
-    seeded(f"quest_select B={B} NB={NB} k={k} p={with_p} {sdt}")
+def test_quest_select(B, Hq, Hk, D, NB, k, sink, local, with_p, sdt, select_kernel):
+    seeded(f"quest_select B={B} NB={NB} k={k} p={with_p} {sdt} {select_kernel}")
     P = NB * B + 5
     kmin = torch.randn(P, Hk, D)
     kmax = kmin + torch.rand(P, Hk, D)
@@ -327,19 +336,20 @@ def _bf16_bounds(kmin, kmax):
 
 
 @pytest.mark.parametrize("B,Hq,Hk,D,NB,k,n_pred,sink,local,sdt", [
-    (1, 32, 8, 128, 2048, 32, 48, 1, 1, torch.bfloat16),   # the serving shape (one pass)
+    (1, 32, 8, 128, 2048, 32, 48, 1, 1, torch.bfloat16),   # the serving shape
     (3, 8, 8, 64, 77, 5, 9, 1, 1, torch.float32),          # GQA 1, head dim 64
     (5, 64, 8, 128, 300, 64, 96, 0, 2, torch.bfloat16),    # GQA 8, K >= the chunk
     (2, 16, 2, 256, 130, 7, 3, 2, 0, torch.float32),       # head dim 256, no local block
     (3, 64, 8, 128, 9000, 700, 1000, 4, 4, torch.bfloat16),  # too wide: the row-tail kernels
+    (1, 8, 2, 64, 250, 70, 90, 3, 2, torch.bfloat16),     # K, |P| above a chunk's blocks
     (2, 12, 4, 96, 200, 8, 12, 1, 1, torch.float32),       # head dim 96: the row-tail kernels
 ])
-def test_quest_select_predict(B, Hq, Hk, D, NB, k, n_pred, sink, local, sdt):
+def test_quest_select_predict(B, Hq, Hk, D, NB, k, n_pred, sink, local, sdt, select_kernel):
     """Selection and the predictor's step in one launch against the reference, bit for bit from
     the kernel's own scores: A, M = A \\ P(t) (P read at pool rows p_rows), the Holt state of the
     state rows, n_init, and P(t+1) written at rows p_next_rows (the other half of a double
     buffer); every other row untouched. Ties, -inf and NaN scores, levels stuck at -inf."""
-    seeded(f"select_predict B={B} NB={NB} k={k} P={n_pred} D={D} {sdt}")
+    seeded(f"select_predict B={B} NB={NB} k={k} P={n_pred} D={D} {sdt} {select_kernel}")
     P = NB * B + 5
     kmin = torch.randn(P, Hk, D)
     kmax = kmin + torch.rand(P, Hk, D)

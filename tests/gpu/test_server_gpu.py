@@ -6,8 +6,11 @@ serves it with ``python -m sglang_prr.launch_server``, five servers one after an
 on, on the same fresh random prompts of 1.5-4.7K tokens (> --prr-min-context, so decode is
 sparse), greedy, logprobs compared over the top-N of every decode step:
 
-* prr     PRR (exact), K = 8 blocks   == serial   serial DSA (--prr-serial), K = 8
+* prr     PRR (exact), K = 8 blocks   == serial   serial DSA (--prr-serial), K = 8; on the GPU
+                                                bit for bit: the same greedy ids and the same
+                                                top-N logprobs (the kernels' fixed-order merge)
 * norep   PRR without its repair      != serial   (negative control of the line above)
+* union   PRR attending P u A         != serial   (negative control of the bitwise equality)
 * full    PRR, K >= every block       == dense    --prr-method dense: SGLang's FlashInfer alone
 * serial  K = 8 of 22-72 blocks       != dense    (negative control of the line above)
 
@@ -77,6 +80,7 @@ CONFIGS = {
     "prr": (["--prr-top-k", str(K)], {}),
     "serial": (["--prr-top-k", str(K), "--prr-serial"], {}),
     "norep": (["--prr-top-k", str(K)], {"SGLANG_PRR_DEBUG_SKIP_REPAIR": "1"}),
+    "union": (["--prr-top-k", str(K), "--prr-mode", "union"], {}),
     "full": (["--prr-top-k", "256"], {}),
     "dense": (["--prr-method", "dense", "--page-size", "64"], {}),
 }
@@ -223,6 +227,21 @@ def _assert_differs(runs, a: str, b: str, what: str) -> None:
 
 def test_prr_exact_equals_serial_dsa(runs):
     _assert_equal(runs, "prr", "serial", "PRR(exact) vs serial DSA")
+
+
+@pytest.mark.skipif(ON_CPU, reason="bit for bit on the GPU kernels only: the CPU reference "
+                    "sums PRR's partials and serial DSA's attention in different orders")
+def test_prr_exact_is_serial_dsa_bit_for_bit(runs):
+    """PRR (exact) and serial DSA serve the same greedy ids and the same top-N logprobs, float
+    for float, whatever the prediction was (the kernels merge A's per-block partials in one fixed
+    order, whichever pass computed them). Negative control: union mode (P u A) does not."""
+    out = runs[0]
+    for n, (ids_p, tops_p), (ids_s, tops_s) in zip(LENGTHS, out["prr"], out["serial"]):
+        assert ids_p == ids_s, f"len {n}: greedy ids differ: {ids_p} vs {ids_s} (seed {SEED})"
+        for i, (tp, ts) in enumerate(zip(tops_p, tops_s)):
+            assert tp == ts, f"len {n} step {i}: top-{TOP_N} logprobs {tp} vs {ts} (seed {SEED})"
+    assert any(u != s for u, s in zip(out["union"], out["serial"])), \
+        f"union mode served serial DSA's exact outputs (seed {SEED})"
 
 
 def test_prr_without_repair_differs_from_serial_dsa(runs):

@@ -70,3 +70,33 @@ def test_prebuilt_library_env(monkeypatch, tmp_path):
     monkeypatch.setenv("SGLANG_PRR_KERNEL_LIB", str(tmp_path / "missing.so"))
     with pytest.raises(RuntimeError, match="SGLANG_PRR_KERNEL_LIB"):
         build.library_path()
+
+
+def test_named_output_folder_rebuilds_a_library_of_other_sources(monkeypatch, tmp_path):
+    """``python -m sglang_prr.kernels.build DIR`` after a source change must rebuild: a library
+    in DIR built from other sources (another hash, or none recorded) is not returned as current."""
+    built = []
+
+    def fake_commands(out_dir):
+        return [["compile"], ["link", str(out_dir / build.LIB_NAME)]]
+
+    def fake_run(cmd):
+        if cmd[0] == "link":
+            built.append(cmd[1])
+            open(cmd[1], "w").write("new")
+
+    monkeypatch.setattr(build, "build_commands", fake_commands)
+    monkeypatch.setattr(build, "_run", fake_run)
+    out = tmp_path / "kb"
+    out.mkdir()
+    (out / build.LIB_NAME).write_text("stale")
+    # No hash recorded beside it (an older build): rebuilt.
+    assert build.build(out).read_text() == "new" and len(built) == 1
+    assert (out / build.STAMP_NAME).read_text() == build.source_hash()
+    # Same sources: returned as is (control: no second build).
+    build.build(out)
+    assert len(built) == 1
+    # Other sources: rebuilt.
+    (out / build.STAMP_NAME).write_text("0" * 16)
+    (out / build.LIB_NAME).write_text("stale")
+    assert build.build(out).read_text() == "new" and len(built) == 2
