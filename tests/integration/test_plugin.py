@@ -21,9 +21,9 @@ def test_apply_is_idempotent(monkeypatch):
     from sglang.srt.layers.attention import attention_registry as reg
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator as A
 
-    from sglang_prr import plugin
     from sglang_prr.config import PRRConfig
-    from sglang_prr.server_args_patch import export_config
+    from sglang_prr.serving import plugin
+    from sglang_prr.serving.server_args_patch import export_config
 
     monkeypatch.setenv("SGLANG_PRR_CONFIG", "")
     export_config(PRRConfig(block_size=16).validate())
