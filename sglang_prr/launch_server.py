@@ -57,12 +57,14 @@ ENV_MODEL_CHOSEN = "SGLANG_PRR_MODEL_CHOSEN"  # set by the supervisor for its ch
 # SGLang's log level when none is given: its own warnings stay, its info lines (the 14K-character
 # server_args dump, one line per batch and per HTTP request) go. --log-level info brings them back.
 QUIET_LOG_LEVEL = "warning"
-# Python warnings SGLang raises while importing on every machine without CUDA, in every one of
-# its processes, about features a CPU server does not use (Triton kernels, AWQ and GGUF
-# quantization); filtered only in the quiet default. PYTHONWARNINGS syntax: action:message
-# prefix:category (the prefix, not a regex; no commas inside).
+# Python warnings that are SGLang's to fix, not the user's, filtered only in the quiet default:
+# raised while importing on every machine without CUDA, in every one of its processes, about
+# features a CPU server does not use (Triton kernels, AWQ and GGUF quantization), and FastAPI's
+# deprecation of the response class SGLang's routes use (at the first error response or stream).
+# PYTHONWARNINGS syntax: action:message prefix:category (a prefix, not a regex; no commas).
 QUIET_WARNINGS = ("ignore:Triton is not supported on current platform:UserWarning",
-                  "ignore:Only CUDA:UserWarning")
+                  "ignore:Only CUDA:UserWarning",
+                  "ignore:ORJSONResponse is deprecated:Warning")
 
 
 def _has_cuda() -> bool:

@@ -20,6 +20,8 @@ def test_quiet_warnings_filter_only_the_named_ones(monkeypatch):
         warnings.warn("Triton is not supported on current platform, roll back to CPU.")
         warnings.warn("Only CUDA, HIP and XPU support AWQ currently.")
         warnings.warn("Only CUDA, MUSA and NPU support GGUF quantization currently.")
+        warnings.warn("ORJSONResponse is deprecated, FastAPI now serializes ...",
+                      DeprecationWarning)
         warnings.warn("something else entirely")  # negative control: still shown
         warnings.warn("Triton is not supported", DeprecationWarning)  # another category
     assert [str(w.message) for w in seen] == ["something else entirely",
