@@ -22,7 +22,8 @@ GQA 32/8) on the same device; the full layer (projections, MLP) costs more, so t
 pessimistic. On CPU the baseline is only run up to ``--baseline-max-len`` (it is quadratic).
 
 On CUDA, calibration is timed both eagerly and replayed from a CUDA graph (``--no-graph`` skips
-the graph), median of ``--repeats`` with CUDA events; on CPU, median wall time.
+the graph), median of ``--repeats`` with CUDA events; the graph also with the L2 flushed before
+every replay (``*_graph_cold_ms``, ``common.L2Flush``); on CPU, median wall time.
 
     PYTHONPATH=. python3 benchmarks/bench_calibration.py --out benchmarks/results/calibration_cpu.csv
     PYTHONPATH=. python3 benchmarks/bench_calibration.py --device cuda --batched \\
@@ -190,12 +191,15 @@ def bench_one(L: int, a: argparse.Namespace, cfg: PRRConfig) -> Dict[str, object
         row[f"{name}_ms"] = statistics.median(t)
         row[f"{name}_ms_min"] = min(t)
         row[f"{name}_ms_max"] = max(t)
-        row[f"{name}_graph_ms"] = None
+        row[f"{name}_graph_ms"] = row[f"{name}_graph_cold_ms"] = None
         row[f"{name}_maxdiff_vs_ref"] = float((fn() - h_ref).abs().max())  # host-ok: benchmark
         if cuda and a.graph:
             gr = _capture(fn)
             # Replays timed like every benchmark's graphs (common.time_replays, in µs).
             row[f"{name}_graph_ms"] = common.time_replays(gr, a.repeats, warmup=3)[0] / 1e3
+            # and with the L2 flushed before each replay, as after the layer's prefill GEMMs
+            row[f"{name}_graph_cold_ms"] = common.time_replays(
+                gr, a.repeats, warmup=3, flush=common.flusher())[0] / 1e3
             del gr
     # The candidates' replay alone (ops.calib_grid_terms: the kernel on SM90), A precomputed.
     wa, am = calibration.a_weights(scores, nblk, k, cfg.sink_blocks, cfg.local_blocks)

@@ -5,9 +5,10 @@ Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16 q and keys, fp32 compres
 block 64, 128K context (8191 complete compressed keys per request), batch 1 and 8 by default.
 Every variant is captured in a CUDA graph that calls it over R rotating input sets (different
 pages, >= 256 MB in all, so replays do not run from the 60 MB L2), replayed ``--reps`` times;
-per-call time = replay / R; median and p10/p90. GB/s counts the compressed keys that must be read
-(``B x n_ck x Hk x D x 4`` bytes) over the median. The kernel is checked against the reference on
-one input set before timing.
+per-call time = replay / R; median and p10/p90, back to back (``us_*``) and with the L2 flushed
+before every replay (``us_cold_*``, ``common.L2Flush``). GB/s counts the compressed keys that
+must be read (``B x n_ck x Hk x D x 4`` bytes) over the median (``GBps``, ``GBps_cold``). The
+kernel is checked against the reference on one input set before timing.
 
     python benchmarks/bench_infllm.py [--batch 1 8] [--ctx 131072] [--csv out.csv]
 
@@ -31,9 +32,15 @@ sys.path.insert(0, str(ROOT))
 from sglang_prr import reference as ref  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import time_graph  # noqa: E402  (the benchmarks' one graph timer)
+from common import time_warm_cold  # noqa: E402  (the benchmarks' one graph timer)
 
 ROTATE_BYTES = 256 << 20
+DEVICE = "cuda"  # "cpu" only in the tests' dry run (kernels and timer stubbed)
+
+
+def cuda_ops():
+    """The kernel library's ops (the tests' dry run puts the reference in their place)."""
+    return torch.ops.sglang_prr_cuda
 
 
 def load_lib():
@@ -45,8 +52,18 @@ def load_lib():
         assert kernels.load(), kernels.load_error()
 
 
+def _times(t: dict) -> dict:
+    """``us_median/_p10/_p90`` (warm L2) and ``us_cold_median/_p10/_p90`` columns."""
+    out = {}
+    for tag, key in (("", "warm"), ("_cold", "cold")):
+        med, p10, p90 = t[key]
+        out.update({f"us{tag}_median": round(med, 2), f"us{tag}_p10": round(p10, 2),
+                    f"us{tag}_p90": round(p90, 2)})
+    return out
+
+
 def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True):
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     NB = ctx // page
     pp = page // 16
     n_ck = (ctx - 32) // 16 + 1
@@ -59,7 +76,7 @@ def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True):
     qs = [torch.randn(B, Hq, D, device=dev, dtype=torch.bfloat16) for _ in range(R)]
     sl = torch.full((B,), ctx, dtype=torch.int64, device=dev)
     sm = 1.0 / math.sqrt(D)
-    out = torch.ops.sglang_prr_cuda.infllm_scores(qs[0], ck, tables[0], sl, page, sm)
+    out = cuda_ops().infllm_scores(qs[0], ck, tables[0], sl, page, sm)
     exp = ref.infllm_scores(qs[0], ck, tables[0], sl, page, sm)
     fin = torch.isfinite(exp)
     if os.environ.get("SGLANG_PRR_INFLLM_STAGE"):  # a partial kernel (timing breakdown): no check
@@ -67,20 +84,20 @@ def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True):
     else:
         assert torch.equal(torch.isneginf(out), torch.isneginf(exp))
         err = ((out[fin] - exp[fin]).abs() / (exp[fin].abs() + 1e-6)).max().item()  # host-ok
-    for name, fn in (("kernel", lambda r: torch.ops.sglang_prr_cuda.infllm_scores(
+    for name, fn in (("kernel", lambda r: cuda_ops().infllm_scores(
                          qs[r], ck, tables[r], sl, page, sm)),
                      ("reference", lambda r: ref.infllm_scores(qs[r], ck, tables[r], sl, page,
                                                                sm)))[:2 if with_ref else 1]:
-        med, p10, p90 = time_graph([lambda r=r: fn(r) for r in range(R)], reps)
+        t = time_warm_cold([lambda r=r: fn(r) for r in range(R)], reps, device=DEVICE)
         rows.append(dict(op="infllm_scores", variant=name, batch=B, ctx=ctx, page=page, R=R,
-                         us_median=round(med, 2), us_p10=round(p10, 2), us_p90=round(p90, 2),
-                         GBps=round(key_bytes / med / 1e3, 1),
+                         **_times(t), GBps=round(key_bytes / t["warm"][0] / 1e3, 1),
+                         GBps_cold=round(key_bytes / t["cold"][0] / 1e3, 1),
                          max_rel_err=f"{err:.2e}" if name == "kernel" else ""))
     del ck, tables
 
 
 def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True):
-    dev = torch.device("cuda")
+    dev = torch.device(DEVICE)
     NB = ctx // page
     R = 16
     num_pages = B * NB + 1
@@ -94,13 +111,13 @@ def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True):
         pos = torch.randint(2, ctx // 16, (B,), device=dev) * 16 - 1
         loc = rtt[req, pos].long()
         sets.append((pos, loc))
-    for name, fn in (("kernel", torch.ops.sglang_prr_cuda.infllm_update),
+    for name, fn in (("kernel", cuda_ops().infllm_update),
                      ("reference", ref.infllm_update))[:2 if with_ref else 1]:
-        med, p10, p90 = time_graph(
-            [lambda p=p, l=l, fn=fn: fn(ck, k_buf, rtt, req, l, p, page) for p, l in sets], reps)
+        t = time_warm_cold(
+            [lambda p=p, l=l, fn=fn: fn(ck, k_buf, rtt, req, l, p, page) for p, l in sets], reps,
+            device=DEVICE)
         rows.append(dict(op="infllm_update", variant=name, batch=B, ctx=ctx, page=page, R=R,
-                         us_median=round(med, 2), us_p10=round(p10, 2), us_p90=round(p90, 2),
-                         GBps="", max_rel_err=""))
+                         **_times(t), GBps="", GBps_cold="", max_rel_err=""))
 
 
 def main():

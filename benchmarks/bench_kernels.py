@@ -24,10 +24,17 @@
 
 Timing: every variant is captured in a CUDA graph that calls it over R rotating input sets
 (different pages, so repeated replays do not run out of L2), replayed ``--reps`` times; the
-per-call time is replay time / R; median and p10-p90 spread are reported. A variant that cannot
-be captured is timed eagerly with CUDA events over the same R calls (said in the ``note``
-column). GB/s counts the bytes that must move (KV of the selected tokens; the summaries of the
-request's blocks, plus the predictor state read and written for the full steps) over the median.
+per-call time is replay time / R; median and p10-p90 spread are reported, twice: replays back
+to back (``<variant>_us``, ``_p10``, ``_p90``: warm L2, as in earlier CSVs) and replays each
+after an L2 flush (``<variant>_cold_us``, ``_cold_p10``, ``_cold_p90``; ``common.L2Flush``
+reads twice the L2 between replays, outside the timed span), the server's situation, where
+the layer's weights pass through the L2 between two attention calls. A variant that cannot be
+captured is timed eagerly with CUDA events over the same R calls (said in the ``note`` column).
+GB/s counts the bytes that must move (KV of the selected tokens; the summaries of the request's
+blocks, plus the predictor state read and written for the full steps) over the median
+(``_GBps``, ``_cold_GBps``), and ``_pct_copy`` / ``_cold_pct_copy`` put it in percent of the
+device-to-device copy bandwidth measured once at the start of the same run (``copy_GBps``: a
+1 GiB copy, read + write bytes).
 
     python benchmarks/bench_kernels.py              # full grid -> benchmarks/results/kernels*.csv
     python benchmarks/bench_kernels.py --quick      # a few points
@@ -50,7 +57,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from common import summary, time_graph  # noqa: E402  (the benchmarks' one graph timer)
+import common  # noqa: E402  (the benchmarks' one graph timer)
+from common import summary, time_warm_cold  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 # Bytes each timed graph should touch over its R calls: several times the 60 MB L2 of an H200.
@@ -80,51 +88,58 @@ def _sync(empty_cache: bool = False):
             torch.cuda.empty_cache()
 
 
-def time_events(calls, reps):
-    """Eager timing (for what a graph cannot capture): CUDA events around the R calls, per call."""
-    for c in calls:
-        c()
-    torch.cuda.synchronize()
-    ts = []
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(reps):
-        st.record()
-        for c in calls:
-            c()
-        en.record()
-        en.synchronize()
-        ts.append(st.elapsed_time(en) * 1000.0 / len(calls))
-    return summary(ts)
+def time_events(calls, reps, cold=False):
+    """Eager timing (for what a graph cannot capture): CUDA events around the R calls, per call;
+    ``cold``: the L2 flushed before each round, outside the events."""
+    return common.time_eager(calls, reps, 1, common.flusher(DEVICE) if cold else None, DEVICE)
 
 
 def time_calls(calls, reps):
-    """CUDA-graph timing, or eager CUDA-event timing when capture fails: ``(stats, note)``."""
+    """CUDA-graph timing with a warm and a cold L2, or eager CUDA-event timing when capture
+    fails: ``(warm (median, p10, p90), cold (median, p10, p90), note)``."""
     try:
-        return time_graph(calls, reps), ""
+        t = time_warm_cold(calls, reps, device=DEVICE)
+        return t["warm"], t["cold"], ""
     except Exception as e:  # noqa: BLE001 - recorded in the CSV
         _sync()
-        return time_events(calls, reps), f"eager CUDA events (graph capture failed: {_short(e)})"
+        return (time_events(calls, reps), time_events(calls, reps, cold=True),
+                f"eager CUDA events (graph capture failed: {_short(e)})")
+
+
+def put_times(res: dict, key: str, warm, cold, nbytes: Optional[int], copy_gbps=None) -> None:
+    """A variant's columns: ``key_us/_p10/_p90`` (warm L2), ``key_cold_us/_cold_p10/_cold_p90``
+    and, with the bytes it must move, ``key_GBps``, ``key_cold_GBps`` and their percent of the
+    run's copy bandwidth (``key_pct_copy``, ``key_cold_pct_copy``)."""
+    for tag, t in (("", warm), ("_cold", cold)):
+        res[f"{key}{tag}_us"], res[f"{key}{tag}_p10"], res[f"{key}{tag}_p90"] = t
+    put_bandwidth(res, key, nbytes, copy_gbps)
+
+
+def put_bandwidth(res: dict, key: str, nbytes: Optional[int], copy_gbps=None) -> None:
+    """``key_GBps``, ``key_cold_GBps`` from the medians, and percent of ``copy_gbps``."""
+    if not nbytes:
+        return
+    for tag in ("", "_cold"):
+        if res.get(f"{key}{tag}_us"):
+            gbps = nbytes / res[f"{key}{tag}_us"] / 1e3
+            res[f"{key}{tag}_GBps"] = gbps
+            if copy_gbps:
+                res[f"{key}{tag}_pct_copy"] = 100.0 * gbps / copy_gbps
 
 
 def _short(e: BaseException, n: int = 160) -> str:
     return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:n]
 
 
-def copy_bandwidth():
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+def copy_bandwidth(nbytes: int = 1 << 30, reps: int = 10) -> float:
+    """Device-to-device copy bandwidth, GB/s: the median of ``reps`` copies of ``nbytes``,
+    counting the bytes read and written (2 x ``nbytes``): the ceiling the kernels' GB/s are
+    put against (``_pct_copy``)."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
     y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    torch.cuda.synchronize()
-    st, en = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    st.record()
-    for _ in range(10):
-        y.copy_(x)
-    en.record()
-    en.synchronize()
-    bw = 2 * x.numel() * 10 / (st.elapsed_time(en) / 1000) / 1e9
+    t_us = common.time_eager([lambda: y.copy_(x)], reps, warmup=3, device=DEVICE)[0]
     del x, y
-    return bw
+    return 2 * nbytes / (t_us * 1e-6) / 1e9
 
 
 def op_impl(name: str) -> str:
@@ -255,10 +270,10 @@ def bench_attention(args, writer, fi: Optional[FiState]):
                                                    page, sm) for s in sets]
                 res = {"batch": B, "block": page, "budget": budget, "rotate": pt["R"],
                        "kv_bytes": kv_bytes}
+                copy = getattr(args, "copy_gbps", None)
                 for key, calls in (("ours_partials", part), ("ours_full", full)):
-                    t, note = time_calls(calls, args.reps)
-                    res[f"{key}_us"], res[f"{key}_p10"], res[f"{key}_p90"] = t
-                    res[f"{key}_GBps"] = kv_bytes / t[0] / 1e3
+                    warm, cold, note = time_calls(calls, args.reps)
+                    put_times(res, key, warm, cold, kv_bytes, copy)
                     if note:
                         notes.append(f"{key}: {note}")
                 if fi is not None:
@@ -275,8 +290,10 @@ def bench_attention(args, writer, fi: Optional[FiState]):
                     notes.append("ours_full > 5x ours_partials: reference fallback?")
                 for key in ("fi_decode", "fi_bsa"):
                     if f"{key}_us" in res:
-                        res[f"{key}_GBps"] = kv_bytes / res[f"{key}_us"] / 1e3
+                        put_bandwidth(res, key, kv_bytes, copy)
                         res[f"speedup_{key}"] = res[f"{key}_us"] / res["ours_partials_us"]
+                        res[f"speedup_{key}_cold"] = (res[f"{key}_cold_us"]
+                                                      / res["ours_partials_cold_us"])
                 if "fi_decode_us" in res:  # names of the earlier runs' columns
                     res["speedup_partials"] = res["speedup_fi_decode"]
                     res["speedup_full"] = res["fi_decode_us"] / res["ours_full_us"]
@@ -286,11 +303,15 @@ def bench_attention(args, writer, fi: Optional[FiState]):
                 rows.append(res)
                 nan = float("nan")
                 print(f"B={B:2d} block={page:3d} budget={budget:5d}: ours "
-                      f"{res['ours_partials_us']:7.2f} us (full {res['ours_full_us']:7.2f})  "
-                      f"fi_decode {res.get('fi_decode_us', nan):7.2f}  fi_bsa "
+                      f"{res['ours_partials_us']:7.2f} us (cold {res['ours_partials_cold_us']:7.2f}"
+                      f", full {res['ours_full_us']:7.2f})  "
+                      f"fi_decode {res.get('fi_decode_us', nan):7.2f} (cold "
+                      f"{res.get('fi_decode_cold_us', nan):7.2f})  fi_bsa "
                       f"{res.get('fi_bsa_us', nan):7.2f} us  "
                       f"x{res.get('speedup_fi_decode', nan):.2f}"
-                      f"  {res['ours_partials_GBps']:.0f} GB/s  [{res['point_s']:.1f} s]"
+                      f"  {res['ours_partials_GBps']:.0f} GB/s "
+                      f"({res.get('ours_partials_cold_pct_copy', nan):.0f}% of copy cold)  "
+                      f"[{res['point_s']:.1f} s]"
                       + (f"  note: {res['note']}" if res["note"] else ""), flush=True)
                 del k, v, sets, pt
                 _sync(empty_cache=True)
@@ -316,17 +337,18 @@ def bench_fi_decode_point(fi: FiState, res, notes, B, Hq, Hk, D, page, k, v, set
             notes.append(f"{key} failed: {fi.failed(key, e)}")
             _sync()
             continue
-        res[f"{key}_us"] = t[0]
+        res[f"{key}_us"], res[f"{key}_cold_us"] = t[0][0], t[1][0]
         err = _relerr(out0, o_chk)
         res[f"{key}_relerr"] = err
         if err > FI_CHECK_TOL:
             notes.append(f"{key}: output differs from ours over the same tokens (rel {err:.2g})")
         if note:
             notes.append(f"{key}: {note}")
-        if best is None or t[0] < best[0][0]:
+        if best is None or t[0][0] < best[0][0][0]:  # the faster warm median
             best = (t, tc, err)
     if best is not None:
-        (res["fi_decode_us"], res["fi_decode_p10"], res["fi_decode_p90"]), tc, err = best
+        (warm, cold), tc, err = best
+        put_times(res, "fi_decode", warm, cold, None)
         res["fi_decode_tc"] = int(tc)
         res["fi_decode_relerr"] = err
 
@@ -348,8 +370,9 @@ def bench_fi_decode(fi: FiState, tc, B, Hq, Hk, D, page, k, v, sets, sm, reps):
                kv_data_type=torch.bfloat16, sm_scale=sm)
         wrappers.append((w, s["q"], ws))
     out0 = wrappers[0][0].run(wrappers[0][1], (kc, vc))
-    t, note = time_calls([lambda w=w, q=q: w.run(q, (kc, vc)) for w, q, _ in wrappers], reps)
-    return t, note, out0
+    warm, cold, note = time_calls([lambda w=w, q=q: w.run(q, (kc, vc)) for w, q, _ in wrappers],
+                                  reps)
+    return (warm, cold), note, out0
 
 
 def bench_fi_bsa_point(fi: FiState, res, notes, B, Hq, Hk, D, page, k, v, sets, sm, reps,
@@ -381,12 +404,13 @@ def bench_fi_bsa_point(fi: FiState, res, notes, B, Hq, Hk, D, page, k, v, sets, 
             if note:
                 notes.append(f"{key}: {note}")
             if len(groups) > 1:
-                res[f"{key}_us"] = t[0]
-            if best is None or t[0] < best[0][0]:
+                res[f"{key}_us"], res[f"{key}_cold_us"] = t[0][0], t[1][0]
+            if best is None or t[0][0] < best[0][0][0]:  # the faster warm median
                 best = (t, used, err)
             break  # this group has its time
     if best is not None:
-        (res["fi_bsa_us"], res["fi_bsa_p10"], res["fi_bsa_p90"]), used, err = best
+        (warm, cold), used, err = best
+        put_times(res, "fi_bsa", warm, cold, None)
         res["fi_bsa_backend"] = used
         res["fi_bsa_relerr"] = err
 
@@ -405,8 +429,9 @@ def bench_fi_bsa(fi: FiState, backend, B, Hq, Hk, D, page, k, v, sets, sm, reps)
     used = (w0._backend if getattr(w0, "_use_tensor_cores", True) else "decode") + \
         f"/{backend}"
     out0 = w0.run(wrappers[0][1], k, v)
-    t, note = time_calls([lambda w=w, q=q: w.run(q, k, v) for w, q, _ in wrappers], reps)
-    return t, note, out0, used
+    warm, cold, note = time_calls([lambda w=w, q=q: w.run(q, k, v) for w, q, _ in wrappers],
+                                  reps)
+    return (warm, cold), note, out0, used
 
 
 # ----------------------------------------------------------------------------- selection
@@ -491,7 +516,7 @@ def bench_selection(args, writer):
                 key = f"{name}_{'full' if full else 'select'}"
                 calls = [lambda s=s, fn=fn, full=full: fn(s, full) for s in sets]
                 try:
-                    t, note = time_calls(calls, args.reps)
+                    warm, cold, note = time_calls(calls, args.reps)
                 except Exception as e:  # noqa: BLE001 - new ops: record, keep the grid going
                     if name != "fused":
                         raise
@@ -500,9 +525,8 @@ def bench_selection(args, writer):
                     continue
                 if note:
                     notes.append(f"{key}: {note}")
-                res[f"{key}_us"], res[f"{key}_p10"], res[f"{key}_p90"] = t
                 moved = sum_bytes + (state_bytes if full else 0)
-                res[f"{key}_GBps"] = moved / t[0] / 1e3
+                put_times(res, key, warm, cold, moved, getattr(args, "copy_gbps", None))
             res["scores_GBps"] = res["ours_select_GBps"]  # name of the earlier runs' column
             res["speedup_select"] = res["ref_select_us"] / res["ours_select_us"]
             res["speedup_full"] = res["ref_full_us"] / res["ours_full_us"]
@@ -514,7 +538,8 @@ def bench_selection(args, writer):
             writer(res)
             rows.append(res)
             nan = float("nan")
-            print(f"B={B:2d} ctx={ctx:6d}: select ours {res['ours_select_us']:7.2f} fused "
+            print(f"B={B:2d} ctx={ctx:6d}: select ours {res['ours_select_us']:7.2f} (cold "
+                  f"{res['ours_select_cold_us']:7.2f}) fused "
                   f"{res.get('fused_select_us', nan):7.2f} ref {res['ref_select_us']:8.2f} us; "
                   f"full ours {res['ours_full_us']:7.2f} fused {res.get('fused_full_us', nan):7.2f}"
                   f" ref {res['ref_full_us']:8.2f}; {res['scores_GBps']:.0f} GB/s "
@@ -563,7 +588,9 @@ SEL_SUMMARY = (("ours", "ours_select"), ("fused", "fused_select"), ("full", "our
 
 def summary(att_rows: List[dict], sel_rows: List[dict], batches=(1, 8, 32), blocks=(64, 128),
             budgets=(2048, 8192), sel_context=131072) -> str:
-    """Short table of the headline points (µs, medians) from this run's or a CSV's rows."""
+    """Short table of the headline points (µs, medians) from this run's or a CSV's rows: warm
+    L2, then, where the rows have them (runs since the cold columns), cold L2 with the percent
+    of the copy bandwidth."""
     def cell(x):
         return f"{x:9.1f}" if x is not None else f"{'-':>9}"
 
@@ -571,22 +598,36 @@ def summary(att_rows: List[dict], sel_rows: List[dict], batches=(1, 8, 32), bloc
     att = {(int(float(r["batch"])), int(float(r["block"])), int(float(r["budget"]))): r
            for r in att_rows}
     pts = [(B, c, t) for B in batches for c in blocks for t in budgets if (B, c, t) in att]
-    if pts:
-        out.append("sparse attention, µs (median; fi_* over the same page count per request)")
-        out.append(f"{'batch':>5} {'block':>5} {'budget':>6} "
-                   + " ".join(f"{v:>13}" for v in ATT_SUMMARY))
-        for p in pts:
-            r = att[p]
-            out.append(f"{p[0]:5d} {p[1]:5d} {p[2]:6d} "
-                       + " ".join(f"{cell(_num(r, v + '_us')):>13}" for v in ATT_SUMMARY))
-    sel = [r for r in sel_rows if int(float(r["context"])) == sel_context]
-    if sel:
-        out.append(f"selection at {sel_context // 1024}K context, block "
-                   f"{int(float(sel[0]['block']))}, µs (median)")
-        out.append(f"{'batch':>5} " + " ".join(f"{name:>10}" for name, _ in SEL_SUMMARY))
-        for r in sorted(sel, key=lambda r: int(float(r["batch"]))):
-            out.append(f"{int(float(r['batch'])):5d} "
-                       + " ".join(f"{cell(_num(r, key + '_us')):>10}" for _, key in SEL_SUMMARY))
+    sel = sorted((r for r in sel_rows if int(float(r["context"])) == sel_context),
+                 key=lambda r: int(float(r["batch"])))
+    for tag, what in (("", "warm L2"), ("_cold", "cold L2: flushed before every replay")):
+        if tag and not any(_num(r, "ours_partials_cold_us") for r in att_rows) and \
+                not any(_num(r, "ours_select_cold_us") for r in sel_rows):
+            break  # an older CSV: warm only
+        extra = " (% of copy)" if tag else ""
+        if pts:
+            out.append(f"sparse attention, µs (median, {what}; fi_* over the same page count "
+                       f"per request)")
+            out.append(f"{'batch':>5} {'block':>5} {'budget':>6} "
+                       + " ".join(f"{v:>13}" for v in ATT_SUMMARY) + extra)
+            for p in pts:
+                r = att[p]
+                pc = _num(r, f"ours_partials{tag}_pct_copy")
+                out.append(f"{p[0]:5d} {p[1]:5d} {p[2]:6d} "
+                           + " ".join(f"{cell(_num(r, v + tag + '_us')):>13}"
+                                      for v in ATT_SUMMARY)
+                           + (f" {pc:5.0f}%" if tag and pc is not None else ""))
+        if sel:
+            out.append(f"selection at {sel_context // 1024}K context, block "
+                       f"{int(float(sel[0]['block']))}, µs (median, {what})")
+            out.append(f"{'batch':>5} " + " ".join(f"{name:>10}" for name, _ in SEL_SUMMARY)
+                       + extra)
+            for r in sel:
+                pc = _num(r, f"ours_select{tag}_pct_copy")
+                out.append(f"{int(float(r['batch'])):5d} "
+                           + " ".join(f"{cell(_num(r, key + tag + '_us')):>10}"
+                                      for _, key in SEL_SUMMARY)
+                           + (f" {pc:5.0f}%" if tag and pc is not None else ""))
     return "\n".join(out)
 
 
@@ -728,6 +769,7 @@ def main(argv=None):
           f"flashinfer {meta['flashinfer']}  attend_set: {meta['attend_set']}  quest_select: "
           f"{meta['quest_select']}  predict_update: {meta['predict_update']}", flush=True)
     meta["copy_GBps"] = round(bw)
+    args.copy_gbps = bw  # the _pct_copy columns
     att_rows, sel_rows = [], []
     if not args.skip_attention:
         att_rows = bench_attention(args, CsvWriter(att_csv, meta), fi)

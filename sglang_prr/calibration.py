@@ -235,5 +235,6 @@ class Calibrator:
             pad = st.p_idx.shape[-1] - p_idx.shape[-1]  # the pool's lists may be wider
             if pad > 0:
                 p_idx = torch.nn.functional.pad(p_idx, (0, pad), value=-1)
-            st.p_idx[layers, row] = p_idx
-            st.p_cnt[layers, row] = p_cnt
+            slot = st.p_slot(row)  # the half of P's double buffer the next decode step reads
+            st.p_idx[layers, slot] = p_idx
+            st.p_cnt[layers, slot] = p_cnt

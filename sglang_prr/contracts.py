@@ -19,8 +19,21 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from .config import INFLLM_STRIDE
+
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
+
+# The decode counters the selection accumulates (int64, one slot each, in this order): sum |A|,
+# sum |M| and sum |P| over the sparse (request, KV head) rows of every layer-step, and the
+# number of such rows. The kernels' ``StatSlot`` enum (kernels/prr_kernels.h) lists the same
+# slots in the same order (tests/unit/test_structure.py reads both).
+STATS_SLOTS = ("selected", "repair", "predicted", "rows")
+
+
+def new_stats(device=None) -> Tensor:
+    """Zeroed decode counters, ``[len(STATS_SLOTS)]`` int64 (see ``STATS_SLOTS``)."""
+    return torch.zeros(len(STATS_SLOTS), dtype=torch.int64, device=device)
 
 
 def fail(op: str, what: str, got, expected: str) -> None:
@@ -62,12 +75,13 @@ def rows_of(op: str, name: str, rows: Optional[Tensor], batch: int, lists: Tenso
 
 def block_list(op: str, name: str, idx: Tensor, cnt: Tensor, heads: int) -> None:
     """``idx: [*, Hk, N]`` int32 with counts ``cnt: [*, Hk]`` int32."""
+    pre = f"{name}_" if name else ""  # "p_idx", or the op's own "idx"
     if idx.dtype != torch.int32 or cnt.dtype != torch.int32:
-        fail(op, f"{name} dtypes", (idx.dtype, cnt.dtype), "int32 lists and counts")
+        fail(op, f"{pre}idx/{pre}cnt dtypes", (idx.dtype, cnt.dtype), "int32 lists and counts")
     if idx.dim() != 3 or idx.shape[1] != heads:
-        fail(op, f"{name}_idx.shape", shape(idx), f"[rows, {heads}, N]")
+        fail(op, f"{pre}idx.shape", shape(idx), f"[rows, {heads}, N]")
     if shape(cnt) != shape(idx)[:2]:
-        fail(op, f"{name}_cnt.shape", shape(cnt), f"{shape(idx)[:2]}")
+        fail(op, f"{pre}cnt.shape", shape(cnt), f"{shape(idx)[:2]}")
 
 
 def paged_attention(op: str, q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor,
@@ -104,11 +118,13 @@ def selection(op: str, k: int, sink: int, local: int, n_out: int) -> None:
 
 
 def summaries(op: str, q: Tensor, parts: Sequence[Tensor], heads_dim: int) -> None:
-    """Quest ``(kmin, kmax)`` ``[pages, Hk, D]`` float32 (``heads_dim`` = 1) or InfLLM-v2 ``ck``
-    ``[pages, page // 16, Hk, D]`` (``heads_dim`` = 2), matching q's heads and head dim."""
+    """Quest ``(kmin, kmax)`` ``[pages, Hk, D]`` float32 or bfloat16 (``heads_dim`` = 1) or
+    InfLLM-v2 ``ck`` ``[pages, page // 16, Hk, D]`` float32 (``heads_dim`` = 2), matching q's
+    heads and head dim."""
+    allowed = (torch.float32, torch.bfloat16) if heads_dim == 1 else (torch.float32,)
     for t in parts:
-        if t.dtype != torch.float32:
-            fail(op, "summary dtype", t.dtype, "float32")
+        if t.dtype not in allowed:
+            fail(op, "summary dtype", t.dtype, " or ".join(str(d) for d in allowed))
         if t.dim() != heads_dim + 2 or t.shape[-1] != q.shape[-1]:
             fail(op, "summary shape", shape(t), f"[pages, ..., Hk, {q.shape[-1]}]")
         hk = t.shape[heads_dim]
@@ -116,6 +132,8 @@ def summaries(op: str, q: Tensor, parts: Sequence[Tensor], heads_dim: int) -> No
             fail(op, "summary KV heads", hk, f"a divisor of num_qo_heads={q.shape[1]}")
     if len(parts) == 2 and shape(parts[0]) != shape(parts[1]):
         fail(op, "kmin/kmax shapes", (shape(parts[0]), shape(parts[1])), "equal")
+    if len(parts) == 2 and parts[0].dtype != parts[1].dtype:
+        fail(op, "kmin/kmax dtypes", (parts[0].dtype, parts[1].dtype), "equal")
 
 
 # ----------------------------------------------------------------------------- per op
@@ -166,8 +184,8 @@ def check_select_topk(scores, nblk, k, sink, local, n_out, dense_row=None) -> No
 
 
 def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out,
-                       p_rows=None, dense_row=None, stats=None) -> None:
-    op = "quest_select"
+                       p_rows=None, dense_row=None, stats=None,
+                       op: str = "quest_select") -> None:
     if q.dim() != 3:
         fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
     summaries(op, q, (kmin, kmax), 1)
@@ -184,8 +202,8 @@ def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local,
     if dense_row is not None and (dense_row.dtype != torch.bool
                                   or shape(dense_row) != (q.shape[0],)):
         fail(op, "dense_row", (dense_row.dtype, shape(dense_row)), f"bool ({q.shape[0]},)")
-    if stats is not None and (stats.dtype != torch.int64 or shape(stats) != (4,)):
-        fail(op, "stats", (stats.dtype, shape(stats)), "int64 (4,)")
+    if stats is not None and (stats.dtype != torch.int64 or shape(stats) != (len(STATS_SLOTS),)):
+        fail(op, "stats", (stats.dtype, shape(stats)), f"int64 ({len(STATS_SLOTS)},)")
 
 
 def check_quest_update(kmin, kmax, k, out_loc, positions, page_size_) -> None:
@@ -203,8 +221,8 @@ def check_quest_update(kmin, kmax, k, out_loc, positions, page_size_) -> None:
 
 
 def check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
-                              nblk_next, n_pred, sink, local) -> None:
-    op = "predict_update_rows"
+                              nblk_next, n_pred, sink, local, p_rows=None,
+                              op: str = "predict_update_rows") -> None:
     nonneg(op, n_pred=n_pred, sink_blocks=sink, local_blocks=local)
     if level.dim() != 3 or shape(trend) != shape(level):
         fail(op, "level/trend shapes", (shape(level), shape(trend)), "both [rows, Hk, NB]")
@@ -219,8 +237,13 @@ def check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, s
     if shape(n_init) != (R,) or shape(theta) != (R, 3):
         fail(op, "n_init/theta shapes", (shape(n_init), shape(theta)), f"({R},) and ({R}, 3)")
     block_list(op, "p", p_idx, p_cnt, Hk)
-    if p_idx.shape[0] != R or p_idx.shape[2] < n_pred + sink + local:
-        fail(op, "p_idx.shape", shape(p_idx), f"[{R}, {Hk}, >= {n_pred + sink + local}]")
+    # P's rows are the state's rows, or its own (p_rows: e.g. the other half of a double buffer).
+    if p_rows is None and p_idx.shape[0] != R:
+        fail(op, "p_idx.shape[0]", p_idx.shape[0], f"the state's rows {R} (or give p_rows)")
+    if p_idx.shape[2] < n_pred + sink + local:
+        fail(op, "p_idx.shape", shape(p_idx), f"[rows, {Hk}, >= {n_pred + sink + local}]")
+    if p_rows is not None:
+        rows_of(op, "p", p_rows, B, p_idx)
 
 
 def check_calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred, sink,
@@ -241,3 +264,161 @@ def check_calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred, 
     for name, t in (("alphas", alphas), ("betas", betas), ("gammas", gammas)):
         if t.dim() != 1 or t.shape[0] < 1 or t.dtype != torch.float32:
             fail(op, name, f"{t.dtype} {shape(t)}", "float32 [n >= 1]")
+
+
+def check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
+                               p_next_rows, level, trend, n_init, theta, rows, k, n_pred, sink,
+                               local, n_out, dense_row=None, stats=None) -> None:
+    op = "quest_select_predict"
+    check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows,
+                       dense_row, stats, op=op)
+    if level.dim() != 3 or shape(level)[1:] != (kmin.shape[1], table.shape[1]):
+        fail(op, "level.shape", shape(level), f"[rows, {kmin.shape[1]}, {table.shape[1]}]")
+    scores = torch.empty((q.shape[0],) + tuple(level.shape[1:]), device="meta")  # shape only
+    check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
+                              nblk_next, n_pred, sink, local, p_next_rows, op=op)
+
+
+# ----------------------------------------------------------------------------- the other ops
+def _batch(op: str, B: int, **ts: Tensor) -> None:
+    """Each of ``ts`` is ``[B]`` (or ``[B, ...]``: only the first dim is checked)."""
+    for name, t in ts.items():
+        if t.dim() == 0 or t.shape[0] != B:
+            fail(op, f"{name}.shape", shape(t), f"({B}, ...): the batch size")
+
+
+def check_quest_scores(q, kmin, kmax, table, nblk) -> None:
+    op = "quest_scores"
+    if q.dim() != 3:
+        fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
+    summaries(op, q, (kmin, kmax), 1)
+    index_tensor(op, "table", table, 2)
+    index_tensor(op, "nblk", nblk, 1)
+    _batch(op, q.shape[0], table=table, nblk=nblk)
+
+
+def check_infllm_scores(q, ck, table, seq_lens, page_size_) -> None:
+    op = "infllm_scores"
+    page_size(op, page_size_)
+    if q.dim() != 3:
+        fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
+    summaries(op, q, (ck,), 2)
+    if ck.shape[1] != page_size_ // INFLLM_STRIDE:
+        fail(op, "ck.shape[1]", ck.shape[1], f"page_size // {INFLLM_STRIDE} = "
+             f"{page_size_ // INFLLM_STRIDE}")
+    index_tensor(op, "table", table, 2)
+    index_tensor(op, "seq_lens", seq_lens, 1)
+    _batch(op, q.shape[0], table=table, seq_lens=seq_lens)
+
+
+def check_infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions,
+                        page_size_) -> None:
+    op = "infllm_update"
+    page_size(op, page_size_)
+    if k_buf.dim() != 3 or k_buf.dtype not in _FLOATS:
+        fail(op, "k_buf", (k_buf.dtype, shape(k_buf)), "float [num_slots, num_kv_heads, head_dim]")
+    if ck.dim() != 4 or ck.dtype != torch.float32 or shape(ck)[2:] != shape(k_buf)[1:]:
+        fail(op, "ck", (ck.dtype, shape(ck)),
+             f"float32 [pages, page_size // {INFLLM_STRIDE}, {k_buf.shape[1]}, "
+             f"{k_buf.shape[2]}]")
+    if ck.shape[1] != page_size_ // INFLLM_STRIDE:
+        fail(op, "ck.shape[1]", ck.shape[1], f"page_size // {INFLLM_STRIDE}")
+    index_tensor(op, "req_to_token", req_to_token, 2)
+    for name, t in (("req_idx", req_idx), ("out_loc", out_loc), ("positions", positions)):
+        index_tensor(op, name, t, 1)
+        if t.shape[0] != out_loc.shape[0]:
+            fail(op, f"{name}.shape", shape(t), f"({out_loc.shape[0]},): one per new token")
+
+
+def check_set_difference(a_idx, a_cnt, p_idx, p_cnt, nb) -> None:
+    op = "set_difference"
+    nonneg(op, nb=nb)
+    if a_idx.dim() != 3:
+        fail(op, "a_idx.shape", shape(a_idx), "[batch, num_kv_heads, N]")
+    block_list(op, "a", a_idx, a_cnt, a_idx.shape[1])
+    block_list(op, "p", p_idx, p_cnt, a_idx.shape[1])
+    _batch(op, a_idx.shape[0], p_idx=p_idx)
+
+
+def _holt_state(op, level, trend) -> None:
+    if level.dim() != 3 or level.dtype != torch.float32:
+        fail(op, "level", (level.dtype, shape(level)), "float32 [batch, num_kv_heads, NB]")
+    if shape(trend) != shape(level) or trend.dtype != torch.float32:
+        fail(op, "trend", (trend.dtype, shape(trend)), f"float32 {shape(level)}")
+
+
+def check_holt_update(level, trend, n_init, scores, nblk, alpha, beta) -> None:
+    op = "holt_update"
+    _holt_state(op, level, trend)
+    if shape(scores) != shape(level):
+        fail(op, "scores.shape", shape(scores), f"{shape(level)}")
+    index_tensor(op, "n_init", n_init, 1)
+    index_tensor(op, "nblk", nblk, 1)
+    _batch(op, level.shape[0], n_init=n_init, nblk=nblk, alpha=alpha, beta=beta)
+
+
+def check_predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink, local) -> None:
+    op = "predict_set"
+    nonneg(op, n_pred=n_pred, sink_blocks=sink, local_blocks=local)
+    _holt_state(op, level, trend)
+    index_tensor(op, "n_init", n_init, 1)
+    index_tensor(op, "nblk_next", nblk_next, 1)
+    _batch(op, level.shape[0], gamma=gamma, n_init=n_init, nblk_next=nblk_next)
+
+
+def check_predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink,
+                         local) -> None:
+    op = "predict_update"
+    nonneg(op, n_pred=n_pred, sink_blocks=sink, local_blocks=local)
+    _holt_state(op, level, trend)
+    if shape(scores) != shape(level):
+        fail(op, "scores.shape", shape(scores), f"{shape(level)}")
+    for name, t in (("n_init", n_init), ("nblk", nblk), ("nblk_next", nblk_next)):
+        index_tensor(op, name, t, 1)
+    if theta.dim() != 2 or theta.shape[1] != 3:
+        fail(op, "theta.shape", shape(theta), "[batch, 3] (alpha, beta, gamma)")
+    _batch(op, level.shape[0], n_init=n_init, nblk=nblk, nblk_next=nblk_next, theta=theta)
+
+
+def check_calibrate(scores, nblk, k, n_pred, sink, local, alphas, betas, gammas) -> None:
+    op = "calibrate"
+    nonneg(op, k=k, n_pred=n_pred, sink_blocks=sink, local_blocks=local)
+    if scores.dim() != 4:
+        fail(op, "scores.shape", shape(scores), "[requests, queries, num_kv_heads, NB]")
+    index_tensor(op, "nblk", nblk, 2)
+    if shape(nblk) != shape(scores)[:2]:
+        fail(op, "nblk.shape", shape(nblk), f"{shape(scores)[:2]}")
+    for name, t in (("alphas", alphas), ("betas", betas), ("gammas", gammas)):
+        if t.dim() != 1:
+            fail(op, f"{name}.shape", shape(t), "[C]: one value per candidate")
+    if not (alphas.shape[0] == betas.shape[0] == gammas.shape[0]):
+        fail(op, "candidate counts", (alphas.shape[0], betas.shape[0], gammas.shape[0]),
+             "equal: alphas, betas and gammas list the candidates together")
+
+
+def check_prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb,
+                    exact) -> None:
+    op = "prr_merge"
+    nonneg(op, nb=nb)
+    if o_spec.dim() != 4:
+        fail(op, "o_spec.shape", shape(o_spec), "[batch, num_qo_heads, Np, head_dim]")
+    B, Hq, Np, D = o_spec.shape
+    if shape(lse_spec) != (B, Hq, Np):
+        fail(op, "lse_spec.shape", shape(lse_spec), f"({B}, {Hq}, {Np})")
+    if p_idx.dim() != 3 or p_idx.shape[1] == 0 or Hq % p_idx.shape[1] != 0:
+        fail(op, "p_idx.shape", shape(p_idx), f"[{B}, a divisor of {Hq}, {Np}]")
+    block_list(op, "p", p_idx, p_cnt, p_idx.shape[1])
+    block_list(op, "a", a_idx, a_cnt, p_idx.shape[1])
+    _batch(op, B, p_idx=p_idx, a_idx=a_idx, o_rep=o_rep)
+    if p_idx.shape[2] != Np:
+        fail(op, "p_idx.shape[2]", p_idx.shape[2], f"o_spec's {Np} entries")
+    if o_rep.dim() != 4 or o_rep.shape[1] != Hq or o_rep.shape[3] != D:
+        fail(op, "o_rep.shape", shape(o_rep), f"[{B}, {Hq}, Nm, {D}]")
+    if shape(lse_rep) != shape(o_rep)[:3]:
+        fail(op, "lse_rep.shape", shape(lse_rep), f"{shape(o_rep)[:3]}")
+
+
+def check_merge_partials(o, lse) -> None:
+    op = "merge_partials"
+    if o.dim() < 2 or shape(lse) != shape(o)[:-1]:
+        fail(op, "o/lse shapes", (shape(o), shape(lse)), "[..., N, D] and [..., N]")

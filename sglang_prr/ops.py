@@ -46,6 +46,7 @@ def infllm_update(ck: Tensor, k_buf: Tensor, req_to_token: Tensor, req_idx: Tens
                   out_loc: Tensor, positions: Tensor, page_size: int) -> None:
     """Write compressed keys completed by the new tokens into ``ck: [num_pages, page_size//16,
     Hk, D]`` (in place). See ``reference.infllm_update``."""
+    contracts.check_infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions, page_size)
     ref.infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions, page_size)
 
 
@@ -53,6 +54,7 @@ def infllm_update(ck: Tensor, k_buf: Tensor, req_to_token: Tensor, req_idx: Tens
 @_op("quest_scores")
 def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor) -> Tensor:
     """``[B, Hk, NB]`` float32 Quest scores, GQA group summed. See ``reference.quest_scores``."""
+    contracts.check_quest_scores(q, kmin, kmax, table, nblk)
     return ref.quest_scores(q, kmin, kmax, table, nblk)
 
 
@@ -65,6 +67,7 @@ def _(q, kmin, kmax, table, nblk):
 def infllm_scores(q: Tensor, ck: Tensor, table: Tensor, seq_lens: Tensor, page_size: int,
                   sm_scale: float) -> Tensor:
     """``[B, Hk, NB]`` float32 InfLLM-v2 block scores. See ``reference.infllm_scores``."""
+    contracts.check_infllm_scores(q, ck, table, seq_lens, page_size)
     return ref.infllm_scores(q, ck, table, seq_lens, page_size, sm_scale)
 
 
@@ -93,6 +96,7 @@ def _(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row=None):
 def set_difference(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor, nb: int
                    ) -> Tuple[Tensor, Tensor]:
     """``M = A \\ P`` as ``(idx [B, Hk, |A| width] int32, cnt [B, Hk] int32)``."""
+    contracts.check_set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
     return ref.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
 
 
@@ -141,6 +145,7 @@ def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
 def holt_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor, nblk: Tensor,
                 alpha: Tensor, beta: Tensor) -> None:
     """Eq 3 in place on ``level``/``trend: [B, Hk, NB]`` and ``n_init: [B]``."""
+    contracts.check_holt_update(level, trend, n_init, scores, nblk, alpha, beta)
     ref.holt_update(level, trend, n_init, scores, nblk, alpha, beta)
 
 
@@ -148,6 +153,8 @@ def holt_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor, nb
 def predict_set(level: Tensor, trend: Tensor, gamma: Tensor, n_init: Tensor, nblk_next: Tensor,
                 n_pred: int, sink_blocks: int, local_blocks: int) -> Tuple[Tensor, Tensor]:
     """P(t+1) from eq 2: ``(idx [B, Hk, n_pred + sink + local] int32, cnt [B, Hk] int32)``."""
+    contracts.check_predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks,
+                                local_blocks)
     return ref.predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks,
                            local_blocks)
 
@@ -188,6 +195,8 @@ def predict_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor,
                    local_blocks: int) -> Tuple[Tensor, Tensor]:
     """Holt update (eq 3, in place) + P(t+1) in one op (one launch on SM90); theta ``[B, 3]``.
     See ``reference.predict_update``."""
+    contracts.check_predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred,
+                                   sink_blocks, local_blocks)
     return ref.predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred,
                               sink_blocks, local_blocks)
 
@@ -204,20 +213,67 @@ def _(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks,
 def predict_update_rows(level: Tensor, trend: Tensor, n_init: Tensor, p_idx: Tensor,
                         p_cnt: Tensor, theta: Tensor, rows: Tensor, scores: Tensor, nblk: Tensor,
                         nblk_next: Tensor, n_pred: int, sink_blocks: int,
-                        local_blocks: int) -> None:
+                        local_blocks: int, p_rows: Optional[Tensor] = None) -> None:
     """``predict_update`` on the request pool's state in place (one launch on SM90, no gather or
-    scatter): batch entry ``b`` updates pool row ``rows[b]``. See
-    ``reference.predict_update_rows``."""
+    scatter): batch entry ``b`` updates pool row ``rows[b]`` and writes P(t+1) into row
+    ``p_rows[b]`` of p_idx/p_cnt (default ``rows[b]``). See ``reference.predict_update_rows``."""
     contracts.check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores,
-                                        nblk, nblk_next, n_pred, sink_blocks, local_blocks)
+                                        nblk, nblk_next, n_pred, sink_blocks, local_blocks,
+                                        p_rows)
     ref.predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
-                            nblk_next, n_pred, sink_blocks, local_blocks)
+                            nblk_next, n_pred, sink_blocks, local_blocks, p_rows)
+
+
+@_op("quest_select_predict",
+     mutates_args=("p_idx", "p_cnt", "level", "trend", "n_init", "stats"))
+def _quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
+                          nblk_next: Tensor, p_idx: Tensor, p_cnt: Tensor, p_rows: Tensor,
+                          p_next_rows: Tensor, level: Tensor, trend: Tensor, n_init: Tensor,
+                          theta: Tensor, rows: Tensor, k: int, n_pred: int, sink_blocks: int,
+                          local_blocks: int, n_out: int, dense_row: Optional[Tensor],
+                          stats: Optional[Tensor]
+                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    contracts.check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt,
+                                         p_rows, p_next_rows, level, trend, n_init, theta, rows,
+                                         k, n_pred, sink_blocks, local_blocks, n_out, dense_row,
+                                         stats)
+    return ref.quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
+                                    p_next_rows, level, trend, n_init, theta, rows, k, n_pred,
+                                    sink_blocks, local_blocks, n_out, dense_row, stats)
+
+
+@_quest_select_predict.register_fake
+def _(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level, trend,
+      n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats):
+    B, Hk, NB = q.shape[0], kmin.shape[1], table.shape[1]
+    lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32), q.new_empty((B, Hk), dtype=torch.int32)]
+    return (q.new_empty((B, Hk, NB), dtype=torch.float32), *lists,
+            torch.empty_like(lists[0]), torch.empty_like(lists[1]))
+
+
+def quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
+                         nblk_next: Tensor, p_idx: Tensor, p_cnt: Tensor, p_rows: Tensor,
+                         p_next_rows: Tensor, level: Tensor, trend: Tensor, n_init: Tensor,
+                         theta: Tensor, rows: Tensor, k: int, n_pred: int, sink_blocks: int,
+                         local_blocks: int, n_out: int, dense_row: Optional[Tensor] = None,
+                         stats: Optional[Tensor] = None
+                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Quest selection and the predictor's step of one decode step in one op (one launch on
+    SM90): ``(scores [B, Hk, NB] f32, a_idx, a_cnt, m_idx, m_cnt)`` with M = A \\ P(t), P(t) at
+    rows ``p_rows`` of p_idx ``[R', Hk, Np]``; the Holt update on state rows ``rows`` of level /
+    trend ``[R, Hk, NB]``, n_init ``[R]``, theta ``[R, 3]``; P(t+1) written at rows
+    ``p_next_rows``. See ``reference.quest_select_predict``."""
+    return _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
+                                 p_next_rows, level, trend, n_init, theta, rows, k, n_pred,
+                                 sink_blocks, local_blocks, n_out, dense_row, stats)
 
 
 @_op("calibrate")
 def calibrate(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: int,
               local_blocks: int, alphas: Tensor, betas: Tensor, gammas: Tensor) -> Tensor:
     """Eq 4 for every candidate: ``H: [R, C]`` float32. See ``reference.calibrate``."""
+    contracts.check_calibrate(scores, nblk, k, n_pred, sink_blocks, local_blocks, alphas, betas,
+                              gammas)
     return ref.calibrate(scores, nblk, k, n_pred, sink_blocks, local_blocks, alphas, betas, gammas)
 
 
@@ -254,6 +310,8 @@ def prr_merge(o_spec: Tensor, lse_spec: Tensor, p_idx: Tensor, p_cnt: Tensor, a_
               ) -> Tuple[Tensor, Tensor]:
     """Merge speculative partials (only ``P n A`` when exact) with repair partials:
     ``(o [B, Hq, D] f32, lse [B, Hq] f32)``."""
+    contracts.check_prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb,
+                              exact)
     return ref.prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb, exact)
 
 
@@ -294,6 +352,7 @@ def _(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, o_spec, l
 @_op("merge_partials")
 def merge_partials(o: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
     """Merge all partial states along dim -2: ``(o [..., D] f32, lse [...] f32)``."""
+    contracts.check_merge_partials(o, lse)
     return ref.merge_partials(o, lse)
 
 

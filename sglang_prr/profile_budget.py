@@ -16,7 +16,13 @@ the replay time is divided by them.
 The prediction's quality is held fixed at ``--hit-rate`` (of the selection's middle blocks when
 |P| = K): the predictor state is the rank of each block's true score plus noise of a spread found
 by bisection, with theta = 0 so that the state, and so P, stays the same over the replays. A
-larger delta then covers more of A, as it does with a real predictor.
+larger delta then covers more of A, as it does with a real predictor. ``--hit-rate real`` (the
+default): the server's predictor (calibrated theta*) on the SmolLM2 block-score traces of
+``--real-traces`` (``trace_replay.real_hit_rate``, 0.831; random weights give 0.62-0.72, 0.7 was
+the old default). ``--compare-hit-rate`` (0.7; ``none``: off) times the speculative deltas at
+that rate too: its table and choices are printed beside, kept in the profile's ``compare`` entry.
+With the layer's GEMMs (``--hidden-size`` > 0) the L2 is cold by construction: over 400 MB of
+weights per Llama-3-8B layer stream through it between two steps, as in the server.
 
     python -m sglang_prr.profile_budget --model-path meta-llama/Meta-Llama-3-8B \\
         --prr-top-k 2048 --prr-top-k-unit tokens --out profile_h200.json
@@ -40,11 +46,11 @@ import os
 import statistics
 import sys
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import ops, summaries
+from . import contracts, ops, summaries, trace_replay
 from .budget import DEFAULT_DELTAS, PROFILE_VERSION, BudgetProfile
 from .config import PRRConfig
 from .server_args_patch import add_prr_args, pop_prr_args
@@ -59,6 +65,19 @@ def _ints(text: str) -> List[int]:
     if not vals or any(v < 1 for v in vals):
         raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
     return sorted(set(vals))
+
+
+def _hit_rate(text: str):
+    """A hit rate in 0..1, ``real`` (measured on the real traces at run time) or ``none``."""
+    if text in ("real", "none"):
+        return None if text == "none" else text
+    try:
+        v = float(text)
+    except ValueError:
+        v = -1.0
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"{text}: allowed 0..1 or 'real'")
+    return v
 
 
 def _deltas(text: str) -> List[float]:
@@ -88,8 +107,15 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     ap.add_argument("--batch-sizes", type=_ints, default=[1, 2, 4, 8, 16, 32],
                     help="the decode batch sizes the server captures graphs for")
     ap.add_argument("--deltas", type=_deltas, default=list(DEFAULT_DELTAS))
-    ap.add_argument("--hit-rate", type=float, default=0.7,
-                    help="the prediction's hit rate at |P| = K (0..1)")
+    ap.add_argument("--hit-rate", type=_hit_rate, default="real",
+                    help="the prediction's hit rate at |P| = K (0..1), or 'real': measured on "
+                         "the real traces (--real-traces)")
+    ap.add_argument("--real-traces", default=trace_replay.REAL_TRACES,
+                    help="block-score traces of a real model for --hit-rate real")
+    ap.add_argument("--compare-hit-rate", type=_hit_rate,
+                    default=trace_replay.SYNTHETIC_HIT_RATE,
+                    help="also time the speculative deltas at this hit rate and show its "
+                         "choices beside the others ('none': skip)")
     ap.add_argument("--layers", type=int, default=4, help="layers per captured graph")
     ap.add_argument("--iters", type=int, default=20, help="replays per timing")
     ap.add_argument("--repeats", type=int, default=5, help="timings per point (median)")
@@ -107,8 +133,6 @@ def parse_args(argv: Optional[Sequence[str]] = None):
         ap.error(str(e))
     if a.cfg.method == "dense":
         ap.error("--prr-method dense has nothing to profile: give quest or infllm_v2")
-    if not 0.0 <= a.hit_rate <= 1.0:
-        ap.error(f"--hit-rate {a.hit_rate}: allowed 0..1")
     for name in ("layers", "iters", "repeats", "max_tokens", "tp"):
         if getattr(a, name) < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(a, name)}: allowed >= 1")
@@ -181,32 +205,37 @@ class _Point:
         self.scale = 1.0 / math.sqrt(D)
         self.g = g
 
-    def state(self, a, layers: int, n_pred_width: int, step: DecodeStep) -> List[LayerState]:
-        """Per-layer predictor state whose P hits ``a.hit_rate`` of A's middle blocks at |P| = K
+    def state(self, a, layers: int, n_pred_width: int, step: DecodeStep,
+              hit_rate: float) -> List[LayerState]:
+        """Per-layer predictor state whose P hits ``hit_rate`` of A's middle blocks at |P| = K
         and stays fixed over replays (theta = 0: level + 0 * trend, no update)."""
         cfg, dev = a.cfg, self.q.device
         b = step.plan(self.req_to_token, self.rows, self.seq_lens)
         scores = ops.select_blocks(cfg.method, self.q, self.summary, b.table, b.seq_lens,
                                    self.page, self.scale).float()  # [B, Hk, NB]
         level = _levels_for_hit(scores, b.nblk, cfg.top_k_blocks, cfg.sink_blocks,
-                                cfg.local_blocks, a.hit_rate, self.g)
+                                cfg.local_blocks, hit_rate, self.g)
         R, (B, Hk, NB) = self.batch + 1, level.shape
         out = []
         for _ in range(layers):
             lv = torch.zeros(R, Hk, NB, device=dev)
             lv[1:] = level
-            p_idx = torch.full((R, Hk, n_pred_width + cfg.sink_blocks + cfg.local_blocks), -1,
-                               dtype=torch.int32, device=dev)
-            p_cnt = torch.zeros(R, Hk, dtype=torch.int32, device=dev)
+            # P is double-buffered (rows 2r, 2r + 1), like PRRState's.
+            p_idx = torch.full((2 * R, Hk, n_pred_width + cfg.sink_blocks + cfg.local_blocks),
+                               -1, dtype=torch.int32, device=dev)
+            p_cnt = torch.zeros(2 * R, Hk, dtype=torch.int32, device=dev)
             n_init = torch.zeros(R, dtype=torch.long, device=dev)
             n_init[1:] = b.nblk
             theta = torch.zeros(R, 3, device=dev)
             st = LayerState(p_idx, p_cnt, lv, torch.zeros_like(lv), n_init, theta)
             if step.n_pred:
-                # P(t) for the first replay: what the predictor writes from this state.
-                ops.predict_update_rows(st.level, st.trend, st.n_init, st.p_idx, st.p_cnt,
-                                        st.theta, b.rows, scores, b.nblk, b.nblk_next,
-                                        step.n_pred, cfg.sink_blocks, cfg.local_blocks)
+                # P(t) for the first replay, in both halves: what the predictor writes from this
+                # state (theta = 0 keeps writing it).
+                for half in (0, 1):
+                    ops.predict_update_rows(st.level, st.trend, st.n_init, st.p_idx, st.p_cnt,
+                                            st.theta, b.rows, scores, b.nblk, b.nblk_next,
+                                            step.n_pred, cfg.sink_blocks, cfg.local_blocks,
+                                            p_rows=2 * b.rows.long() + half)
             out.append(st)
         return out
 
@@ -262,16 +291,18 @@ def _gemms(a, batch: int, dev, dtype):
     return before, after
 
 
-def time_point(a, pt: _Point, delta: float) -> float:
-    """Microseconds per layer of the decode step at budget ``delta`` (0: serial DSA)."""
+def time_point(a, pt: _Point, delta: float, hit_rate: Optional[float] = None) -> float:
+    """Microseconds per layer of the decode step at budget ``delta`` (0: serial DSA), the
+    prediction holding ``hit_rate`` (default ``a.hit_rate``)."""
     cfg, dev = a.cfg, pt.q.device
     serial = delta == 0.0
     n_pred = 0 if serial else cfg.predicted_blocks_for(delta)
     step = DecodeStep(cfg.method, cfg.top_k_blocks, max(n_pred, cfg.top_k_blocks),
                       cfg.sink_blocks, cfg.local_blocks, pt.page, cfg.min_context,
                       exact=cfg.mode == "exact", serial=serial, device=dev)
-    states = pt.state(a, a.layers, step.n_pred, step) if not serial else [None] * a.layers
-    stats = torch.zeros(4, dtype=torch.int64, device=dev)
+    hit = a.hit_rate if hit_rate is None else hit_rate
+    states = pt.state(a, a.layers, step.n_pred, step, hit) if not serial else [None] * a.layers
+    stats = contracts.new_stats(dev)
     k_buf, v_buf, dtype = pt.k_buf, pt.v_buf, pt.q.dtype
     gem = _gemms(a, pt.batch, dev, dtype)
 
@@ -320,18 +351,27 @@ def time_point(a, pt: _Point, delta: float) -> float:
 
 # ----------------------------------------------------------------------------- main
 def measure(a) -> BudgetProfile:
+    """The profile at ``a.hit_rate``; with ``a.compare_hit_rate`` its speculative deltas are
+    timed at that rate too (serial DSA predicts nothing: its time is shared), kept in the
+    profile's ``compare`` entry (``BudgetProfile.compared`` reads it back)."""
     cfg = a.cfg
+    compare = getattr(a, "compare_hit_rate", None)
     points = [(c, b) for c in a.contexts for b in a.batch_sizes]
-    total = len(points) * len(a.deltas)
+    per_point = len(a.deltas) + (sum(1 for d in a.deltas if d) if compare is not None else 0)
+    total = len(points) * per_point
     us: Dict[tuple, float] = {}
+    us_cmp: Dict[tuple, float] = {}
     done, t0 = 0, time.time()
     for ctx, batch in points:
         pt = _Point(a, ctx, batch)
-        for d in a.deltas:
-            us[(batch, ctx, d)] = time_point(a, pt, d)
+        runs = [(d, None) for d in a.deltas]
+        runs += [(d, compare) for d in a.deltas if d and compare is not None]
+        for d, hit in runs:
+            t = time_point(a, pt, d, hit)
+            (us if hit is None else us_cmp)[(batch, ctx, d)] = t
             done += 1
-            _progress(done, total, t0, f"ctx {ctx} batch {batch} delta {d:g}: "
-                                       f"{us[(batch, ctx, d)]:.1f} us/layer")
+            _progress(done, total, t0, f"ctx {ctx} batch {batch} delta {d:g}"
+                      + (f" hit {hit:g}" if hit is not None else "") + f": {t:.1f} us/layer")
         del pt
         if torch.device(a.device).type == "cuda":
             torch.cuda.empty_cache()
@@ -341,12 +381,18 @@ def measure(a) -> BudgetProfile:
     shape = dict(method=cfg.method, num_qo_heads=a.num_qo_heads, num_kv_heads=a.num_kv_heads,
                  head_dim=a.head_dim, page_size=cfg.block_size,
                  top_k_tokens=cfg.top_k_blocks * cfg.block_size)
-    meta = dict(gpu=gpu, hit_rate=a.hit_rate, layers=a.layers, hidden_size=a.hidden_size,
-                intermediate_size=a.intermediate_size, tp=a.tp, dtype=a.dtype,
-                sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks,
+    meta = dict(gpu=gpu, hit_rate=a.hit_rate,
+                hit_rate_source=getattr(a, "hit_rate_source", "given"), layers=a.layers,
+                hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, tp=a.tp,
+                dtype=a.dtype, sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks,
                 max_budget=cfg.max_budget, mode=cfg.mode,
                 command="python -m sglang_prr.profile_budget " + " ".join(sys.argv[1:]),
                 measured=time.strftime("%Y-%m-%d %H:%M:%S"), version=PROFILE_VERSION)
+    if us_cmp:
+        meta["compare"] = {
+            "hit_rate": compare,
+            "layer_us": [{"batch": b, "context": c, "delta": d, "us": round(t, 3)}
+                         for (b, c, d), t in sorted(us_cmp.items())]}
     return BudgetProfile(shape, us, meta)
 
 
@@ -360,19 +406,22 @@ def _progress(done: int, total: int, t0: float, what: str) -> None:
 
 def table(prof: BudgetProfile, max_budget: float) -> str:
     """Markdown: each delta's time relative to serial DSA, per batch and context, and the
-    policy's choice per batch size."""
-    deltas = sorted({d for _, _, d in prof.layer_us})
-    head = "| batch | context | serial us | " + " | ".join(f"d={d:g}" for d in deltas if d) + \
-           " | choice |"
-    lines = [head, "|" + "---|" * (4 + sum(1 for d in deltas if d))]
+    policy's choice per batch size; with a ``compare`` entry, each cell and choice is ``at the
+    profile's hit rate / at the compare hit rate``."""
+    profs = [prof] + [p for p in (prof.compared(),) if p is not None]
+    deltas = sorted({d for _, _, d in prof.layer_us if d})
+    name = lambda d: "serial" if d == 0 else f"delta {d:g}"
+    lines = ["cells: layer time / serial DSA's at hit rate "
+             + " / ".join(str(p.meta.get("hit_rate")) for p in profs), "",
+             "| batch | context | serial us | " + " | ".join(f"d={d:g}" for d in deltas)
+             + " | choice |", "|" + "---|" * (4 + len(deltas))]
     for b in prof.batch_sizes:
-        choice = prof.choose(b, max_budget)
+        choice = " / ".join(name(p.choose(b, max_budget)) for p in profs)
         for c in prof.contexts:
             base = prof.layer_us[(b, c, 0.0)]
-            cells = [f"{prof.layer_us[(b, c, d)] / base:.3f}" if (b, c, d) in prof.layer_us
-                     else "-" for d in deltas if d]
-            lines.append(f"| {b} | {c} | {base:.1f} | " + " | ".join(cells) +
-                         f" | {'serial' if choice == 0 else f'delta {choice:g}'} |")
+            cells = [" / ".join(f"{p.layer_us[(b, c, d)] / base:.3f}" if (b, c, d) in p.layer_us
+                                else "-" for p in profs) for d in deltas]
+            lines.append(f"| {b} | {c} | {base:.1f} | " + " | ".join(cells) + f" | {choice} |")
     return "\n".join(lines)
 
 
@@ -386,6 +435,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from . import kernels
 
         kernels.load()
+    a.hit_rate, a.hit_rate_source = trace_replay.profile_hit_rate(a.hit_rate, a.real_traces)
+    print(f"hit rate {a.hit_rate} ({a.hit_rate_source})"
+          + (f"; compared with {a.compare_hit_rate}" if a.compare_hit_rate is not None else ""),
+          flush=True)
     prof = measure(a)
     prof.save(a.out)
     print(table(prof, a.cfg.max_budget))

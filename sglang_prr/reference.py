@@ -123,6 +123,27 @@ def kept_mask(nblk: Tensor, nb: int, sink_blocks: int, local_blocks: int) -> Tup
 
 
 # ----------------------------------------------------------------------------- Quest summaries
+def round_bf16(x: Tensor, down: bool) -> Tensor:
+    """``x`` (float32) rounded to bfloat16 toward -inf (``down``) or +inf: the outward rounding
+    that keeps ``kmin`` a lower and ``kmax`` an upper bound of the keys, as the kernels'
+    ``__float2bfloat16_rd`` / ``_ru`` round. Round to nearest, then one step outward where that
+    went the wrong way."""
+    y = x.to(torch.bfloat16)
+    yf = y.float()
+    wrong = (yf > x) if down else (yf < x)
+    bits = y.view(torch.int16).to(torch.int32)
+    neg = bits < 0  # sign bit set
+    # One step toward -inf: |y| up for y < 0, down for y > 0; from +/-0 to the smallest
+    # negative subnormal (0x8001). Toward +inf: the mirror image.
+    zero = (bits & 0x7FFF) == 0
+    if down:
+        step = torch.where(zero, torch.full_like(bits, -32767), torch.where(neg, bits + 1, bits - 1))
+    else:
+        step = torch.where(zero, torch.ones_like(bits), torch.where(neg, bits - 1, bits + 1))
+    out = torch.where(wrong, step, bits).to(torch.int16).view(torch.bfloat16)
+    return out
+
+
 def quest_update(kmin: Tensor, kmax: Tensor, k: Tensor, out_loc: Tensor, positions: Tensor,
                  page_size: int, one_per_page: bool = False) -> None:
     """Fold newly written keys into the per-page key min/max, in place.
@@ -139,9 +160,12 @@ def quest_update(kmin: Tensor, kmax: Tensor, k: Tensor, out_loc: Tensor, positio
     reset = torch.where(first, page, torch.zeros_like(page))  # page 0 = padding sink
     kmin.index_fill_(0, reset, float("inf"))
     kmax.index_fill_(0, reset, NEG_INF)
-    kf = k.to(kmin.dtype)
-    kmin.index_reduce_(0, page, kf, "amin")
-    kmax.index_reduce_(0, page, kf, "amax")
+    if kmin.dtype == torch.bfloat16:  # outward rounding: min/max commute with it
+        lo, hi = round_bf16(k.float(), down=True), round_bf16(k.float(), down=False)
+    else:
+        lo = hi = k.to(kmin.dtype)
+    kmin.index_reduce_(0, page, lo, "amin")
+    kmax.index_reduce_(0, page, hi, "amax")
 
 
 def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor) -> Tensor:
@@ -155,8 +179,8 @@ def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
     Hk = kmin.shape[1]
     G = Hq // Hk
     nb = table.shape[1]
-    lo = kmin[table]  # [B, NB, Hk, D]
-    hi = kmax[table]
+    lo = kmin[table].float()  # [B, NB, Hk, D] (bfloat16 summaries: exact in float32)
+    hi = kmax[table].float()
     qg = q.float().view(B, Hk, G, D)
     s = torch.maximum(torch.einsum("bhgd,bnhd->bhgnd", qg, hi),
                       torch.einsum("bhgd,bnhd->bhgnd", qg, lo)).sum(-1).sum(2)  # [B, Hk, NB]
@@ -318,13 +342,14 @@ def predict_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor,
 def predict_update_rows(level: Tensor, trend: Tensor, n_init: Tensor, p_idx: Tensor,
                         p_cnt: Tensor, theta: Tensor, rows: Tensor, scores: Tensor, nblk: Tensor,
                         nblk_next: Tensor, n_pred: int, sink_blocks: int,
-                        local_blocks: int) -> None:
+                        local_blocks: int, p_rows: Optional[Tensor] = None) -> None:
     """``predict_update`` on the request pool's state, in place: batch entry ``b`` updates row
     ``rows[b]`` of level/trend ``[R, Hk, NB]``, n_init ``[R]``, theta ``[R, 3]`` and writes P(t+1)
     into p_idx ``[R, Hk, W]`` / p_cnt ``[R, Hk]``, ``W >= n_pred + sink + local`` (the pool's
     width, that of the largest budget; -1 past the count). scores: ``[B, Hk, NB]``;
-    nblk/nblk_next/rows: ``[B]``. Rows must be distinct, except SGLang's padding row 0, whose
-    state no request reads."""
+    nblk/nblk_next/rows: ``[B]``. ``p_rows: [B]``, if given, are the rows of p_idx/p_cnt that
+    receive P(t+1) (the other half of a double buffer), else ``rows``. Rows must be distinct,
+    except SGLang's padding row 0, whose state no request reads."""
     r = rows.long()
     lv, tr, ni = level[r], trend[r], n_init[r]
     idx, cnt = predict_update(lv, tr, ni, scores, nblk, theta[r], nblk_next, n_pred, sink_blocks,
@@ -335,8 +360,9 @@ def predict_update_rows(level: Tensor, trend: Tensor, n_init: Tensor, p_idx: Ten
     level.index_copy_(0, r, lv)
     trend.index_copy_(0, r, tr)
     n_init.index_copy_(0, r, ni)
-    p_idx.index_copy_(0, r, idx)
-    p_cnt.index_copy_(0, r, cnt)
+    pr = r if p_rows is None else p_rows.long()
+    p_idx.index_copy_(0, pr, idx)
+    p_cnt.index_copy_(0, pr, cnt)
 
 
 # ----------------------------------------------------------------------------- calibration
@@ -681,8 +707,9 @@ def select_blocks(method: str, q: Tensor, summary: Sequence[Tensor], table: Tens
 
 def accumulate_stats(stats: Tensor, a_cnt: Tensor, m_cnt: Tensor, p_cnt: Optional[Tensor],
                      dense_row: Optional[Tensor]) -> None:
-    """PRR's counters, in place: ``stats: [4] int64 += (sum |A|, sum |M|, sum |P|, rows)`` over
-    the (request, KV head) rows of the step that are not dense rows. Counts ``[B, Hk]``."""
+    """PRR's counters, in place: ``stats`` (``contracts.STATS_SLOTS``: int64 sum |A|, sum |M|,
+    sum |P|, rows) accumulates over the (request, KV head) rows of the step that are not dense
+    rows. Counts ``[B, Hk]``."""
     w = torch.ones(a_cnt.shape[0], dtype=torch.int64, device=a_cnt.device)
     if dense_row is not None:
         w = (~dense_row).to(torch.int64)
@@ -730,6 +757,24 @@ def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
     return select_from_scores(impl.quest_scores(q, kmin, kmax, table, nblk), nblk,
                               table.shape[1], p_idx, p_cnt, k, sink_blocks, local_blocks, n_out,
                               p_rows, dense_row, stats, impl)
+
+
+def quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
+                         nblk_next: Tensor, p_idx: Tensor, p_cnt: Tensor, p_rows: Tensor,
+                         p_next_rows: Tensor, level: Tensor, trend: Tensor, n_init: Tensor,
+                         theta: Tensor, rows: Tensor, k: int, n_pred: int, sink_blocks: int,
+                         local_blocks: int, n_out: int, dense_row: Optional[Tensor] = None,
+                         stats: Optional[Tensor] = None
+                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """A Quest decode step's selection and the predictor's step (one launch on SM90):
+    ``quest_select`` with P(t) read at rows ``p_rows`` of p_idx/p_cnt, then
+    ``predict_update_rows`` on state rows ``rows`` with P(t+1) written at rows ``p_next_rows``
+    (P(t) is read before P(t+1) is written, so the two may be the same rows)."""
+    out = quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks,
+                       n_out, p_rows, dense_row, stats)
+    predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, out[0], nblk, nblk_next,
+                        n_pred, sink_blocks, local_blocks, p_next_rows)
+    return out
 
 
 def select_fused(method: str, q: Tensor, summary: Sequence[Tensor], table: Tensor,

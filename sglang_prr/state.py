@@ -40,8 +40,9 @@ def state_bytes(cfg: PRRConfig, num_layers: int, num_kv_heads: int, rows: int,
     """Bytes of the predictor state for ``rows`` request slots."""
     nb = -(-max_context_len // cfg.block_size)
     n_p = cfg.predicted_blocks + cfg.sink_blocks + cfg.local_blocks
-    per_row = num_layers * (num_kv_heads * (2 * nb * 4 + n_p * 4 + 4) + 8 + 3 * 4
-                            + len(cfg.theta_grid) * 4 + 4)
+    # level/trend, P double-buffered (two lists and counts), n_init, theta, calibration sums
+    per_row = num_layers * (num_kv_heads * (2 * nb * 4 + 2 * (n_p * 4 + 4)) + 8 + 3 * 4
+                            + len(cfg.theta_grid) * 4 + 4) + 8  # + P's parity
     return rows * per_row
 
 
@@ -62,7 +63,10 @@ class PRRState:
 
     level, trend: ``[L, rows, Hk, NB]`` float32; n_init: ``[L, rows]`` int64 (blocks with
     state); theta: ``[L, rows, 3]`` float32 (alpha, beta, gamma); p_idx/p_cnt: the prediction
-    for the next decode step, ``[L, rows, Hk, n_pred + sink + local]`` int32 and ``[L, rows, Hk]``;
+    for the next decode step, double-buffered, ``[L, 2 rows, Hk, n_pred + sink + local]`` int32
+    and ``[L, 2 rows, Hk]``: a request's P is row ``2 r + p_par[r]`` (``p_slot``), and a
+    speculating decode forward writes P(t+1) into ``2 r + 1 - p_par[r]`` while P(t) is still
+    being read, then flips ``p_par: [rows]`` int64 (``DecodeStep.plan``);
     h_sum/h_cnt: calibration scores accumulated over the chunks of a prefill, ``[L, rows, C]``
     and ``[L, rows]``; shared_theta: ``[L, 3]``, the theta* a new request starts from: the
     default until a request is calibrated, then the theta* last chosen per layer (a request that
@@ -80,8 +84,9 @@ class PRRState:
         self.trend = torch.zeros_like(self.level)
         self.n_init = torch.zeros(L, R, dtype=torch.int64, device=device)
         self.theta = torch.empty(L, R, 3, dtype=torch.float32, device=device)
-        self.p_idx = torch.empty(L, R, Hk, n_p, dtype=torch.int32, device=device)
-        self.p_cnt = torch.zeros(L, R, Hk, dtype=torch.int32, device=device)
+        self.p_idx = torch.empty(L, 2 * R, Hk, n_p, dtype=torch.int32, device=device)
+        self.p_cnt = torch.zeros(L, 2 * R, Hk, dtype=torch.int32, device=device)
+        self.p_par = torch.zeros(R, dtype=torch.int64, device=device)
         self.h_sum = torch.zeros(L, R, len(cfg.theta_grid), dtype=torch.float32, device=device)
         self.h_cnt = torch.zeros(L, R, dtype=torch.float32, device=device)
         self.default_theta = torch.tensor(cfg.default_theta, dtype=torch.float32, device=device)
@@ -95,7 +100,11 @@ class PRRState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (
             self.level, self.trend, self.n_init, self.theta, self.p_idx, self.p_cnt,
-            self.h_sum, self.h_cnt, self.shared_theta))
+            self.p_par, self.h_sum, self.h_cnt, self.shared_theta))
+
+    def p_slot(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of ``p_idx``/``p_cnt`` holding the current P of request slots ``rows`` (device)."""
+        return rows.long() * 2 + self.p_par.index_select(0, rows.long())
 
     def layer(self, l: int):
         """Layer ``l``'s state as the decode step reads and writes it, in place (``LayerState``
@@ -129,7 +138,9 @@ class PRRState:
         self.trend[:, rows] = 0.0
         self.n_init[:, rows] = 0
         self.theta[:, rows] = self.shared_theta.unsqueeze(1)
-        self.p_idx[:, rows] = -1
-        self.p_cnt[:, rows] = 0
+        both = slice(None) if isinstance(rows, slice) else torch.cat([2 * rows, 2 * rows + 1])
+        self.p_idx[:, both] = -1
+        self.p_cnt[:, both] = 0
+        self.p_par[rows] = 0
         self.h_sum[:, rows] = 0.0
         self.h_cnt[:, rows] = 0.0

@@ -21,6 +21,7 @@ from typing import Any, Dict
 
 import torch
 
+from . import contracts
 from .config import PRRConfig
 from .server_args_patch import load_config
 
@@ -31,9 +32,10 @@ ENV_STATS = "SGLANG_PRR_STATS_FILE"
 STATS_FLUSH_SECONDS_GPU = 1.0
 
 # Device counters of the selection kernel (int64): |A|, |M|, |P| summed over the sparse
-# (request, KV head) rows of every layer-step, and the number of such rows.
-_S_A, _S_M, _S_P, _S_ROWS = range(4)
-_N_STATS = 4
+# (request, KV head) rows of every layer-step, and the number of such rows (the layout is
+# contracts.STATS_SLOTS).
+_S_A, _S_M, _S_P, _S_ROWS = (contracts.STATS_SLOTS.index(n)
+                             for n in ("selected", "repair", "predicted", "rows"))
 
 
 def empty_stats() -> Dict[str, Any]:
@@ -97,8 +99,8 @@ class Stats:
     def __init__(self, device, cfg: PRRConfig, server_args, speculates: bool = True):
         # Written by the selection kernel; drained (read, then zeroed) at each flush, so the
         # int64 sums never come near overflow and the host keeps exact Python ints.
-        self.counters = torch.zeros(_N_STATS, dtype=torch.int64, device=device)
-        self.totals = [0] * _N_STATS
+        self.counters = contracts.new_stats(device)
+        self.totals = [0] * len(contracts.STATS_SLOTS)
         self.cfg = cfg
         self.decode_batches = 0
         # Host counts, from the batch's host lengths (no device work in the decode step): layer-

@@ -8,16 +8,21 @@ one kernel launch and nothing else is launched (no gathers, casts or statistics 
 ```
 serial DSA, one stream:   [select: scores, A]  ->  [attention over A + merge -> model dtype]
 
-PRR, per layer:
-main : -fork-> [speculative attention over P(t)] ---wait(A, M)-> [repair over M + exact merge] -merged->
-side :    \\-> [select: scores, A, M = A \\ P(t)] -/                                    wait(merged)-/
-                                                           [predictor: Holt update, P(t+1) in place]
+PRR (Quest), per layer:
+main : -fork-> [speculative attention over P(t)] --wait(A, M)-> [repair over M + merge in
+side :    \\-> [select: scores, A, M = A \\ P(t); Holt update, P(t+1)] -/   ascending block id]
 ```
 
-The predictor step writes P(t+1) over P(t) in the request pool, so it waits for the merge, the
-last reader of P(t); it then runs beside the rest of the layer (output projection, MLP) and the
-next layers. The side stream joins the main stream once per forward, after the last sparse layer
-(``run(..., join=True)``), which also ends every fork before a graph capture ends.
+The predictor's step is the selection's epilogue (the scores are on chip there): it writes P(t+1)
+into the other half of a double buffer of P (``DecodeBatch.p_cur`` / ``p_nxt``: rows ``2 r + par``
+and ``2 r + 1 - par`` of the pool's P, the parity flipped once per speculating forward), so it
+never races the speculative pass or the merge, which read P(t). The main stream's wait for the
+selection is the only join. InfLLM-v2's selection composes its scores, top-K and set difference,
+and its predictor step follows on the side stream (joined once per forward, after the last
+sparse layer: ``run(..., join=True)``).
+
+The repair's merge visits the partials of A in ascending block id whichever pass computed
+them, so PRR (exact) gives serial DSA's output bits.
 
 Whether a forward speculates, and over how many blocks, is decided per batch size when it is
 planned (``budget``: the ``--prr-budget auto`` policy, ``budget.BudgetPolicy``): SGLang captures
@@ -46,6 +51,8 @@ class DecodeBatch(NamedTuple):
     """Per-forward values every layer shares (``DecodeStep.plan``)."""
 
     rows: Tensor       # [B] request slots (SGLang's req_pool_indices); state rows
+    p_cur: Tensor      # [B] int64 rows of the pool's P holding P(t) (2 r + par)
+    p_nxt: Tensor      # [B] int64 rows receiving P(t+1) (2 r + 1 - par)
     table: Tensor      # [B, NB] int32 page id of every block
     seq_lens: Tensor   # [B] tokens, the one being decoded included
     nblk: Tensor       # [B] int64 blocks now
@@ -57,12 +64,26 @@ class DecodeBatch(NamedTuple):
 class LayerState(NamedTuple):
     """One layer's predictor state in the request pool (views of ``PRRState``), ``R`` rows."""
 
-    p_idx: Tensor  # [R, Hk, Np] int32 prediction P for the next step
-    p_cnt: Tensor  # [R, Hk] int32
+    p_idx: Tensor  # [2R, Hk, Np] int32 prediction P, double-buffered: rows 2r and 2r + 1
+    p_cnt: Tensor  # [2R, Hk] int32
     level: Tensor  # [R, Hk, NB] float32
     trend: Tensor  # [R, Hk, NB] float32
     n_init: Tensor  # [R] int64 blocks with state
     theta: Tensor  # [R, 3] float32 (alpha, beta, gamma)
+
+
+def new_layer_state(rows: int, num_kv_heads: int, num_blocks: int, p_width: int,
+                    theta, device) -> LayerState:
+    """A zeroed ``LayerState`` of ``rows`` request slots (for tests and benchmarks; the server's
+    lives in ``PRRState``): empty predictions, no blocks with state, ``theta: (alpha, beta,
+    gamma)`` in every row."""
+    R, Hk = rows, num_kv_heads
+    return LayerState(torch.full((2 * R, Hk, p_width), -1, dtype=torch.int32, device=device),
+                      torch.zeros(2 * R, Hk, dtype=torch.int32, device=device),
+                      torch.zeros(R, Hk, num_blocks, device=device),
+                      torch.zeros(R, Hk, num_blocks, device=device),
+                      torch.zeros(R, dtype=torch.long, device=device),
+                      torch.tensor([list(theta)] * R, dtype=torch.float32, device=device))
 
 
 class DecodeStep:
@@ -88,19 +109,22 @@ class DecodeStep:
                          -(-max(self.min_context - 1, 0) // self.page))
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self._p_par: Optional[Tensor] = None
         if self.cuda and not self.serial:
             self.side = torch.cuda.Stream(device=self.device)
             self.forked = torch.cuda.Event()
             self.selected = torch.cuda.Event()
-            self.merged = torch.cuda.Event()
             self.predicted = torch.cuda.Event()
 
     # ------------------------------------------------------------------ once per forward
-    def plan(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor
-             ) -> DecodeBatch:
+    def plan(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor,
+             p_par: Optional[Tensor] = None) -> DecodeBatch:
         """The values all layers share: a handful of small launches per forward, none per layer.
 
-        req_to_token: ``[R, max_ctx]`` int32 slots; req_pool_indices, seq_lens: ``[B]``."""
+        req_to_token: ``[R, max_ctx]`` int32 slots; req_pool_indices, seq_lens: ``[B]``;
+        p_par: ``[R]`` int64 parity of each request's P double buffer (``PRRState.p_par``; the
+        step keeps its own when not given), flipped here for the rows of a speculating
+        forward."""
         p = self.page
         n_pred = 0 if self.serial else self.n_pred
         if n_pred and self.budget is not None:
@@ -112,7 +136,18 @@ class DecodeStep:
         table = req_to_token[:, ::p].index_select(0, req_pool_indices)  # [B, NB] first slots
         table = table.div_(p, rounding_mode="floor")
         s = seq_lens.long()
-        return DecodeBatch(rows=req_pool_indices, table=table, seq_lens=seq_lens,
+        rows = req_pool_indices.long()
+        if p_par is None:
+            if self._p_par is None or self._p_par.shape[0] != req_to_token.shape[0]:
+                self._p_par = torch.zeros(req_to_token.shape[0], dtype=torch.long,
+                                          device=req_to_token.device)
+            p_par = self._p_par
+        par = p_par.index_select(0, rows)  # [B]
+        p_cur = rows * 2 + par
+        if n_pred:
+            p_par.index_copy_(0, rows, 1 - par)  # the next forward reads what this one writes
+        return DecodeBatch(rows=req_pool_indices, p_cur=p_cur, p_nxt=p_cur ^ 1,
+                           table=table, seq_lens=seq_lens,
                            nblk=(s + (p - 1)).div_(p, rounding_mode="floor"),
                            nblk_next=s.div(p, rounding_mode="floor").add_(1),
                            dense_row=seq_lens < self.min_context, n_pred=n_pred)
@@ -125,9 +160,10 @@ class DecodeStep:
 
         q: ``[B, Hq, D]`` (rows may be strided, heads packed); k_buf/v_buf: the layer's
         ``[slots, Hk, D]`` pool buffers; summary: ``(kmin, kmax)`` or ``(ck,)`` of the layer;
-        state: the layer's predictor state (PRR; updated in place, P(t+1) included);
-        stats: ``[4]`` int64 counters (``reference.accumulate_stats``) or None; join: end this
-        forward's side-stream work here (the last sparse layer)."""
+        state: the layer's predictor state (PRR; updated in place, P(t+1) included, P's rows
+        double-buffered: ``[2R, Hk, Np]``); stats: ``[4]`` int64 counters
+        (``reference.accumulate_stats``) or None; join: end this forward's side-stream work here
+        (the last sparse layer; InfLLM-v2's predictor step runs there after the selection)."""
         b = batch
         # A serial forward of a speculating server leaves the PRR counters alone (its M = A
         # would read as misses); the host counts those steps.
@@ -141,20 +177,42 @@ class DecodeStep:
                                          self.page, sm_scale, None, None, None, None, None, None,
                                          0, True, out_dtype=out_dtype)[0]
         st = state
+        if st.p_idx.shape[0] != 2 * st.level.shape[0]:
+            raise ValueError(f"state.p_idx has {st.p_idx.shape[0]} rows, expected 2 x "
+                             f"{st.level.shape[0]} (P is double-buffered: rows 2r and 2r + 1)")
+        quest = self.method == "quest"
+
+        def select():
+            if quest:  # the predictor's step in the selection's epilogue
+                return ops.quest_select_predict(
+                    q, summary[0], summary[1], b.table, b.nblk, b.nblk_next, st.p_idx, st.p_cnt,
+                    b.p_cur, b.p_nxt, st.level, st.trend, st.n_init, st.theta, b.rows, self.k,
+                    b.n_pred, self.sink, self.local, self.n_out, b.dense_row, sel["stats"])
+            return ops.select_fused(*args, st.p_idx, st.p_cnt, p_rows=b.p_cur, **sel)
+
+        def predict(scores):  # InfLLM-v2: P(t+1) into the other half of P's double buffer
+            ops.predict_update_rows(st.level, st.trend, st.n_init, st.p_idx, st.p_cnt, st.theta,
+                                    b.rows, scores, b.nblk, b.nblk_next, b.n_pred, self.sink,
+                                    self.local, p_rows=b.p_nxt)
+
         if self.cuda:
             main = torch.cuda.current_stream(self.device)
             self.forked.record(main)
             with torch.cuda.stream(self.side):
                 self.side.wait_event(self.forked)
-                scores, a_idx, a_cnt, m_idx, m_cnt = ops.select_fused(
-                    *args, st.p_idx, st.p_cnt, p_rows=b.rows, **sel)
+                scores, a_idx, a_cnt, m_idx, m_cnt = select()
                 self.selected.record(self.side)
+                if not quest:
+                    predict(scores)
+                    if join:
+                        self.predicted.record(self.side)
         else:
-            scores, a_idx, a_cnt, m_idx, m_cnt = ops.select_fused(*args, st.p_idx, st.p_cnt,
-                                                                  p_rows=b.rows, **sel)
+            scores, a_idx, a_cnt, m_idx, m_cnt = select()
+            if not quest:
+                predict(scores)
         # Reuse: the speculative pass over P(t) (beside the selection on CUDA).
         o_s, lse_s = ops.sparse_attn_partials(q, k_buf, v_buf, b.table, b.seq_lens, st.p_idx,
-                                              st.p_cnt, self.page, sm_scale, idx_rows=b.rows)
+                                              st.p_cnt, self.page, sm_scale, idx_rows=b.p_cur)
         if self.cuda:
             main.wait_event(self.selected)
             for t in (a_idx, a_cnt, m_idx, m_cnt):
@@ -164,20 +222,8 @@ class DecodeStep:
         # Repair over M = A \ P(t), merged with the speculative partials of P(t) n A (exact).
         o, _ = ops.sparse_attn_merge(q, k_buf, v_buf, b.table, b.seq_lens, m_idx, m_cnt,
                                      self.page, sm_scale, o_s, lse_s, st.p_idx, st.p_cnt, a_idx,
-                                     a_cnt, b.table.shape[1], self.exact, p_rows=b.rows,
+                                     a_cnt, b.table.shape[1], self.exact, p_rows=b.p_cur,
                                      out_dtype=out_dtype)
-        predict = (st.level, st.trend, st.n_init, st.p_idx, st.p_cnt, st.theta, b.rows, scores,
-                   b.nblk, b.nblk_next, b.n_pred, self.sink, self.local)
-        if not self.cuda:
-            ops.predict_update_rows(*predict)
-            return o
-        # Predict: P(t+1) overwrites P(t), so after the merge, its last reader.
-        self.merged.record(main)
-        with torch.cuda.stream(self.side):
-            self.side.wait_event(self.merged)
-            ops.predict_update_rows(*predict)
-            if join:
-                self.predicted.record(self.side)
-        if join:
+        if self.cuda and join and not quest:
             main.wait_event(self.predicted)
         return o

@@ -4,7 +4,9 @@ Both keep one summary per KV page (= PRR block), per layer, so the summaries sca
 pool and are shared by the pages that SGLang's radix cache shares:
 
 * Quest: the per-channel minimum and maximum of the page's keys, ``kmin``/``kmax:
-  [L, num_pages, Hk, D]`` float32 (``+inf``/``-inf`` while empty);
+  [L, num_pages, Hk, D]`` bfloat16 rounded outward (the minimum down, the maximum up, so the
+  score stays an upper bound of the logits; ``+inf``/``-inf`` while empty): half the bytes of
+  float32 for the selection to read, and for the KV pool to give up;
 * InfLLM-v2: the mean key of every stride of ``INFLLM_STRIDE`` tokens, ``ck: [L, num_pages,
   page // INFLLM_STRIDE, Hk, D]`` float32.
 
@@ -21,9 +23,12 @@ import torch
 from torch import Tensor
 
 from . import ops
+from . import reference as ref
 from .config import INFLLM_STRIDE
 
 METHODS = ("quest", "infllm_v2")
+# Element type of each method's summaries (Quest: bf16 with outward rounding, see above).
+DTYPES = {"quest": torch.bfloat16, "infllm_v2": torch.float32}
 
 
 def _check(method: str) -> None:
@@ -36,7 +41,7 @@ def bytes_per_token(method: str, page_size: int, num_layers: int, num_kv_heads: 
     """Bytes of summaries per KV token over all layers (added to SGLang's KV cell size)."""
     _check(method)
     vectors = 2 if method == "quest" else page_size // INFLLM_STRIDE  # per page and KV head
-    per_page = vectors * num_kv_heads * head_dim * 4
+    per_page = vectors * num_kv_heads * head_dim * DTYPES[method].itemsize
     return int(math.ceil(num_layers * per_page / page_size))
 
 
@@ -48,7 +53,7 @@ def from_keys(method: str, k_pages: Tensor) -> List[Tensor]:
     _check(method)
     kp = k_pages.float()
     if method == "quest":
-        return [kp.amin(1), kp.amax(1)]
+        return [ref.round_bf16(kp.amin(1), down=True), ref.round_bf16(kp.amax(1), down=False)]
     P, page, Hk, D = kp.shape
     return [kp.view(P, page // INFLLM_STRIDE, INFLLM_STRIDE, Hk, D).mean(2).contiguous()]
 
@@ -62,8 +67,9 @@ class BlockSummaries:
         self.method, self.page = method, int(page_size)
         L, P, Hk, D = num_layers, num_pages, num_kv_heads, head_dim
         if method == "quest":
-            self.tensors = [torch.full((L, P, Hk, D), float("inf"), device=device),
-                            torch.full((L, P, Hk, D), float("-inf"), device=device)]
+            dt = DTYPES[method]
+            self.tensors = [torch.full((L, P, Hk, D), float("inf"), dtype=dt, device=device),
+                            torch.full((L, P, Hk, D), float("-inf"), dtype=dt, device=device)]
         else:
             self.tensors = [torch.zeros((L, P, self.page // INFLLM_STRIDE, Hk, D), device=device)]
 

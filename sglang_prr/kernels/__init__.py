@@ -8,6 +8,6 @@ graph capture. This module only re-exports the names callers use.
 """
 
 from .dispatch import (ATTN_HEAD_DIMS, ATTN_MAX_GROUP, CALIB_MAX_BLOCKS, IMPLS,  # noqa: F401
-                       MAX_GROUPS, TOPK_MAX_BLOCKS, _UNFUSED, fused_merge_enabled, register)
+                       MAX_GROUPS, TOPK_MAX_BLOCKS, register)
 from .loader import (FLOAT_TYPES, active, aligned, is_sm90, load, load_error,  # noqa: F401
                      prepare)

@@ -30,6 +30,16 @@ int dtype_code(const Tensor& t) {
   return -1;
 }
 
+// Quest summaries: float32, or bfloat16 rounded outward (kmin down, kmax up).
+int summary_code(const Tensor& kmin, const Tensor& kmax, const char* op) {
+  TORCH_CHECK(kmin.is_contiguous() && kmax.is_contiguous(), op, ": kmin/kmax must be contiguous");
+  TORCH_CHECK(kmin.scalar_type() == kmax.scalar_type() &&
+              (kmin.scalar_type() == at::kFloat || kmin.scalar_type() == at::kBFloat16),
+              op, ": kmin/kmax must both be float32 or both bfloat16, got ", kmin.scalar_type(),
+              " and ", kmax.scalar_type());
+  return kmin.scalar_type() == at::kFloat ? prr::kF32 : prr::kBF16;
+}
+
 bool index64(const Tensor& t, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, "sglang_prr_cuda: ",
               name, " must be int32 or int64, got ", t.scalar_type());
@@ -76,7 +86,9 @@ const void* slots_ptr(const c10::optional<Tensor>& rows, int64_t B, bool& is64, 
 // to zero at the end of every launch, so the arrays are allocated and zeroed once (outside any
 // graph capture: `prepare` is called when the kernels load) and then reused by every launch and
 // graph replay. Two launches of the same kind must not overlap in time on one device.
-enum CounterKind { kCntAttnMerge = 0, kCntSelect = 1, kCntPredict = 2, kNumCounterKinds = 3 };
+enum CounterKind {
+  kCntAttnMerge = 0, kCntSelect = 1, kCntPredict = 2, kCntSelectReq = 3, kNumCounterKinds = 4
+};
 constexpr int64_t kMaxCounterRows = 1 << 18;
 constexpr int kMaxDevices = 64;
 
@@ -122,6 +134,9 @@ prr::AttnArgs attn_args(const Tensor& q, const Tensor& k_buf, const Tensor& v_bu
               ": KV buffers need a contiguous last dim");
   TORCH_CHECK(k_buf.scalar_type() == v_buf.scalar_type(), op, ": k_buf is ",
               k_buf.scalar_type(), " but v_buf is ", v_buf.scalar_type());
+  TORCH_CHECK(k_buf.scalar_type() == at::kHalf || k_buf.scalar_type() == at::kBFloat16, op,
+              ": the kernel reads float16 or bfloat16 KV (16-bit MMAs), got ",
+              k_buf.scalar_type(), "; sglang_prr.ops runs the reference for float32 KV");
   TORCH_CHECK(idx.scalar_type() == at::kInt && cnt.scalar_type() == at::kInt, op,
               ": idx/cnt must be int32");
   TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1, op,
@@ -225,9 +240,7 @@ Tensor quest_scores(const Tensor& q_in, const Tensor& kmin, const Tensor& kmax,
   check_cuda(q_in, "q");
   c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = q_in.contiguous();
-  TORCH_CHECK(kmin.is_contiguous() && kmax.is_contiguous() &&
-              kmin.scalar_type() == at::kFloat && kmax.scalar_type() == at::kFloat,
-              "quest_scores: kmin/kmax must be contiguous float32");
+  const int s_dtype = summary_code(kmin, kmax, "quest_scores");
   TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1, "quest_scores: table must be [B, NB]");
   const Tensor nblk = nblk_in.contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = kmin.size(1),
@@ -235,7 +248,7 @@ Tensor quest_scores(const Tensor& q_in, const Tensor& kmin, const Tensor& kmax,
   auto out = at::empty({B, Hk, NB}, q.options().dtype(at::kFloat));
   prr::QuestArgs a{};
   a.q = q.data_ptr(); a.q_dtype = dtype_code(q);
-  a.kmin = kmin.data_ptr<float>(); a.kmax = kmax.data_ptr<float>();
+  a.kmin = kmin.data_ptr(); a.kmax = kmax.data_ptr(); a.s_dtype = s_dtype;
   a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
   a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
   a.out = out.data_ptr<float>();
@@ -435,24 +448,30 @@ std::tuple<Tensor, Tensor> merge_partials(const Tensor& o, const Tensor& lse) {
   return merge_common(o, lse, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0);
 }
 
-// Fused Quest scores + top-K + M = A \ P: (scores, a_idx, a_cnt, m_idx, m_cnt).
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select(
+// The predictor's tensors of quest_select_predict (all set, or none).
+struct PredictorTensors {
+  Tensor* level; Tensor* trend; Tensor* n_init; const Tensor* theta; const Tensor* rows;
+  const Tensor* nblk_next; Tensor* p_out_idx; Tensor* p_out_cnt; const Tensor* p_out_rows;
+  int64_t n_pred;
+};
+
+// Quest scores + top-K + M = A \ P in one launch, with the predictor's step when `pr` is set:
+// (scores, a_idx, a_cnt, m_idx, m_cnt).
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
     const Tensor& q_in, const Tensor& kmin, const Tensor& kmax, const Tensor& table,
     const Tensor& nblk_in, const c10::optional<Tensor>& p_idx_in,
     const c10::optional<Tensor>& p_cnt_in, int64_t k, int64_t sink, int64_t local,
     int64_t n_out, const c10::optional<Tensor>& p_rows, const c10::optional<Tensor>& dense_row,
-    const c10::optional<Tensor>& stats) {
+    const c10::optional<Tensor>& stats, const PredictorTensors* pr, const char* op) {
   check_cuda(q_in, "q");
   c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = q_view(q_in);
-  TORCH_CHECK(kmin.is_contiguous() && kmax.is_contiguous() &&
-              kmin.scalar_type() == at::kFloat && kmax.scalar_type() == at::kFloat,
-              "quest_select: kmin/kmax must be contiguous float32");
-  TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1, "quest_select: table must be [B, NB]");
+  const int s_dtype = summary_code(kmin, kmax, op);
+  TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1, op, ": table must be [B, NB]");
   const Tensor nblk = nblk_in.contiguous();
   const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = kmin.size(1),
                 NB = table.size(1);
-  TORCH_CHECK(NB <= prr::max_topk_blocks(), "quest_select: ", NB, " blocks per row, at most ",
+  TORCH_CHECK(NB <= prr::max_topk_blocks(), op, ": ", NB, " blocks per row, at most ",
               prr::max_topk_blocks(), " supported");
   auto scores = at::empty({B, Hk, NB}, q.options().dtype(at::kFloat));
   auto a_idx = at::empty({B, Hk, n_out}, q.options().dtype(at::kInt));
@@ -461,39 +480,110 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select(
   auto m_cnt = at::empty({B, Hk}, q.options().dtype(at::kInt));
   prr::SelectArgs a{};
   a.q = q.data_ptr(); a.q_dtype = dtype_code(q); a.q_stride = q.stride(0);
-  a.kmin = kmin.data_ptr<float>(); a.kmax = kmax.data_ptr<float>();
+  a.kmin = kmin.data_ptr(); a.kmax = kmax.data_ptr(); a.s_dtype = s_dtype;
   a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
   a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
   a.scores = scores.data_ptr<float>();
   Tensor pi, pc;
   if (p_idx_in.has_value()) {
-    TORCH_CHECK(p_cnt_in.has_value(), "quest_select: p_idx given without p_cnt");
+    TORCH_CHECK(p_cnt_in.has_value(), op, ": p_idx given without p_cnt");
     pi = p_idx_in->contiguous(); pc = p_cnt_in->contiguous();
     TORCH_CHECK(pi.scalar_type() == at::kInt && pc.scalar_type() == at::kInt,
-                "quest_select: p_idx/p_cnt must be int32");
+                op, ": p_idx/p_cnt must be int32");
     a.p_idx = pi.data_ptr<int32_t>(); a.p_cnt = pc.data_ptr<int32_t>(); a.Np = (int)pi.size(-1);
   }
-  Tensor pr, dr;
-  a.p_rows = slots_ptr(p_rows, B, a.p_rows64, pr, "quest_select");
+  Tensor prw, dr, rows, nbn, orows;
+  a.p_rows = slots_ptr(p_rows, B, a.p_rows64, prw, op);
   if (dense_row.has_value()) {
     dr = dense_row->contiguous();
     TORCH_CHECK(dr.scalar_type() == at::kBool && dr.numel() == B,
-                "quest_select: dense_row must be bool [", B, "]");
+                op, ": dense_row must be bool [", B, "]");
     a.dense_row = dr.data_ptr<bool>();
   }
   if (stats.has_value()) {
     TORCH_CHECK(stats->scalar_type() == at::kLong && stats->is_contiguous() &&
-                stats->numel() == 4, "quest_select: stats must be contiguous int64 [4]");
+                stats->numel() == prr::kNumStatSlots, op, ": stats must be contiguous int64 [",
+                prr::kNumStatSlots, "]");
     a.stats = reinterpret_cast<unsigned long long*>(stats->data_ptr<int64_t>());
   }
   a.a_idx = a_idx.data_ptr<int32_t>(); a.a_cnt = a_cnt.data_ptr<int32_t>();
   a.m_idx = m_idx.data_ptr<int32_t>(); a.m_cnt = m_cnt.data_ptr<int32_t>();
   a.n_out = (int)n_out;
-  a.sem = group_counters(q, kCntSelect, B * Hk, "quest_select");
+  a.sem = group_counters(q, kCntSelect, B * Hk, op);
   a.B = (int)B; a.Hq = (int)Hq; a.Hk = (int)Hk; a.NB = (int)NB; a.D = (int)D;
   a.k = (int)k; a.sink = (int)sink; a.local = (int)local;
-  check_launch(prr::launch_quest_select(a, stream()), "quest_select");
+  if (pr) {
+    Tensor& level = *pr->level;
+    Tensor& trend = *pr->trend;
+    Tensor& n_init = *pr->n_init;
+    TORCH_CHECK(level.is_contiguous() && trend.is_contiguous() && n_init.is_contiguous() &&
+                level.scalar_type() == at::kFloat && trend.scalar_type() == at::kFloat &&
+                level.dim() == 3 && level.size(1) == Hk && level.size(2) == NB &&
+                trend.sizes() == level.sizes(), op,
+                ": level/trend must be contiguous float32 [R, ", Hk, ", ", NB, "], got ",
+                level.sizes());
+    TORCH_CHECK(pr->theta->scalar_type() == at::kFloat && pr->theta->dim() == 2 &&
+                pr->theta->size(1) == 3 && pr->theta->stride(1) == 1,
+                op, ": theta must be float32 [R, 3]");
+    Tensor& po = *pr->p_out_idx;
+    Tensor& pco = *pr->p_out_cnt;
+    TORCH_CHECK(po.is_contiguous() && pco.is_contiguous() && po.scalar_type() == at::kInt &&
+                pco.scalar_type() == at::kInt && po.size(-1) >= pr->n_pred + sink + local,
+                op, ": p_idx/p_cnt must be contiguous int32 with at least ",
+                pr->n_pred + sink + local, " entries");
+    a.rows = slots_ptr(*pr->rows, B, a.rows64, rows, op);
+    a.level = level.data_ptr<float>(); a.trend = trend.data_ptr<float>();
+    a.n_init = n_init.data_ptr(); a.ninit64 = index64(n_init, "n_init");
+    a.theta = pr->theta->data_ptr<float>(); a.theta_stride = pr->theta->stride(0);
+    nbn = pr->nblk_next->contiguous();
+    a.nblk_next = nbn.data_ptr(); a.nblk_next64 = index64(nbn, "nblk_next");
+    a.p_out_rows = slots_ptr(*pr->p_out_rows, B, a.p_out_rows64, orows, op);
+    a.p_out_idx = po.data_ptr<int32_t>(); a.p_out_cnt = pco.data_ptr<int32_t>();
+    a.Np_out = (int)po.size(-1);
+    a.n_pred = (int)pr->n_pred;
+    a.req_sem = group_counters(q, kCntSelectReq, B, op);
+  }
+  // The one-pass kernel's candidate workspace (static shapes: the caching allocator, or the
+  // graph's pool under capture).
+  int nch = 0, kca = 0, kcp = 0;
+  size_t smem = 0;
+  Tensor ws, ws_cnt;
+  if (prr::select_one_pass((int)D, (int)(Hq / Hk), (int)NB, (int)k, pr ? (int)pr->n_pred : 0,
+                           a.Np, (int)n_out, &nch, &kca, &kcp, &smem)) {
+    ws = at::empty({B * Hk * nch * std::max(kca + kcp, 1)}, q.options().dtype(at::kLong));
+    ws_cnt = at::empty({B * Hk * nch * 2}, q.options().dtype(at::kInt));
+    a.ws = reinterpret_cast<unsigned long long*>(ws.data_ptr<int64_t>());
+    a.ws_cnt = ws_cnt.data_ptr<int32_t>();
+    a.nch = nch; a.kca = kca; a.kcp = kcp;
+  }
+  check_launch(prr::launch_quest_select(a, stream()), op);
   return std::make_tuple(scores, a_idx, a_cnt, m_idx, m_cnt);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select(
+    const Tensor& q, const Tensor& kmin, const Tensor& kmax, const Tensor& table,
+    const Tensor& nblk, const c10::optional<Tensor>& p_idx, const c10::optional<Tensor>& p_cnt,
+    int64_t k, int64_t sink, int64_t local, int64_t n_out, const c10::optional<Tensor>& p_rows,
+    const c10::optional<Tensor>& dense_row, const c10::optional<Tensor>& stats) {
+  return select_common(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows,
+                       dense_row, stats, nullptr, "quest_select");
+}
+
+// quest_select and the predictor's step in the same launch: P(t) at rows p_rows gives M, the
+// Holt update runs on state rows `rows`, and P(t+1) goes to rows p_next_rows of p_idx/p_cnt.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select_predict(
+    const Tensor& q, const Tensor& kmin, const Tensor& kmax, const Tensor& table,
+    const Tensor& nblk, const Tensor& nblk_next, Tensor& p_idx, Tensor& p_cnt,
+    const Tensor& p_rows, const Tensor& p_next_rows, Tensor& level, Tensor& trend,
+    Tensor& n_init, const Tensor& theta, const Tensor& rows, int64_t k, int64_t n_pred,
+    int64_t sink, int64_t local, int64_t n_out, const c10::optional<Tensor>& dense_row,
+    const c10::optional<Tensor>& stats) {
+  TORCH_CHECK(p_idx.is_contiguous() && p_cnt.is_contiguous(),
+              "quest_select_predict: p_idx/p_cnt must be contiguous (written in place)");
+  PredictorTensors pr{&level, &trend, &n_init, &theta, &rows, &nblk_next, &p_idx, &p_cnt,
+                      &p_next_rows, n_pred};
+  return select_common(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out,
+                       p_rows, dense_row, stats, &pr, "quest_select_predict");
 }
 
 // Fused Holt update + P(t+1) into idx/cnt; with rows, every state tensor (and idx/cnt) is the
@@ -501,7 +591,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select(
 void predict_common(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& scores_in,
                     const Tensor& nblk_in, const Tensor& theta, const Tensor& nblk_next_in,
                     int64_t n_pred, int64_t sink, int64_t local, Tensor& idx, Tensor& cnt,
-                    const c10::optional<Tensor>& rows_in) {
+                    const c10::optional<Tensor>& rows_in,
+                    const c10::optional<Tensor>& p_rows_in = c10::nullopt) {
   check_cuda(level, "level");
   c10::cuda::CUDAGuard guard(level.device());
   TORCH_CHECK(level.is_contiguous() && trend.is_contiguous() && n_init.is_contiguous() &&
@@ -524,8 +615,9 @@ void predict_common(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& 
               "predict_update: p_idx/p_cnt must be contiguous int32 with at least ", n_out,
               " entries, got ", idx.size(-1));
   prr::PredictArgs a{};
-  Tensor rows;
+  Tensor rows, prows;
   a.rows = slots_ptr(rows_in, B, a.rows64, rows, "predict_update");
+  a.p_rows = slots_ptr(p_rows_in, B, a.p_rows64, prows, "predict_update");
   if (!rows_in.has_value())
     TORCH_CHECK(level.size(0) == B, "predict_update: level has ", level.size(0), " rows, scores ",
                 B);
@@ -559,21 +651,21 @@ std::tuple<Tensor, Tensor> predict_update(Tensor& level, Tensor& trend, Tensor& 
 void predict_update_rows(Tensor& level, Tensor& trend, Tensor& n_init, Tensor& p_idx,
                          Tensor& p_cnt, const Tensor& theta, const Tensor& rows,
                          const Tensor& scores, const Tensor& nblk, const Tensor& nblk_next,
-                         int64_t n_pred, int64_t sink, int64_t local) {
+                         int64_t n_pred, int64_t sink, int64_t local,
+                         const c10::optional<Tensor>& p_rows) {
   predict_common(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink, local,
-                 p_idx, p_cnt, rows);
+                 p_idx, p_cnt, rows, p_rows);
 }
 
 void quest_update(Tensor& kmin, Tensor& kmax, const Tensor& k_in, const Tensor& out_loc_in,
                   const Tensor& positions_in, int64_t page_size, bool one_per_page) {
   check_cuda(kmin, "kmin");
   c10::cuda::CUDAGuard guard(kmin.device());
-  TORCH_CHECK(kmin.is_contiguous() && kmax.is_contiguous() && kmin.scalar_type() == at::kFloat &&
-              kmax.scalar_type() == at::kFloat, "quest_update: kmin/kmax must be contiguous f32");
+  const int s_dtype = summary_code(kmin, kmax, "quest_update");
   const Tensor k = k_in.contiguous(), out_loc = out_loc_in.contiguous(),
                positions = positions_in.contiguous();
   prr::QuestUpdateArgs a{};
-  a.kmin = kmin.data_ptr<float>(); a.kmax = kmax.data_ptr<float>();
+  a.kmin = kmin.data_ptr(); a.kmax = kmax.data_ptr(); a.s_dtype = s_dtype;
   a.k = k.data_ptr(); a.k_dtype = dtype_code(k);
   a.out_loc = out_loc.data_ptr(); a.loc64 = index64(out_loc, "out_loc");
   a.positions = positions.data_ptr(); a.pos64 = index64(positions, "positions");
@@ -616,7 +708,14 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
         "int local_blocks) -> (Tensor, Tensor)");
   m.def("predict_update_rows(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) n_init, "
         "Tensor(d!) p_idx, Tensor(e!) p_cnt, Tensor theta, Tensor rows, Tensor scores, "
-        "Tensor nblk, Tensor nblk_next, int n_pred, int sink_blocks, int local_blocks) -> ()");
+        "Tensor nblk, Tensor nblk_next, int n_pred, int sink_blocks, int local_blocks, "
+        "Tensor? p_rows=None) -> ()");
+  m.def("quest_select_predict(Tensor q, Tensor kmin, Tensor kmax, Tensor table, Tensor nblk, "
+        "Tensor nblk_next, Tensor(a!) p_idx, Tensor(b!) p_cnt, Tensor p_rows, "
+        "Tensor p_next_rows, Tensor(c!) level, Tensor(d!) trend, Tensor(e!) n_init, "
+        "Tensor theta, Tensor rows, int k, int n_pred, int sink_blocks, int local_blocks, "
+        "int n_out, Tensor? dense_row=None, Tensor(f!)? stats=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("calib_grid_terms(Tensor scores, Tensor nblk, Tensor wa, Tensor am, Tensor alphas, "
         "Tensor betas, Tensor gammas, int n_pred, int sink_blocks, int local_blocks) -> Tensor");
   m.def("prepare(Tensor like) -> ()");
@@ -634,6 +733,7 @@ TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {
   m.impl("quest_update", &quest_update);
   m.impl("sparse_attn_merge", &sparse_attn_merge);
   m.impl("quest_select", &quest_select);
+  m.impl("quest_select_predict", &quest_select_predict);
   m.impl("predict_update", &predict_update);
   m.impl("predict_update_rows", &predict_update_rows);
   m.impl("calib_grid_terms", &calib_grid_terms);

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import List, Optional
 
 HERE = Path(__file__).resolve().parent
-CUDA_SOURCES = ["attention.cu", "selection.cu", "predictor.cu", "merge.cu", "summaries.cu",
-                "calib_kernels.cu", "infllm_kernels.cu"]
+CUDA_SOURCES = ["attention.cu", "selection.cu", "select_predict.cu", "predictor.cu", "merge.cu",
+                "summaries.cu", "calib_kernels.cu", "infllm_kernels.cu"]
 HOST_SOURCES = ["binding.cpp", "infllm_binding.cpp"]
 HEADERS = ["prr_kernels.h", "infllm_kernels.h", "common.cuh", "topk.cuh"]
 LIB_NAME = "libsglang_prr_kernels.so"

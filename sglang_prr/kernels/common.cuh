@@ -70,17 +70,22 @@ __device__ __forceinline__ int64_t slot_of(const void* rows, bool rows64, int b)
 // once after writing its results; it returns true in exactly one CTA of the group, after all the
 // others' writes are visible to it (read them with __ldcg: L1 is not coherent). The counter is
 // reset by that CTA, so the next launch or graph replay starts from zero. Contains __syncthreads.
+// The barrier orders every thread's writes before thread 0's fence, which publishes them at
+// device scope before its ticket (the pattern of cooperative groups' grid sync: one fence per
+// CTA, not one per thread).
 __device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
   __shared__ int s_last;
-  __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
+    __threadfence();
     const int prev = atomicAdd(counter, 1);
     s_last = prev == group_size - 1;
-    if (s_last) atomicExch(counter, 0);
+    if (s_last) {
+      atomicExch(counter, 0);
+      __threadfence();
+    }
   }
   __syncthreads();
-  if (s_last) __threadfence();
   return s_last;
 }
 

@@ -13,8 +13,6 @@ named constants beside it), its entry in ``IMPLS``.
 
 from __future__ import annotations
 
-import os
-import types
 from typing import Callable, Dict
 
 import torch
@@ -26,9 +24,14 @@ from .loader import FLOAT_TYPES, active, aligned
 
 _registered = False
 
-# Head dims the attention kernel is instantiated for, and its largest GQA group.
+# Head dims the attention kernel is instantiated for, and its largest GQA group (the n = 8 of
+# its MMAs). Its MMAs are 16-bit, so it reads float16/bfloat16 KV; float32 KV runs the reference.
 ATTN_HEAD_DIMS = (64, 128, 256)
 ATTN_MAX_GROUP = 8
+ATTN_KV_TYPES = (torch.float16, torch.bfloat16)
+# Shared memory the attention launch may ask for (the merge tail's lists and weights grow with
+# the list widths); wider lists run the reference.
+ATTN_MAX_SMEM = 160 * 1024
 # select_topk keeps a row's keys in shared memory (4 bytes per block).
 TOPK_MAX_BLOCKS = 48 * 1024
 # calib_grid_terms keeps a candidate's level, trend and keys there (12 bytes per block, 200 KiB).
@@ -41,7 +44,7 @@ def _attn_ok(q, k_buf, v_buf, table, idx, cnt) -> bool:
     Hk = k_buf.shape[1]
     return (active(q.device) and D in ATTN_HEAD_DIMS and Hq % Hk == 0
             and Hq // Hk <= ATTN_MAX_GROUP and q.dtype in FLOAT_TYPES
-            and k_buf.dtype in FLOAT_TYPES and v_buf.dtype == k_buf.dtype
+            and k_buf.dtype in ATTN_KV_TYPES and v_buf.dtype == k_buf.dtype
             and k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1
             and all(s % 8 == 0 for s in (k_buf.stride(0), k_buf.stride(1), v_buf.stride(0),
                                          v_buf.stride(1)))
@@ -61,9 +64,10 @@ def _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
 
 
 def _quest_scores(q, kmin, kmax, table, nblk):
+    contracts.check_quest_scores(q, kmin, kmax, table, nblk)
     ok = (active(q.device) and q.shape[-1] % 8 == 0 and q.shape[1] % kmin.shape[1] == 0
-          and q.dtype in FLOAT_TYPES and kmin.dtype == torch.float32
-          and kmax.dtype == torch.float32 and kmin.is_contiguous() and kmax.is_contiguous()
+          and q.dtype in FLOAT_TYPES and kmin.dtype in SUMMARY_TYPES
+          and kmax.dtype == kmin.dtype and kmin.is_contiguous() and kmax.is_contiguous()
           and aligned(kmin, kmax) and table.dim() == 2 and table.stride(-1) == 1
           and q.shape[1] * q.shape[2] * 4 <= 200 * 1024)
     if not ok:
@@ -80,6 +84,8 @@ def _select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row=No
 
 
 def _predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks, local_blocks):
+    contracts.check_predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks,
+                                local_blocks)
     ok = (active(level.device) and level.shape[-1] <= TOPK_MAX_BLOCKS
           and level.dtype == torch.float32 and trend.dtype == torch.float32
           and level.is_contiguous() and trend.is_contiguous())
@@ -91,6 +97,7 @@ def _predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks, lo
 
 
 def _set_difference(a_idx, a_cnt, p_idx, p_cnt, nb):
+    contracts.check_set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
     ok = (active(a_idx.device) and a_idx.dtype == torch.int32 and p_idx.dtype == torch.int32
           and a_cnt.dtype == torch.int32 and p_cnt.dtype == torch.int32 and nb <= (1 << 20))
     if not ok:
@@ -116,6 +123,7 @@ def _calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred, sink_
 
 
 def _holt_update(level, trend, n_init, scores, nblk, alpha, beta):
+    contracts.check_holt_update(level, trend, n_init, scores, nblk, alpha, beta)
     ok = (active(level.device) and level.dtype == torch.float32 and trend.dtype == torch.float32
           and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
           and n_init.dtype in (torch.int32, torch.int64))
@@ -128,34 +136,32 @@ def _holt_update(level, trend, n_init, scores, nblk, alpha, beta):
 
 # Groups (rows) one launch of a fused kernel may have: its counter array's size.
 MAX_GROUPS = 1 << 18
+# Quest summaries the kernels read: float32, or bfloat16 rounded outward.
+SUMMARY_TYPES = (torch.float32, torch.bfloat16)
 
 
-def fused_merge_enabled() -> bool:
-    """``sparse_attn_merge`` is one launch (attention whose last CTA per KV head merges and
-    writes the model's dtype); ``SGLANG_PRR_FUSED_MERGE=0`` runs partials + merge kernel (+ cast)
-    instead. Alone, the single-CTA merge tail measured up to 1.05x slower than the separate merge
-    kernel on H200 (benchmarks/NOTES-kernels.md), but inside SGLang's decode step every launch
-    costs, so one launch is the default."""
-    return os.environ.get("SGLANG_PRR_FUSED_MERGE", "1") == "1"
+def attn_merge_smem(n: int, n1: int, na: int, group: int) -> int:
+    """Bytes of shared memory the merge tail of ``sparse_attn_merge`` needs (the kernel's
+    ``attn_merge_smem``): the three lists, the keys, entries and sorted entries (int32) of both
+    sources, and one weight per entry and query head of the group."""
+    e = n + n1
+    return 4 * (n + n1 + na + 3 * e) + 4 * group * e
 
 
 def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, o_spec,
                        lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact, p_rows=None,
                        out_dtype=None):
+    """One launch: the attention over ``idx`` whose last CTA per (request, KV head) merges the
+    kept partials in ascending block id (the same bits for serial DSA and PRR exact)."""
     contracts.check_sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                       o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact,
                                       p_rows)
-    if not fused_merge_enabled():  # two launches: partials, then the merge kernel
-        return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
-                                     sm_scale, o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb,
-                                     exact, p_rows, out_dtype, impl=_UNFUSED)
     B, Hq, D = q.shape
     n1 = o_spec.shape[2] if o_spec is not None else 0
     na = a_idx.shape[-1] if (o_spec is not None and exact) else 0
-    # The merge's shared memory: A's list plus one weight and one entry row per warp (4 warps).
-    smem = 4 * ((na + 3) // 4 * 4) + 32 * (idx.shape[2] + n1)
+    smem = attn_merge_smem(idx.shape[2], n1, na, Hq // max(k_buf.shape[1], 1))
     ok = (_attn_ok(q, k_buf, v_buf, table, idx, cnt) and idx.shape[2] > 0 and D % 4 == 0
-          and B * k_buf.shape[1] <= MAX_GROUPS and smem <= 160 * 1024
+          and B * k_buf.shape[1] <= MAX_GROUPS and smem <= ATTN_MAX_SMEM
           and (o_spec is None or (o_spec.dtype == torch.float32 and lse_spec.dtype == torch.float32
                                   and (p_idx is None or p_idx.dtype == torch.int32)
                                   and (not exact or a_idx.dtype == torch.int32))))
@@ -173,30 +179,59 @@ def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, loca
                   p_rows=None, dense_row=None, stats=None):
     contracts.check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
                                  local_blocks, n_out, p_rows, dense_row, stats)
-    B, Hq, D = q.shape
-    Hk = kmin.shape[1]
-    ok = (active(q.device) and D % 8 == 0 and Hq % Hk == 0 and (Hq // Hk) * D <= 12 * 1024
-          and q.dtype in FLOAT_TYPES and kmin.dtype == torch.float32
-          and kmax.dtype == torch.float32 and kmin.is_contiguous() and kmax.is_contiguous()
-          and aligned(kmin, kmax) and table.dim() == 2 and table.stride(-1) == 1
-          and 0 < table.shape[1] <= TOPK_MAX_BLOCKS and B * Hk <= MAX_GROUPS
-          and (p_idx is None or (p_idx.dtype == torch.int32 and p_cnt.dtype == torch.int32))
-          and (stats is None or (stats.dtype == torch.int64 and stats.is_contiguous()
-                                 and stats.numel() == 4)))
+    ok = _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats)
     if not ok:
         return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
                                 local_blocks, n_out, p_rows, dense_row, stats)
-    # Always one launch. Alone, the fused kernel pays a memory fence per CTA and measured slower
-    # than scores + top-K + set difference beyond one wave of CTAs (H200, batch >= 8 at 128K:
-    # 61.8 vs 55.7 us, NOTES-kernels.md); inside SGLang's decode step the two extra launches and
-    # the statistics the fused kernel counts for free cost more.
     return torch.ops.sglang_prr_cuda.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k,
                                                   sink_blocks, local_blocks, n_out, p_rows,
                                                   dense_row, stats)
 
 
+def _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats) -> bool:
+    """The selection kernels take these inputs: head dims 64/128/256 with groups up to 8 (the
+    one-pass kernel), other multiples of 8 up to a group of 12K values (the row-tail kernel)."""
+    B, Hq, D = q.shape
+    Hk = kmin.shape[1]
+    G = Hq // max(Hk, 1)
+    return (active(q.device) and D % 8 == 0 and Hq % Hk == 0
+            and ((D in (64, 128, 256) and G <= 8) or G * D <= 12 * 1024)
+            and q.dtype in FLOAT_TYPES and kmin.dtype in SUMMARY_TYPES
+            and kmax.dtype == kmin.dtype and kmin.is_contiguous() and kmax.is_contiguous()
+            and aligned(kmin, kmax) and table.dim() == 2 and table.stride(-1) == 1
+            and 0 < table.shape[1] <= TOPK_MAX_BLOCKS and B * Hk <= MAX_GROUPS
+            and (p_idx is None or (p_idx.dtype == torch.int32 and p_cnt.dtype == torch.int32))
+            and (stats is None or (stats.dtype == torch.int64 and stats.is_contiguous()
+                                   and stats.numel() == len(contracts.STATS_SLOTS))))
+
+
+def _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
+                          p_next_rows, level, trend, n_init, theta, rows, k, n_pred, sink_blocks,
+                          local_blocks, n_out, dense_row=None, stats=None):
+    contracts.check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt,
+                                         p_rows, p_next_rows, level, trend, n_init, theta, rows,
+                                         k, n_pred, sink_blocks, local_blocks, n_out, dense_row,
+                                         stats)
+    ok = (_select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats)
+          and q.shape[0] <= MAX_GROUPS
+          and level.dtype == torch.float32 and trend.dtype == torch.float32
+          and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
+          and n_init.dtype in (torch.int32, torch.int64) and theta.dtype == torch.float32
+          and theta.stride(1) == 1 and p_idx.is_contiguous() and p_cnt.is_contiguous())
+    if not ok:
+        return ref.quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt,
+                                        p_rows, p_next_rows, level, trend, n_init, theta, rows,
+                                        k, n_pred, sink_blocks, local_blocks, n_out, dense_row,
+                                        stats)
+    return torch.ops.sglang_prr_cuda.quest_select_predict(
+        q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level, trend,
+        n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats)
+
+
 def _predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks,
                     local_blocks):
+    contracts.check_predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred,
+                                   sink_blocks, local_blocks)
     ok = (active(level.device) and level.shape[-1] <= TOPK_MAX_BLOCKS
           and level.dtype == torch.float32 and trend.dtype == torch.float32
           and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
@@ -213,9 +248,10 @@ def _predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred
 
 
 def _predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
-                         nblk_next, n_pred, sink_blocks, local_blocks):
+                         nblk_next, n_pred, sink_blocks, local_blocks, p_rows=None):
     contracts.check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores,
-                                        nblk, nblk_next, n_pred, sink_blocks, local_blocks)
+                                        nblk, nblk_next, n_pred, sink_blocks, local_blocks,
+                                        p_rows)
     ok = (active(level.device) and level.shape[-1] <= TOPK_MAX_BLOCKS
           and level.dtype == torch.float32 and trend.dtype == torch.float32
           and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
@@ -226,11 +262,11 @@ def _predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores
           and tuple(scores.shape[1:]) == tuple(level.shape[1:]))
     if not ok:
         ref.predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
-                                nblk_next, n_pred, sink_blocks, local_blocks)
+                                nblk_next, n_pred, sink_blocks, local_blocks, p_rows)
         return
     torch.ops.sglang_prr_cuda.predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows,
                                                   scores, nblk, nblk_next, n_pred, sink_blocks,
-                                                  local_blocks)
+                                                  local_blocks, p_rows)
 
 
 def _merge_ok(o) -> bool:
@@ -238,6 +274,8 @@ def _merge_ok(o) -> bool:
 
 
 def _prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb, exact):
+    contracts.check_prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb,
+                              exact)
     ok = (_merge_ok(o_spec) and o_rep.shape[-1] == o_spec.shape[-1]
           and p_idx.dtype == torch.int32 and a_idx.dtype == torch.int32
           and (not exact or nb <= (1 << 20)))
@@ -249,6 +287,7 @@ def _prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb,
 
 
 def _merge_partials(o, lse):
+    contracts.check_merge_partials(o, lse)
     if not _merge_ok(o):
         return ref.merge_partials(o, lse)
     return torch.ops.sglang_prr_cuda.merge_partials(o, lse)
@@ -256,7 +295,7 @@ def _merge_partials(o, lse):
 
 def _quest_update(kmin, kmax, k, out_loc, positions, page_size, one_per_page=False):
     contracts.check_quest_update(kmin, kmax, k, out_loc, positions, page_size)
-    ok = (active(kmin.device) and kmin.dtype == torch.float32 and kmax.dtype == torch.float32
+    ok = (active(kmin.device) and kmin.dtype in SUMMARY_TYPES and kmax.dtype == kmin.dtype
           and kmin.is_contiguous() and kmax.is_contiguous() and k.dtype in FLOAT_TYPES
           and (kmin.shape[1] * kmin.shape[2]) % 8 == 0)
     if not ok:
@@ -265,13 +304,6 @@ def _quest_update(kmin, kmax, k, out_loc, positions, page_size, one_per_page=Fal
     torch.ops.sglang_prr_cuda.quest_update(kmin, kmax, k, out_loc, positions, page_size,
                                            one_per_page)
 
-
-# The single-op CUDA implementations the fused ops fall back to, as an ``impl`` for the
-# reference compositions (``reference.quest_select`` / ``sparse_attn_merge``).
-_UNFUSED = types.SimpleNamespace(
-    quest_scores=_quest_scores, select_topk=_select_topk, set_difference=_set_difference,
-    sparse_attn_partials=_sparse_attn_partials, merge_partials=_merge_partials,
-    prr_merge=_prr_merge)
 
 IMPLS: Dict[str, Callable] = {
     "sparse_attn_partials": _sparse_attn_partials,
@@ -285,6 +317,7 @@ IMPLS: Dict[str, Callable] = {
     "quest_update": _quest_update,
     "sparse_attn_merge": _sparse_attn_merge,
     "quest_select": _quest_select,
+    "quest_select_predict": _quest_select_predict,
     "predict_update": _predict_update,
     "predict_update_rows": _predict_update_rows,
     "calib_grid_terms": _calib_grid_terms,

@@ -71,7 +71,8 @@ predict_update_kernel(PredictArgs a) {
     s_key[i] = key;
   }
   topk_mask<kTopkThreads>(s_key, L, nbn, a.k, keep_lo, keep_hi);
-  write_list<kTopkThreads>(s_key, L, 1u, a.idx + row * a.n_out, a.n_out, a.cnt + row);
+  const int64_t prow = (a.p_rows ? slot_of(a.p_rows, a.p_rows64, b) : srow) * a.Hk + hk;
+  write_list<kTopkThreads>(s_key, L, 1u, a.idx + prow * a.n_out, a.n_out, a.cnt + prow);
   if (last_of_group(a.sem + b, gridDim.x) && tid == 0) {
     if (a.ninit64) reinterpret_cast<long long*>(a.n_init)[srow] = ninit_new;
     else reinterpret_cast<int*>(a.n_init)[srow] = ninit_new;

@@ -12,6 +12,13 @@ enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
 // Largest GQA group handled by the attention kernels (query heads per KV head).
 constexpr int kMaxGroup = 8;
 
+// The decode counters the selection kernels accumulate (int64), in the order of
+// sglang_prr/contracts.py's STATS_SLOTS: sum |A|, sum |M|, sum |P| over the sparse (request,
+// KV head) rows, and the number of such rows.
+enum StatSlot : int {
+  kStatSelected = 0, kStatRepair = 1, kStatPredicted = 2, kStatRows = 3, kNumStatSlots = 4
+};
+
 struct AttnArgs {
   const void* q; int q_dtype; int64_t q_stride;  // [B, Hq, D], rows q_stride apart, heads packed
   const void* k; const void* v; int kv_dtype;   // [num_slots, Hk, D], last dim contiguous
@@ -38,12 +45,13 @@ struct AttnArgs {
   void* out_o; int out_dtype; float* out_lse;                // [B, Hq, D] (f32/f16/bf16), [B, Hq] or null
 };
 // Dynamic shared memory the fused merge needs (bytes) for these sizes.
-size_t attn_merge_smem(int N, int N1, int Na);
+size_t attn_merge_smem(int N, int N1, int Na, int G);
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s);
 
 struct QuestArgs {
   const void* q; int q_dtype;                  // [B, Hq, D] contiguous
-  const float* kmin; const float* kmax;        // [num_pages, Hk, D] contiguous
+  const void* kmin; const void* kmax;          // [num_pages, Hk, D] contiguous
+  int s_dtype;                                 // kF32 or kBF16 (the summaries' dtype)
   const void* table; bool table64; int64_t table_stride;  // [B, NB]
   const void* nblk; bool nblk64;                          // [B]
   float* out;                                             // [B, Hk, NB]
@@ -64,10 +72,12 @@ struct TopkArgs {
 cudaError_t launch_select_topk(const TopkArgs& a, cudaStream_t s);
 int max_topk_blocks();  // largest NB a row of select_topk may have (shared-memory bound)
 
-// Fused Quest selection: scores + top-K (A) + M = A \ P, one launch.
+// Fused Quest selection: scores + top-K (A) + M = A \ P, and with `level` set the predictor's
+// step in the same launch (Holt update of the row's state, P(t+1) into p_out rows).
 struct SelectArgs {
   const void* q; int q_dtype; int64_t q_stride;  // [B, Hq, D], rows q_stride apart
-  const float* kmin; const float* kmax;        // [num_pages, Hk, D] contiguous
+  const void* kmin; const void* kmax;          // [num_pages, Hk, D] contiguous
+  int s_dtype;                                 // kF32 or kBF16 (the summaries' dtype)
   const void* table; bool table64; int64_t table_stride;  // [B, NB]
   const void* nblk; bool nblk64;                          // [B]
   float* scores;                                          // [B, Hk, NB]
@@ -80,8 +90,29 @@ struct SelectArgs {
   int32_t* a_idx; int32_t* a_cnt; int32_t* m_idx; int32_t* m_cnt; int n_out;
   int* sem;                                               // [B * Hk] zeroed counters
   int B, Hq, Hk, NB, D, k, sink, local;
+  // The predictor (level != nullptr): state rows [B] of level/trend [R, Hk, NB], n_init [R],
+  // theta [R, 3]; P(t+1) (n_pred predicted + kept blocks at nblk_next) goes to rows p_out_rows
+  // of p_out_idx [., Hk, Np_out] / p_out_cnt [., Hk] (may be P's own tensors: P(t) is read
+  // first, by the same CTA).
+  const void* rows; bool rows64;
+  float* level; float* trend; void* n_init; bool ninit64;
+  const float* theta; int64_t theta_stride;
+  const void* nblk_next; bool nblk_next64;
+  const void* p_out_rows; bool p_out_rows64;
+  int32_t* p_out_idx; int32_t* p_out_cnt; int Np_out;
+  int n_pred;
+  int* req_sem;                                           // [B] zeroed counters (n_init)
+  // Candidate workspace of the one-pass kernel: [B * Hk, nch, kca + kcp] keys, counts.
+  unsigned long long* ws; int* ws_cnt; int nch, kca, kcp;
+  int debug_stop;  // timing probes only (SGLANG_PRR_SELECT_DEBUG_STOP): 0 runs everything
 };
+// Whether the one-pass kernel takes these sizes (else scores + top-K kernels, then the
+// predictor's own kernel); its chunk count and candidate widths, and its dynamic shared memory.
+bool select_one_pass(int D, int G, int NB, int k, int n_pred, int Np, int n_out, int* nch,
+                     int* kca, int* kcp, size_t* smem);
 cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s);
+// The row-tail kernel alone (scores by chunks, top-K by the last CTA of a row; no predictor).
+cudaError_t launch_quest_select_rowtail(const SelectArgs& a, cudaStream_t s);
 int max_select_group_dim();  // largest G * D of quest_select (shared-memory bound)
 
 // Fused predictor: Holt update (eq 3) + P(t+1) (eq 2 + top-K), one launch.
@@ -94,6 +125,7 @@ struct PredictArgs {
   const void* nblk; bool nblk64; const void* nblk_next; bool nblk_next64;  // [B]
   const float* theta; int64_t theta_stride;                // [B, 3] (alpha, beta, gamma)
   int32_t* idx; int32_t* cnt; int n_out;                   // [B, Hk, n_out], [B, Hk]
+  const void* p_rows; bool p_rows64;                       // optional rows of idx/cnt (else rows)
   int* sem;                                                // [B] zeroed counters
   int B, Hk, NB, k, sink, local;
 };
@@ -130,7 +162,8 @@ struct MergeArgs {
 cudaError_t launch_merge(const MergeArgs& a, cudaStream_t s);
 
 struct QuestUpdateArgs {
-  float* kmin; float* kmax;            // [num_pages, Hk, D]
+  void* kmin; void* kmax;              // [num_pages, Hk, D]
+  int s_dtype;                         // kF32 or kBF16: bf16 rounds kmin down and kmax up
   const void* k; int k_dtype;          // [N, Hk, D] contiguous
   const void* out_loc; bool loc64; const void* positions; bool pos64;
   int N, Hk, D, page_size;

@@ -1,5 +1,6 @@
-// Block selection on SM90: Quest scores, top-K (A), the fused Quest selection (scores, A,
-// M = A \ P and the statistics in one launch) and the set difference M = A \ P.
+// Block selection on SM90: Quest scores, top-K (A), the row-tail Quest selection (scores, A,
+// M = A \ P and the statistics in one launch, the top-K by the last CTA of a row) and the set
+// difference M = A \ P. The one-pass selection with the predictor is in select_predict.cu.
 // Plain CUDA: these kernels are memory- and latency-bound, so they are written around wide loads
 // and many independent requests in flight rather than tensor cores. Every kernel is graph-safe:
 // static launch shapes, device-side counts, no host reads.
@@ -25,6 +26,21 @@ namespace {
 // shared memory once per CTA.
 constexpr int kQuestWarps = 8;
 
+template <typename S>
+__device__ __forceinline__ float4 ld_sum4(const S* p, int64_t i4);  // 4 summary values as floats
+template <>
+__device__ __forceinline__ float4 ld_sum4<float>(const float* p, int64_t i4) {
+  return __ldg(reinterpret_cast<const float4*>(p) + i4);
+}
+template <>
+__device__ __forceinline__ float4 ld_sum4<__nv_bfloat16>(const __nv_bfloat16* p, int64_t i4) {
+  const uint2 u = __ldg(reinterpret_cast<const uint2*>(p) + i4);
+  const float2 x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+  const float2 y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  return make_float4(x.x, x.y, y.x, y.y);
+}
+
+template <typename S>
 __global__ void __launch_bounds__(kQuestWarps * 32)
 quest_scores_kernel(QuestArgs a) {
   extern __shared__ float s_q[];  // [Hq, D]
@@ -48,8 +64,8 @@ quest_scores_kernel(QuestArgs a) {
   }
   const int64_t page = ld_index(a.table, (int64_t)b * a.table_stride + n, a.table64);
   const int G = a.Hq / a.Hk, D4 = a.D / 4;
-  const float4* lo = reinterpret_cast<const float4*>(a.kmin + page * a.Hk * a.D);
-  const float4* hi = reinterpret_cast<const float4*>(a.kmax + page * a.Hk * a.D);
+  const S* lo = reinterpret_cast<const S*>(a.kmin) + page * a.Hk * a.D;
+  const S* hi = reinterpret_cast<const S*>(a.kmax) + page * a.Hk * a.D;
   constexpr int HU = 4;  // KV heads loaded together
   for (int h0 = 0; h0 < a.Hk; h0 += HU) {
     float part[HU];
@@ -59,7 +75,7 @@ quest_scores_kernel(QuestArgs a) {
       float4 vl[HU], vh[HU];
 #pragma unroll
       for (int j = 0; j < HU; ++j) {
-        if (h0 + j < a.Hk) { vl[j] = __ldg(lo + (h0 + j) * D4 + c); vh[j] = __ldg(hi + (h0 + j) * D4 + c); }
+        if (h0 + j < a.Hk) { vl[j] = ld_sum4(lo, (h0 + j) * D4 + c); vh[j] = ld_sum4(hi, (h0 + j) * D4 + c); }
       }
 #pragma unroll
       for (int j = 0; j < HU; ++j) {
@@ -131,6 +147,7 @@ constexpr int kSelWarps = kSelThreads / 32;
 constexpr int kSelPerWarp = 4;
 constexpr int kSelChunk = kSelWarps * kSelPerWarp;
 
+template <typename S>
 __global__ void __launch_bounds__(kSelThreads)
 quest_select_kernel(SelectArgs a) {
   extern __shared__ __align__(16) uint32_t s_sel[];  // q group [G, D] floats, then keys [NB]
@@ -171,8 +188,8 @@ quest_select_kernel(SelectArgs a) {
     for (int j = 0; j < kSelPerWarp; ++j) {
       if (valid[j]) {
         const int64_t off = (page[j] * a.Hk + hk) * D4 + c;
-        lo[j] = __ldg(reinterpret_cast<const float4*>(a.kmin) + off);
-        hi[j] = __ldg(reinterpret_cast<const float4*>(a.kmax) + off);
+        lo[j] = ld_sum4(reinterpret_cast<const S*>(a.kmin), off);
+        hi[j] = ld_sum4(reinterpret_cast<const S*>(a.kmax), off);
       }
     }
     for (int g = 0; g < G; ++g) {
@@ -221,10 +238,10 @@ quest_select_kernel(SelectArgs a) {
   write_list<kSelThreads>(s_key, nb, 1u, a.m_idx + row * a.n_out, a.n_out, a.m_cnt + row);
   // write_list's last barrier makes both counts visible to thread 0, which wrote them.
   if (a.stats && !dense && tid == 0) {
-    atomicAdd(a.stats + 0, (unsigned long long)a.a_cnt[row]);
-    atomicAdd(a.stats + 1, (unsigned long long)a.m_cnt[row]);
-    atomicAdd(a.stats + 2, (unsigned long long)pc);
-    atomicAdd(a.stats + 3, 1ull);
+    atomicAdd(a.stats + kStatSelected, (unsigned long long)a.a_cnt[row]);
+    atomicAdd(a.stats + kStatRepair, (unsigned long long)a.m_cnt[row]);
+    atomicAdd(a.stats + kStatPredicted, (unsigned long long)pc);
+    atomicAdd(a.stats + kStatRows, 1ull);
   }
 }
 
@@ -282,10 +299,16 @@ cudaError_t launch_quest_scores(const QuestArgs& a, cudaStream_t s) {
   if (a.D % 8 != 0 || a.Hq % a.Hk != 0) return cudaErrorInvalidValue;
   if (a.B == 0 || a.NB == 0) return cudaSuccess;
   const size_t smem = (size_t)a.Hq * a.D * sizeof(float);
-  cudaError_t e = set_smem_limit(quest_scores_kernel, smem);
-  if (e != cudaSuccess) return e;
   dim3 grid((a.NB + kQuestWarps - 1) / kQuestWarps, a.B);
-  quest_scores_kernel<<<grid, kQuestWarps * 32, smem, s>>>(a);
+  if (a.s_dtype == kBF16) {
+    cudaError_t e = set_smem_limit(quest_scores_kernel<__nv_bfloat16>, smem);
+    if (e != cudaSuccess) return e;
+    quest_scores_kernel<__nv_bfloat16><<<grid, kQuestWarps * 32, smem, s>>>(a);
+  } else {
+    cudaError_t e = set_smem_limit(quest_scores_kernel<float>, smem);
+    if (e != cudaSuccess) return e;
+    quest_scores_kernel<float><<<grid, kQuestWarps * 32, smem, s>>>(a);
+  }
   return cudaGetLastError();
 }
 
@@ -303,16 +326,20 @@ cudaError_t launch_select_topk(const TopkArgs& a, cudaStream_t s) {
 
 int max_select_group_dim() { return 48 * 1024 / 4; }
 
-cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
-  if (a.D % 8 != 0 || a.Hq % a.Hk != 0 || a.NB > kTopkMaxBlocks ||
-      (a.Hq / a.Hk) * a.D > max_select_group_dim())
-    return cudaErrorInvalidValue;
-  if (a.B == 0 || a.Hk == 0 || a.NB == 0) return cudaSuccess;
+cudaError_t launch_quest_select_rowtail(const SelectArgs& a, cudaStream_t s) {
+  if ((a.Hq / a.Hk) * a.D > max_select_group_dim()) return cudaErrorInvalidValue;
   const size_t smem = std::max((size_t)a.NB, (size_t)(a.Hq / a.Hk) * a.D) * 4;
-  cudaError_t e = set_smem_limit(quest_select_kernel, smem);
-  if (e != cudaSuccess) return e;
   dim3 grid(a.Hk, (a.NB + kSelChunk - 1) / kSelChunk, a.B);
-  quest_select_kernel<<<grid, kSelThreads, smem, s>>>(a);
+  cudaError_t e;
+  if (a.s_dtype == kBF16) {
+    e = set_smem_limit(quest_select_kernel<__nv_bfloat16>, smem);
+    if (e != cudaSuccess) return e;
+    quest_select_kernel<__nv_bfloat16><<<grid, kSelThreads, smem, s>>>(a);
+  } else {
+    e = set_smem_limit(quest_select_kernel<float>, smem);
+    if (e != cudaSuccess) return e;
+    quest_select_kernel<float><<<grid, kSelThreads, smem, s>>>(a);
+  }
   return cudaGetLastError();
 }
 

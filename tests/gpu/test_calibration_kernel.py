@@ -22,21 +22,15 @@ from sglang_prr import reference as ref
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip("needs an SM90 GPU", allow_module_level=True)
+from sm90 import require_sm90  # noqa: E402  (the SM90 gate, tests/gpu/sm90.py)
+
+require_sm90()
 
 from sglang_prr import calibration as cal  # noqa: E402
-from sglang_prr import kernels  # noqa: E402
 from sglang_prr.config import PRRConfig  # noqa: E402
 
 DEV = torch.device("cuda")
 CUDA = torch.ops.sglang_prr_cuda
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _lib():
-    assert kernels.load(), f"kernel library failed to build/load: {kernels.load_error()}"
-    yield
 
 
 def _seed(tag: str) -> random.Random:

@@ -23,23 +23,15 @@ from sglang_prr import reference as ref
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device (SM90 kernels)", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip(f"needs an SM90 GPU, found sm_{''.join(map(str, torch.cuda.get_device_capability()))}",
-                allow_module_level=True)
+from sm90 import require_sm90  # noqa: E402  (the SM90 gate, tests/gpu/sm90.py)
 
-from sglang_prr import kernels, ops  # noqa: E402
+require_sm90()
+
+from sglang_prr import ops  # noqa: E402
 from test_kernels import (ATTN_CASES, DEV, make_pool, poison, random_lists, rel_err,  # noqa: E402
                           seeded, _scores_with_ties)
 
 CUDA = torch.ops.sglang_prr_cuda
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _lib():
-    assert kernels.load(), f"kernel library failed to build/load: {kernels.load_error()}"
-    yield
 
 
 def _dev(*ts):
@@ -66,7 +58,11 @@ def _check_state(o, lse, o_ref, lse_ref, tol=3e-5):
     assert e_o < tol and e_l < tol
 
 
-@pytest.mark.parametrize("B,Hq,Hk,D,page,dtype", ATTN_CASES)
+# The kernel reads 16-bit KV; float32 KV runs the reference (test_kernels checks that path).
+KERNEL_ATTN_CASES = [c for c in ATTN_CASES if c[-1] != torch.float32]
+
+
+@pytest.mark.parametrize("B,Hq,Hk,D,page,dtype", KERNEL_ATTN_CASES)
 def test_sparse_attn_merge_is_attend_set(B, Hq, Hk, D, page, dtype):
     seeded(f"attn_merge B={B} Hq={Hq} Hk={Hk} D={D} page={page} {dtype}")
     q, k_buf, v_buf, table, sl, NB, nblk = _attn_case(B, Hq, Hk, D, page, dtype)
@@ -144,12 +140,14 @@ def test_repair_merge_with_arbitrary_prediction(B, Hq, Hk, D, page, dtype, exact
 @pytest.mark.parametrize("B,Hq,Hk,D,NB,k,sink,local", [
     (1, 32, 8, 128, 2048, 32, 1, 2), (3, 8, 8, 64, 77, 5, 1, 1), (17, 32, 4, 128, 300, 64, 0, 0),
     (3, 64, 8, 128, 9000, 700, 4, 4), (2, 4, 1, 128, 50, 100, 2, 3), (1, 32, 8, 128, 1, 4, 1, 1)])
-@pytest.mark.parametrize("with_p", [True, False])
-def test_quest_select(B, Hq, Hk, D, NB, k, sink, local, with_p):
-    seeded(f"quest_select B={B} NB={NB} k={k} p={with_p}")
+@pytest.mark.parametrize("with_p,sdt", [(True, torch.bfloat16), (False, torch.float32)])
+def test_quest_select(B, Hq, Hk, D, NB, k, sink, local, with_p, sdt):
+    seeded(f"quest_select B={B} NB={NB} k={k} p={with_p} {sdt}")
     P = NB * B + 5
     kmin = torch.randn(P, Hk, D)
     kmax = kmin + torch.rand(P, Hk, D)
+    if sdt == torch.bfloat16:
+        kmin, kmax = _bf16_bounds(kmin, kmax)
     table = torch.randint(1, P, (B, NB))
     nblk = torch.randint(0, NB + 1, (B,))
     nblk[0] = NB
@@ -293,23 +291,19 @@ def test_fused_kernels_in_one_graph_replayed_with_new_counts():
             assert rel_err(o, o_p) > 1e-3
 
 
-def test_ops_dispatch_fused_and_unfused_paths_agree(monkeypatch):
-    """ops.sparse_attn_merge / ops.quest_select give the same results through the fused single
-    launch and the unfused kernels they choose between by shape or by SGLANG_PRR_FUSED_MERGE."""
+def test_ops_dispatch_fused_and_unfused_paths_agree():
+    """ops.attend_set runs the one-launch attention + merge; ops.quest_select gives the same
+    results through the fused single launch and the unfused kernels it chooses between by shape."""
     seeded("dispatch")
     B, Hq, Hk, D, page = 3, 32, 8, 128, 64
     q, k_buf, v_buf, table, sl, NB, nblk = _attn_case(B, Hq, Hk, D, page, torch.bfloat16)
     idx, cnt = random_lists(B, Hk, 9, nblk)
     args = _dev(q, k_buf, v_buf, table, sl, idx, cnt)
-    outs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv("SGLANG_PRR_FUSED_MERGE", flag)
-        outs.append([x.cpu() for x in ops.attend_set(*args, page, 0.09)])
-    assert torch.allclose(outs[0][0], outs[1][0], rtol=1e-5, atol=1e-6)
+    o = ops.attend_set(*args, page, 0.09)[0].cpu()
     o_ref, _ = ref.attend_set(q.float(), k_buf, v_buf, table, sl, idx, cnt, page, 0.09)
-    assert rel_err(outs[0][0], o_ref) < 3e-5
+    assert rel_err(o, o_ref) < 3e-5
     o_bad, _ = ref.attend_set(q.float(), k_buf, v_buf, table, sl, idx, cnt, page, 0.2)
-    assert rel_err(outs[1][0], o_bad) > 1e-3  # negative control: another softmax scale
+    assert rel_err(o, o_bad) > 1e-3  # negative control: another softmax scale
     # selection: a grid past one wave takes the unfused kernels; both match the reference rules
     Bq, NBq = 33, 4096
     P = 3 * NBq
@@ -325,3 +319,77 @@ def test_ops_dispatch_fused_and_unfused_paths_agree(monkeypatch):
         assert torch.allclose(big[0][i], one[j][0][0], rtol=1e-5, atol=1e-4)
         ai, ac = ref.select_topk(big[0][i:i + 1].cpu(), nb_[:1].cpu(), 16, 1, 1, 18)
         assert torch.equal(big[1][i:i + 1].cpu(), ai) and torch.equal(big[2][i:i + 1].cpu(), ac)
+
+
+# ----------------------------------------------------------------------------- one-pass selection
+def _bf16_bounds(kmin, kmax):
+    return ref.round_bf16(kmin, down=True), ref.round_bf16(kmax, down=False)
+
+
+@pytest.mark.parametrize("B,Hq,Hk,D,NB,k,n_pred,sink,local,sdt", [
+    (1, 32, 8, 128, 2048, 32, 48, 1, 1, torch.bfloat16),   # the serving shape (one pass)
+    (3, 8, 8, 64, 77, 5, 9, 1, 1, torch.float32),          # GQA 1, head dim 64
+    (5, 64, 8, 128, 300, 64, 96, 0, 2, torch.bfloat16),    # GQA 8, K >= the chunk
+    (2, 16, 2, 256, 130, 7, 3, 2, 0, torch.float32),       # head dim 256, no local block
+    (3, 64, 8, 128, 9000, 700, 1000, 4, 4, torch.bfloat16),  # too wide: the row-tail kernels
+    (2, 12, 4, 96, 200, 8, 12, 1, 1, torch.float32),       # head dim 96: the row-tail kernels
+])
+def test_quest_select_predict(B, Hq, Hk, D, NB, k, n_pred, sink, local, sdt):
+    """Selection and the predictor's step in one launch against the reference, bit for bit from
+    the kernel's own scores: A, M = A \\ P(t) (P read at pool rows p_rows), the Holt state of the
+    state rows, n_init, and P(t+1) written at rows p_next_rows (the other half of a double
+    buffer); every other row untouched. Ties, -inf and NaN scores, levels stuck at -inf."""
+    seeded(f"select_predict B={B} NB={NB} k={k} P={n_pred} D={D} {sdt}")
+    P = NB * B + 5
+    kmin = torch.randn(P, Hk, D)
+    kmax = kmin + torch.rand(P, Hk, D)
+    if sdt == torch.bfloat16:
+        kmin, kmax = _bf16_bounds(kmin, kmax)
+    kmin[::7] = kmin[3]  # equal summaries: tied scores
+    kmax[::7] = kmax[3]
+    table = torch.randint(1, P, (B, NB))
+    nblk = torch.randint(0, NB + 1, (B,))
+    nblk[0] = NB - 1
+    nxt = torch.minimum(nblk + torch.randint(0, 2, (B,)), torch.tensor(NB))
+    q = torch.randn(B, Hq, D, dtype=torch.bfloat16)
+    n_out = k + sink + local + 2
+    R = B + 2
+    rows = torch.randperm(R)[:B]
+    W = n_pred + sink + local + 3  # the pool's P is wider than this step's
+    p_idx = torch.full((2 * R, Hk, W), 7, dtype=torch.int32)
+    p_cnt = torch.full((2 * R, Hk), 3, dtype=torch.int32)
+    par = torch.randint(0, 2, (R,))
+    p_rows = 2 * rows + par[rows]
+    pb, pc = random_lists(B, Hk, W, nblk.tolist())
+    p_idx[p_rows], p_cnt[p_rows] = pb, pc
+    level = torch.randn(R, Hk, NB)
+    trend = torch.randn(R, Hk, NB) * 0.1
+    dead = torch.rand(R, Hk, NB) < 0.05
+    level[dead] = float("-inf")
+    n_init = torch.randint(0, NB, (R,))
+    n_init[rows[0]] = 0  # a fresh request
+    theta = torch.rand(R, 3)
+    state = [p_idx, p_cnt, level, trend, n_init]
+    d = _dev(*state)
+    poison(((B, Hk, NB), torch.float32), ((B, Hk, n_out), torch.int32), ((B, Hk), torch.int32))
+    s, a_idx, a_cnt, m_idx, m_cnt = [x.cpu() for x in CUDA.quest_select_predict(
+        *_dev(q, kmin.to(sdt), kmax.to(sdt), table, nblk, nxt), d[0], d[1], *_dev(p_rows,
+        p_rows ^ 1), d[2], d[3], d[4], *_dev(theta, rows), k, n_pred, sink, local, n_out)]
+    s_ref = ref.quest_scores(q, kmin.to(sdt), kmax.to(sdt), table, nblk)
+    fin = torch.isfinite(s_ref)
+    assert torch.equal(torch.isfinite(s), fin)
+    assert rel_err(s[fin], s_ref[fin]) < 1e-5
+    ai, ac = ref.select_topk(s, nblk, k, sink, local, n_out)
+    assert torch.equal(a_cnt, ac) and torch.equal(a_idx, ai), "A"
+    mi, mc = ref.set_difference(ai, ac, pb, pc, NB)
+    assert torch.equal(m_cnt, mc) and torch.equal(m_idx, mi), "M"
+    want = [t.clone() for t in state]
+    ref.predict_update_rows(want[2], want[3], want[4], want[0], want[1], theta, rows, s, nblk,
+                            nxt, n_pred, sink, local, p_rows=p_rows ^ 1)
+    for name, got, exp in zip(("p_idx", "p_cnt", "level", "trend", "n_init"), d, want):
+        torch.testing.assert_close(got.cpu(), exp, rtol=0, atol=0, equal_nan=True, msg=name)
+    # Controls: the predictor wrote something new, and P(t) (read for M) is left as it was.
+    assert not torch.equal(d[0].cpu()[p_rows ^ 1], p_idx[p_rows ^ 1])
+    assert torch.equal(d[0].cpu()[p_rows], p_idx[p_rows])
+    if (mc < ac).any():
+        assert not torch.equal(m_idx, a_idx)

@@ -25,11 +25,11 @@ from sglang_prr import reference as ref
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device (SM90 kernels)", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip(f"needs an SM90 GPU, found sm_{''.join(map(str, torch.cuda.get_device_capability()))}",
-                allow_module_level=True)
+from sm90 import require_sm90  # noqa: E402  (the SM90 gate, tests/gpu/sm90.py)
+
+require_sm90()
+# The module loads its library itself (the full one, or SGLANG_PRR_INFLLM_LIB's).
+OWN_KERNEL_LIBRARY = True
 
 from sglang_prr import kernels, ops  # noqa: E402
 from sglang_prr.kernels import infllm  # noqa: E402

@@ -20,21 +20,13 @@ from sglang_prr import reference as ref
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device (SM90 kernels)", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip(f"needs an SM90 GPU, found sm_{''.join(map(str, torch.cuda.get_device_capability()))}",
-                allow_module_level=True)
+from sm90 import require_sm90  # noqa: E402  (the SM90 gate, tests/gpu/sm90.py)
+
+require_sm90()
 
 from sglang_prr import kernels, ops  # noqa: E402
 
 DEV = torch.device("cuda")
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _lib():
-    assert kernels.load(), f"kernel library failed to build/load: {kernels.load_error()}"
-    yield
 
 
 def seeded(tag: str) -> torch.Generator:
@@ -135,13 +127,21 @@ def test_sparse_attn_partials(B, Hq, Hk, D, page, dtype):
     idx, cnt = random_lists(B, Hk, N, nblk)
     cnt[0, 0] = min(N, nblk[0])
     idx[0, 0, :cnt[0, 0]] = torch.arange(cnt[0, 0], dtype=torch.int32)
-    q = torch.randn(B, Hq, D).to(dtype if dtype != torch.float32 else torch.float32)
+    # q in float32 for one case of each KV dtype (the kernel splits it into 16-bit parts).
+    q = torch.randn(B, Hq, D).to(torch.float32 if B == 17 or dtype == torch.float32 else dtype)
     sm = 1.0 / math.sqrt(D)
     o_ref, lse_ref = ref.sparse_attn_partials(q, k_buf, v_buf, table, sl, idx, cnt, page, sm)
     poison(((B, Hq, N, D), torch.float32), ((B, Hq, N), torch.float32))
-    o, lse = torch.ops.sglang_prr_cuda.sparse_attn_partials(
-        q.to(DEV), k_buf.to(DEV), v_buf.to(DEV), table.to(DEV), sl.to(DEV), idx.to(DEV),
-        cnt.to(DEV), page, sm)
+    dev_args = (q.to(DEV), k_buf.to(DEV), v_buf.to(DEV), table.to(DEV), sl.to(DEV), idx.to(DEV),
+                cnt.to(DEV), page, sm)
+    if dtype == torch.float32:
+        # The kernel's MMAs are 16-bit: float32 KV is refused with a message, and the public op
+        # runs the reference for it.
+        with pytest.raises(RuntimeError, match="float16 or bfloat16 KV"):
+            torch.ops.sglang_prr_cuda.sparse_attn_partials(*dev_args)
+        o, lse = ops.sparse_attn_partials(*dev_args)
+    else:
+        o, lse = torch.ops.sglang_prr_cuda.sparse_attn_partials(*dev_args)
     o, lse = o.cpu(), lse.cpu()
     assert not torch.isnan(o).any() and not torch.isnan(lse).any(), "unwritten output"
     pad = torch.isinf(lse_ref)
@@ -341,12 +341,15 @@ def test_merge_partials():
 
 
 # ----------------------------------------------------------------------------- summary update
-@pytest.mark.parametrize("page", [16, 64])
-def test_quest_update(page):
-    seeded(f"quest_update page={page}")
+@pytest.mark.parametrize("page,sdt", [(16, torch.float32), (64, torch.float32),
+                                      (16, torch.bfloat16), (64, torch.bfloat16)])
+def test_quest_update(page, sdt):
+    """Decode and prefill updates of the summaries, float32 or bfloat16 rounded outward (the
+    keys are float32 here, so the rounding matters), bit for bit with the reference."""
+    seeded(f"quest_update page={page} {sdt}")
     Hk, D, P = 8, 128, 40
-    kmin = torch.randn(P, Hk, D)
-    kmax = kmin + 1
+    kmin = torch.randn(P, Hk, D).to(sdt)
+    kmax = (kmin.float() + 1).to(sdt)
     N = 3 * page + 5
     # tokens of 2 requests: one fills fresh pages from position 0, one continues mid-page
     pages = torch.randperm(P - 1)[:8] + 1
@@ -356,7 +359,7 @@ def test_quest_update(page):
     loc_b = pages[4 + (pos_b - page) // page] * page + pos_b % page
     pos = torch.cat([pos_a, pos_b])
     loc = torch.cat([loc_a, loc_b])
-    k = torch.randn(len(pos), Hk, D, dtype=torch.bfloat16)
+    k = torch.randn(len(pos), Hk, D, dtype=torch.float32)
     a_min, a_max = kmin.clone(), kmax.clone()
     ref.quest_update(a_min, a_max, k, loc, pos, page)
     d_min, d_max = kmin.to(DEV), kmax.to(DEV)
@@ -364,6 +367,20 @@ def test_quest_update(page):
                                            page)
     assert torch.equal(d_min.cpu(), a_min) and torch.equal(d_max.cpu(), a_max)
     assert not torch.equal(a_min, kmin), "control: the update changed the summaries"
+    if sdt == torch.bfloat16:  # the bounds hold: kmin <= every key of its page <= kmax
+        pg = loc // page
+        assert (a_min[pg].float() <= k).all() and (a_max[pg].float() >= k).all()
+        # control: round-to-nearest would break the bound somewhere
+        assert ((k.to(sdt).float() > k).any() and (k.to(sdt).float() < k).any())
+    # Decode: one token per page at a time (the one-launch kernel).
+    d_min, d_max = kmin.to(DEV), kmax.to(DEV)
+    w_min, w_max = kmin.clone(), kmax.clone()
+    for i in range(0, 48):  # one token a call: no two tokens share a page
+        ids = torch.tensor([i])
+        ref.quest_update(w_min, w_max, k[ids], loc[ids], pos[ids], page, one_per_page=True)
+        torch.ops.sglang_prr_cuda.quest_update(d_min, d_max, k[ids].to(DEV), loc[ids].to(DEV),
+                                               pos[ids].to(DEV), page, True)
+    assert torch.equal(d_min.cpu()[1:], w_min[1:]) and torch.equal(d_max.cpu()[1:], w_max[1:])
     # The prefill kernel folds runs of consecutive tokens of one page: tokens in any order (page
     # changes at every token) give the same summaries.
     perm = torch.randperm(len(pos))

@@ -17,19 +17,12 @@ from sglang_prr import reference as ref
 
 pytestmark = pytest.mark.gpu
 
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA device (SM90 kernels)", allow_module_level=True)
-if torch.cuda.get_device_capability() != (9, 0):
-    pytest.skip("needs an SM90 GPU", allow_module_level=True)
+from sm90 import require_sm90  # noqa: E402  (the SM90 gate, tests/gpu/sm90.py)
 
-from sglang_prr import kernels, ops  # noqa: E402
+require_sm90()
+
+from sglang_prr import ops  # noqa: E402
 from test_kernels import DEV, make_pool, poison, random_lists, rel_err, seeded  # noqa: E402
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _lib():
-    assert kernels.load(), f"kernel library failed to build/load: {kernels.load_error()}"
-    yield
 
 
 def with_repeats(idx, cnt, reps=2):

@@ -37,6 +37,7 @@ import torch
 from ports import free_port
 
 pytestmark = pytest.mark.gpu
+NEEDS_KERNEL_LIBRARY = False  # the servers load it
 
 ON_CPU = os.environ.get("PRR_SERVER_TEST_ON_CPU") == "1"
 if not ON_CPU and (not torch.cuda.is_available()

@@ -193,7 +193,7 @@ def test_slot_reuse_resets_state():
     fb, q, k, v = w.batch([1], [20])
     b._before_forward(fb)
     assert int(b.state.n_init[0, 1]) == 0 and float(b.state.h_cnt[0, 1]) == 0
-    assert int(b.state.p_cnt[0, 1].sum()) == 0
+    assert int(b.state.p_cnt[0, 2:4].sum()) == 0  # both halves of row 1's P
     # Negative control: a row not handed out keeps its state.
     fb2, q, k, v = w.batch([2], [100])
     _forward(b, w, fb2, q, k, v)
@@ -347,11 +347,13 @@ def test_decode_updates_the_pool_rows_in_place(method):
     _forward(b, w, fb, q, k, v)
     names = ("level", "trend", "n_init", "p_idx", "p_cnt")
     before = {n: getattr(b.state, n).clone() for n in names}
+    par = b.state.p_par.clone()
     fb, q, k, v = w.batch([3, 1], [1, 1])
     _forward(b, w, fb, q, k, v)
     same = lambda a, c: torch.equal(a.isnan(), c.isnan()) and torch.equal(a.nan_to_num(), c.nan_to_num())
-    for n in names:  # row 2 sat the step out
-        assert same(getattr(b.state, n)[:, 2], before[n][:, 2]), n
+    for n in names:  # row 2 sat the step out (P: both halves of its double buffer, rows 4, 5)
+        rows2 = slice(4, 6) if n.startswith("p_") else 2
+        assert same(getattr(b.state, n)[:, rows2], before[n][:, rows2]), n
     assert not same(b.state.level[:, [1, 3]], before["level"][:, [1, 3]])
     # P(t+1) of layer 1, row 3 (batch entry 0), from the reference on the state before the step.
     from sglang_prr import reference as ref
@@ -367,7 +369,9 @@ def test_decode_updates_the_pool_rows_in_place(method):
                                       cfg.predicted_blocks, cfg.sink_blocks, cfg.local_blocks)
     # The step scored a batch of two, the reference one row: equal up to fp32 reassociation.
     assert torch.allclose(b.state.level[l, r:r + 1], lv, rtol=1e-5, atol=1e-6, equal_nan=True)
-    assert torch.equal(b.state.p_cnt[l, r], p_cnt[0]) and torch.equal(b.state.p_idx[l, r], p_idx[0])
+    nxt = 2 * r + 1 - int(par[r])  # P(t+1) went to the half P(t) was not in
+    assert torch.equal(b.state.p_cnt[l, nxt], p_cnt[0])
+    assert torch.equal(b.state.p_idx[l, nxt, :, :p_idx.shape[-1]], p_idx[0])
 
 
 @pytest.mark.parametrize("method", ["quest", "infllm_v2"])
@@ -398,7 +402,7 @@ def test_calibration_batched_over_layers_equals_per_layer(method):
         assert torch.allclose(getattr(a, name), getattr(b, name), rtol=1e-5, atol=1e-6,
                               equal_nan=True), name
     assert torch.equal(a.n_init, b.n_init) and torch.equal(a.p_cnt, b.p_cnt)
-    assert torch.equal(a.p_idx[:, 1:3], b.p_idx[:, 1:3])
+    assert torch.equal(a.p_idx[:, 2:6], b.p_idx[:, 2:6])  # rows 1, 2: both halves
     assert float(n.h_cnt.abs().sum()) == 0 and not torch.equal(a.p_cnt, n.p_cnt)
 
 

@@ -285,17 +285,21 @@ def dry(bench, monkeypatch):
     import types
     calls = {"n": 0}
 
-    def fake_time(cs, reps):
+    def fake_time(cs, reps, cold=False):
         for c in cs:
             c()
         calls["n"] += 1
-        return 1.0 + calls["n"], 0.9, 1.1
+        return 1.0 + calls["n"] + (0.5 if cold else 0.0), 0.9, 1.1
+
+    def fake_warm_cold(cs, reps, warmup=1, device="cuda"):
+        # cold = warm + 0.5 µs: the rows must take each column from its own timing
+        return {"warm": fake_time(cs, reps), "cold": (calls["n"] + 1.5, 0.9, 1.1)}
 
     monkeypatch.setattr(bench, "DEVICE", "cpu")
     monkeypatch.setattr(bench, "LAYER", (8, 2, 32))  # GQA 4 as in the real layer, smaller
     monkeypatch.setattr(bench, "ROTATE_BYTES", 1)
     monkeypatch.setattr(bench, "FI_WORKSPACE", 64)
-    monkeypatch.setattr(bench, "time_graph", fake_time)
+    monkeypatch.setattr(bench, "time_warm_cold", fake_warm_cold)
     monkeypatch.setattr(bench, "time_events", fake_time)
     monkeypatch.setattr(bench, "cuda_ops", lambda: types.SimpleNamespace(
         sparse_attn_partials=ref.sparse_attn_partials, quest_scores=ref.quest_scores,
@@ -314,6 +318,7 @@ def test_dry_run_attention_cpu(dry, tmp_path):
     import flashinfer.sparse  # noqa: F401
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, ()).item()))
     args = _att_args(dry, tmp_path)
+    args.copy_gbps = 1e-3  # the run's copy bandwidth (GB/s), for the _pct_copy columns
     # auto (fa3 in the stub) fails for page 16 only: fa2 takes that point, fa3 the others
     fake = _FakeFlashInfer(flashinfer, fail_bsa=("auto", (16,), "unsupported page size"))
     fi = dry.FiState(fake, [True], "auto")
@@ -322,6 +327,15 @@ def test_dry_run_attention_cpu(dry, tmp_path):
     for r in rows:
         for key in ("ours_partials", "ours_full", "fi_decode", "fi_bsa"):
             assert r[f"{key}_us"] > 0 and r[f"{key}_GBps"] > 0, (key, r)
+            # cold L2: its own timing (the stub's cold = warm + 0.5), its own GB/s and % copy
+            assert r[f"{key}_cold_us"] == pytest.approx(r[f"{key}_us"] + 0.5), (key, r)
+            assert r[f"{key}_cold_GBps"] * r[f"{key}_cold_us"] == pytest.approx(
+                r["kv_bytes"] / 1e3)
+            assert r[f"{key}_cold_pct_copy"] == pytest.approx(
+                100 * r[f"{key}_cold_GBps"] / args.copy_gbps)
+            assert r[f"{key}_pct_copy"] > r[f"{key}_cold_pct_copy"]
+        assert r["speedup_fi_decode_cold"] == pytest.approx(
+            r["fi_decode_cold_us"] / r["ours_partials_cold_us"])
         assert r["rotate"] == 4 and r["kv_bytes"] == r["batch"] * 2 * r["budget"] * 32 * 4
         # the stubs computed attention over head 0's tokens and matched ours on those tokens
         assert r["fi_decode_relerr"] < 1e-2 and r["fi_bsa_relerr"] < 1e-2, r
@@ -369,7 +383,22 @@ def test_dry_run_selection_cpu(dry, tmp_path):
         assert r["rotate"] == 2 and r["summary_bytes"] == r["batch"] * 128 * 2 * 32 * 8
         assert r["ours_full_GBps"] * r["ours_full_us"] == pytest.approx(
             (r["summary_bytes"] + r["state_bytes"]) / 1e3)
+        assert r["ours_full_cold_GBps"] * r["ours_full_cold_us"] == pytest.approx(
+            (r["summary_bytes"] + r["state_bytes"]) / 1e3)
+        assert r["ours_select_cold_us"] == pytest.approx(r["ours_select_us"] + 0.5)
+        assert "ours_select_pct_copy" not in r  # no copy bandwidth measured in this run
         if not fused:
             assert "fused_select_us" not in r and "quest_select: absent" in r["note"]
     text = dry.summary([], [dict(r, context=131072) for r in rows])
     assert text.splitlines()[-1].split()[0] == "3"
+    assert "cold L2" in text  # the rows have cold columns: the cold table follows
+
+
+def test_copy_bandwidth_counts_read_and_write(dry, monkeypatch):
+    """copy_GBps = 2 x bytes over the median copy time (read + write)."""
+    def one_ms_per_copy(calls, reps, warmup, device):
+        calls[0]()  # the copy itself runs
+        return 1000.0, 1000.0, 1000.0
+
+    monkeypatch.setattr(dry.common, "time_eager", one_ms_per_copy)
+    assert dry.copy_bandwidth(1 << 20, reps=2) == pytest.approx(2 * (1 << 20) / 1e-3 / 1e9)

@@ -48,3 +48,16 @@ def test_without_cuda_exits_with_a_clear_message(tmp_path):
         mod.main(["--out", str(tmp_path / "x.csv")])
     assert "needs a CUDA GPU" in str(e.value)
     assert not (tmp_path / "x.csv").exists()
+
+
+def test_cold_timing_is_one_call_per_flushed_replay(monkeypatch):
+    mod = _load()
+    seen = []
+    monkeypatch.setattr(mod.common, "time_graph",
+                        lambda calls, reps, cold=False: seen.append((len(calls), cold))
+                        or (1.0, 1.0, 1.0))
+    mod.time_graph(lambda: None, 5, 20)
+    mod.time_graph(lambda: None, 5, 20, cold=True)
+    assert seen == [(20, False), (1, True)]  # a flush between inner calls would be timed
+    assert mod.overlap(12.0, 15.0, 15.0) == pytest.approx(1.0)  # fully hidden
+    assert mod.overlap(12.0, 15.0, 27.0) == pytest.approx(0.0)  # not at all

@@ -12,7 +12,7 @@ import torch
 from sglang_prr import ops, profile_budget
 from sglang_prr.budget import SPECULATE_MARGIN, BudgetPolicy, BudgetProfile, check_profile
 from sglang_prr.config import PRRConfig, PRRConfigError
-from sglang_prr.step import DecodeStep, LayerState
+from sglang_prr.step import DecodeStep, new_layer_state
 from sglang_prr.synthetic import paged_kv
 
 SHAPE = dict(method="quest", num_qo_heads=32, num_kv_heads=8, head_dim=128, page_size=64,
@@ -130,10 +130,7 @@ def _step_world(seed, batch, ctx, page=16, hq=4, hk=2, d=16):
 
 
 def _state(rows, hk, nb, width):
-    return LayerState(torch.full((rows, hk, width), -1, dtype=torch.int32),
-                      torch.zeros(rows, hk, dtype=torch.int32), torch.zeros(rows, hk, nb),
-                      torch.zeros(rows, hk, nb), torch.zeros(rows, dtype=torch.long),
-                      torch.tensor([[0.5, 0.3, 0.2]]).repeat(rows, 1))
+    return new_layer_state(rows, hk, nb, width, (0.5, 0.3, 0.2), torch.device("cpu"))
 
 
 def test_step_follows_the_budget_per_batch_size():
@@ -165,11 +162,11 @@ def test_step_follows_the_budget_per_batch_size():
         assert (o - ref).abs().max() < 1e-5, f"seed {seed}: rows {rows}"
         if b.n_pred == 0:  # serial forward: the predictor state is left alone
             assert torch.equal(st.p_idx, before[0]) and torch.equal(st.level, before[1])
-        else:  # speculative forward: P(t+1) of |P| = 3 middle blocks + kept ones, in place
+        else:  # speculative forward: P(t+1) of |P| = 3 middle blocks + kept ones, at p_nxt
             assert not torch.equal(st.level, before[1])
-            cnt = st.p_cnt[r]
+            cnt = st.p_cnt[b.p_nxt]
             assert int(cnt.max()) <= 3 + sink + local and int(cnt.min()) > 0
-            assert (st.p_idx[r][..., 3 + sink + local:] == -1).all()
+            assert (st.p_idx[b.p_nxt][..., 3 + sink + local:] == -1).all()
     with pytest.raises(ValueError, match="budget gave"):
         DecodeStep("quest", k, width, sink, local, page, 0, exact=True, serial=False,
                    device=torch.device("cpu"), budget=lambda b: width + 1
@@ -213,17 +210,59 @@ def test_profiler_plumbing_on_cpu(tmp_path, capsys):
         "--hidden-size", "32", "--prr-block-size", "16", "--prr-top-k", "3",
         "--prr-top-k-unit", "blocks", "--prr-min-context", "64", "--contexts", "200",
         "--batch-sizes", "1,2", "--deltas", "1,2", "--iters", "1", "--repeats", "1",
-        "--layers", "2", "--dtype", "float32", "--out", str(out)])
+        "--layers", "2", "--dtype", "float32", "--hit-rate", "0.9", "--compare-hit-rate", "0.5",
+        "--out", str(out)])
     assert rc == 0
     prof = BudgetProfile.load(str(out))
     assert prof.batch_sizes == [1, 2] and prof.contexts == [200]
     assert sorted({d for _, _, d in prof.layer_us}) == [0.0, 1.0, 2.0]  # serial added
     assert prof.shape == dict(method="quest", num_qo_heads=4, num_kv_heads=2, head_dim=16,
                               page_size=16, top_k_tokens=48)
-    assert "choice" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "cells: layer time / serial DSA's at hit rate 0.9 / 0.5" in text
     pol = BudgetPolicy(_cfg(str(out), top_k=3, top_k_unit="blocks", block_size=16),
                        prof.shape)
     assert pol.delta(1) in (0.0, 1.0, 2.0)
+    # the compare hit rate: its own speculative times, serial DSA's shared
+    assert prof.meta["hit_rate"] == 0.9 and prof.meta["compare"]["hit_rate"] == 0.5
+    cmp = prof.compared()
+    assert cmp.meta["hit_rate"] == 0.5 and set(cmp.layer_us) == set(prof.layer_us)
+    assert all(cmp.layer_us[k] == prof.layer_us[k] for k in prof.layer_us if k[2] == 0.0)
+    assert any(cmp.layer_us[k] != prof.layer_us[k] for k in prof.layer_us if k[2] > 0.0)
+    rows = [ln for ln in profile_budget.table(prof, 4.0).splitlines() if ln.startswith("| 1 |")]
+    cell = rows[0].split("|")[4].strip()  # d=1: real / compare
+    assert cell == (f"{prof.layer_us[(1, 200, 1.0)] / prof.layer_us[(1, 200, 0.0)]:.3f} / "
+                    f"{cmp.layer_us[(1, 200, 1.0)] / prof.layer_us[(1, 200, 0.0)]:.3f}")
+    assert rows[0].split("|")[-2].strip().count("/") == 1  # the two choices
+    bare = BudgetProfile(prof.shape, prof.layer_us, {"hit_rate": 0.9})  # no compare entry
+    assert bare.compared() is None
+    assert " / " not in "\n".join(profile_budget.table(bare, 4.0).splitlines()[2:])
+
+
+def test_profiler_hit_rate_real_from_traces_or_recorded(tmp_path, monkeypatch):
+    """--hit-rate real: trace_replay.real_hit_rate's |P n A| / |A| at |P| = K on the traces
+    (tests/unit/test_trace_replay_real.py checks that number), or the recorded value when the
+    folder holds no trace; a number is taken as given."""
+    from sglang_prr import trace_replay
+    seen = []
+
+    def fake(path, k=None, delta=1.0, calib_rows=None):
+        seen.append((path, delta))
+        if path != "traces":
+            raise FileNotFoundError(path)
+        return dict(overlap=0.83114, per_layer={0: 0.8, 10: 0.9}, traces=4, k=16)
+
+    monkeypatch.setattr(trace_replay, "real_hit_rate", fake)
+    rate, where = trace_replay.profile_hit_rate("real", "traces")
+    assert rate == 0.8311 and seen == [("traces", 1.0)]  # at |P| = K
+    assert "4 requests" in where and "K = 16 blocks" in where and "layer 10 0.900" in where
+    rate, where = trace_replay.profile_hit_rate("real", str(tmp_path / "none"))
+    assert rate == trace_replay.REAL_HIT_RATE_AT_K and "recorded" in where
+    assert trace_replay.profile_hit_rate(0.7, "traces") == (0.7, "given (--hit-rate)")
+    assert len(seen) == 2  # a given number reads no trace
+    a = profile_budget.parse_args(["--device", "cpu", "--num-qo-heads", "4", "--num-kv-heads",
+                                   "2", "--head-dim", "16", "--out", str(tmp_path / "p.json")])
+    assert a.hit_rate == "real" and a.compare_hit_rate == 0.7  # the defaults
 
 
 @pytest.mark.parametrize("argv, match", [
@@ -231,6 +270,8 @@ def test_profiler_plumbing_on_cpu(tmp_path, capsys):
     (["--deltas", "0.5"], "deltas are 0"),
     (["--deltas", "8"], "max-budget"),
     (["--hit-rate", "1.5"], "hit-rate"),
+    (["--hit-rate", "high"], "allowed 0..1 or 'real'"),
+    (["--compare-hit-rate", "-0.1"], "allowed 0..1"),
     (["--prr-method", "dense"], "nothing to profile"),
     (["--num-kv-heads", "3"], "must divide"),
 ])

@@ -1,10 +1,9 @@
 """benchmarks/profile_trace.py on small synthetic chrome traces: only ``kernel`` events count,
-per step, per layer and per kernel name; and the grid, CSV merge and profile table of
-benchmarks/bench_serving.py (no sglang or torch needed)."""
+per step, per layer and per kernel name, and the batch size of every recorded step (no sglang
+or torch needed; benchmarks/bench_serving.py has its own tests in test_bench_serving.py)."""
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import importlib.util
 import json
@@ -103,37 +102,12 @@ def test_rejects_zero_steps(tmp_path):
         mod.summarize(_write(tmp_path, _events()), num_layers=2, steps=0)
 
 
-def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_serving", os.path.join(HERE, "..", "..", "benchmarks", "bench_serving.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-def test_bench_default_grid_and_dense_reference():
-    bench = _bench()
-    a = argparse.Namespace(
-        variants=["dense", "serial", "prr"], contexts=[32768, 131072], batches=[1, 8],
-        skip=[(131072, 8)], dense_ref_ctx=4096)
-    plan = bench.plan(a)
-    grid = [(32768, 1, False), (32768, 8, False), (131072, 1, False)]
-    assert plan["dense"] == [(4096, 1, True)] + grid  # the reference row: dense only
-    assert plan["serial"] == plan["prr"] == grid
-    a.dense_ref_ctx, a.skip = 0, []
-    assert len(bench.plan(a)["dense"]) == 4  # no reference, 131072 x 8 back in
-
-
-def test_bench_profile_table_and_append(tmp_path):
-    bench = _bench()
-    path = str(tmp_path / "serving.csv")
-    row = lambda v, ctx, k: dict(variant=v, ctx=ctx, batch=1, median_itl_ms=1.0,
-                                 kernels_per_step=k, kernels_per_layer=None,
-                                 gpu_busy_ms_per_step=None)
-    bench._write([row("dense", 4096, 300.0), row("prr", 32768, None)], path)
-    bench._write(bench._merge(bench._read(path), [row("prr", 32768, 500.0)]), path)
-    assert [(r["variant"], r["kernels_per_step"]) for r in bench._read(path)] == \
-        [("dense", "300.0"), ("prr", "500.0")]  # the new prr row replaced the old one
-    bench._write_profile_table(path)
-    table = (tmp_path / "serving_profile.md").read_text().splitlines()
-    assert len(table) == 4 and table[3].startswith("| prr | 32768 | 1 | 500.0 |")
+def test_step_batches_split_decode_from_other_steps():
+    mod = _load()
+    bs, other = mod.step_batches({"step[DECODE bs=8]": 5, "step[DECODE bs=1]": 1,
+                                  "step[EXTEND bs=2 toks=128]": 2, "step[IDLE bs=0]": 1})
+    assert bs == {1: 1, 8: 5}
+    assert other == {"step[EXTEND bs=2 toks=128]": 2, "step[IDLE bs=0]": 1}
+    # negative control: no decode step at all
+    assert mod.step_batches({"step[EXTEND bs=8 toks=64]": 3}) == (
+        {}, {"step[EXTEND bs=8 toks=64]": 3})

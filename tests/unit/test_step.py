@@ -1,7 +1,7 @@
 """``step.DecodeStep`` on CPU over several decode steps, the state in the request pool as the server
-holds it: PRR (exact) == serial DSA with a fresh query every step, P(t+1) written in place at the
-batch's slots (and nowhere else), with negative controls: DSA != dense, PRR without repair !=
-serial DSA.
+holds it: PRR (exact) == serial DSA with a fresh query every step, the Holt state updated in place
+at the batch's slots and P(t+1) written into the other half of P's double buffer (and nowhere
+else), with negative controls: DSA != dense, PRR without repair != serial DSA.
 
 The budget per batch size is in ``test_budget.py``; the backend end to end in
 ``tests/integration/test_backend_inproc.py``; two streams in CUDA graphs in
@@ -29,9 +29,9 @@ WIDTH = N_PRED + SINK + LOCAL + 3  # the pool's P is wider than this step's |P| 
 
 def _garbage_state(R, hk, nb, g):
     """Pool-wide state with recognisable values in every row (rows outside a batch must keep
-    them): P = 7, random history and theta."""
-    return LayerState(torch.full((R, hk, WIDTH), 7, dtype=torch.int32),
-                      torch.full((R, hk), 1, dtype=torch.int32),
+    them): P = 7 in both halves of its double buffer, random history and theta."""
+    return LayerState(torch.full((2 * R, hk, WIDTH), 7, dtype=torch.int32),
+                      torch.full((2 * R, hk), 1, dtype=torch.int32),
                       torch.randn(R, hk, nb, generator=g),
                       torch.randn(R, hk, nb, generator=g) * 0.1,
                       torch.randint(1, nb, (R,), generator=g),
@@ -66,8 +66,10 @@ def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method):
     prr, serial, norep = mk(False), mk(True), mk(False, skip_repair=True)
     st = _garbage_state(R, hk, nb, g)
     # The requests start with no history (as a fresh slot after prefill without calibration).
-    st.p_idx[P.rows], st.p_cnt[P.rows], st.n_init[P.rows] = -1, 0, 0
+    both = torch.cat([2 * P.rows, 2 * P.rows + 1])
+    st.p_idx[both], st.p_cnt[both], st.n_init[P.rows] = -1, 0, 0
     st.level[P.rows], st.trend[P.rows] = 0.0, 0.0
+    par = torch.zeros(R, dtype=torch.long)  # which half of P each request reads
     n_done = [0] * len(lens)  # tokens decoded per request
     q0 = torch.randn(len(lens), 8, 16, generator=g)
     repaired = middle_hits = 0
@@ -82,8 +84,10 @@ def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method):
         # A fresh query every step, drifting around each request's own direction; scaled up so
         # attention is peaked and the choice of blocks changes the output.
         q = (q0[b_ids] + DRIFT * torch.randn(len(batch), 8, 16, generator=g)) * 3
-        before = _clone(st)
-        b = prr.plan(P.req_to_token, rows, seq)
+        before, par_before = _clone(st), par.clone()
+        b = prr.plan(P.req_to_token, rows, seq, par)
+        assert torch.equal(b.p_cur, 2 * rows + par_before[rows])
+        assert torch.equal(par[rows], 1 - par_before[rows]), "the parity flips"
         stats = torch.zeros(4, dtype=torch.int64)
         o = prr.run(q, P.k_buf, P.v_buf, summary, b, st, stats, P.sm_scale, torch.float32)
         want = serial.run(q, P.k_buf, P.v_buf, summary, serial.plan(P.req_to_token, rows, seq),
@@ -104,22 +108,26 @@ def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method):
         scores = ops.select_blocks(method, q, summary, b.table, seq, PAGE, P.sm_scale).float()
         ref.predict_update_rows(expect.level, expect.trend, expect.n_init, expect.p_idx,
                                 expect.p_cnt, expect.theta, rows, scores, b.nblk, b.nblk_next,
-                                N_PRED, SINK, LOCAL)
+                                N_PRED, SINK, LOCAL, p_rows=b.p_nxt)
         for name, got, exp in zip(LayerState._fields, st, expect):
             _same(got, exp, f"{msg}: {name}")
         out = torch.ones(R, dtype=torch.bool)
         out[rows] = False
+        out_p = torch.ones(2 * R, dtype=torch.bool)
+        out_p[b.p_nxt] = False  # P(t) (at p_cur) is read, never written
         for name, got, old in zip(LayerState._fields, st, before):
-            _same(got[out], old[out], f"{msg}: {name} changed outside the batch")
+            mask = out_p if name in ("p_idx", "p_cnt") else out
+            _same(got[mask], old[mask], f"{msg}: {name} changed outside the batch")
         assert not torch.equal(st.level[rows], before.level[rows]), msg  # control: it did update
         n_p = N_PRED + SINK + LOCAL  # P(t+1): non-empty, at most |P| + kept, -1 padded
-        assert 0 < int(st.p_cnt[rows].min()) and int(st.p_cnt[rows].max()) <= n_p, msg
-        assert (st.p_idx[rows][..., n_p:] == -1).all(), msg
+        assert 0 < int(st.p_cnt[b.p_nxt].min()) and int(st.p_cnt[b.p_nxt].max()) <= n_p, msg
+        assert (st.p_idx[b.p_nxt][..., n_p:] == -1).all(), msg
         # Negative control on the same state: without the repair over M = A \ P(t), PRR differs
         # from serial DSA whenever P(t) missed a block of A.
         if t > 0 and int(stats[1]) > 0:
             st_n = _clone(before)
-            o_n = norep.run(q, P.k_buf, P.v_buf, summary, norep.plan(P.req_to_token, rows, seq),
+            o_n = norep.run(q, P.k_buf, P.v_buf, summary,
+                            norep.plan(P.req_to_token, rows, seq, par_before.clone()),
                             st_n, None, P.sm_scale, torch.float32)
             assert not (rel_err(o_n, want) < 1e-3), msg
             repaired += 1

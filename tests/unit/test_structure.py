@@ -154,3 +154,25 @@ def test_size_cases_cover_the_package():
     assert {"backend.py", "kernels/__init__.py", "kernels/attention.cu", "kernels/common.cuh",
             "kernels/binding.cpp"} <= ids
     assert "reference.py" not in ids and set(SIZE_PENDING) <= ids
+
+
+def test_counter_layout_is_one_definition():
+    """The decode counters' slots: contracts.STATS_SLOTS and the kernels' StatSlot enum name the
+    same slots in the same order (control: a reordered copy of the header does not match)."""
+    import re
+
+    from sglang_prr import contracts
+
+    header = (PKG / "kernels" / "prr_kernels.h").read_text()
+
+    def slots(text):
+        body = re.search(r"enum StatSlot : int \{(.*?)\};", text, re.S).group(1)
+        pairs = re.findall(r"kStat(\w+) = (\d+)", body)
+        named = sorted((int(v), n.lower()) for n, v in pairs)
+        n = int(re.search(r"kNumStatSlots = (\d+)", body).group(1))
+        return [name for _, name in named], n
+
+    names, n = slots(header)
+    assert names == list(contracts.STATS_SLOTS) and n == len(contracts.STATS_SLOTS)
+    swapped = header.replace("kStatSelected = 0", "kStatSelected = 9")
+    assert slots(swapped)[0] != list(contracts.STATS_SLOTS)

@@ -1,0 +1,291 @@
+"""One question: what does each sparse-decode kernel cost at the serving shape, with a cold L2,
+and which of its stages does the time go to?
+
+The kernels alone, on the ops the decode step calls (no FlashInfer, no SGLang; ``bench_kernels``
+puts ours beside FlashInfer's paged decode): per call, CUDA-graph replays of ``R`` calls over
+input sets rotated so that their bytes exceed 3x the L2, each replay after an L2 flush
+(``common.time_graph(cold=True)``), and the same replays of one input set ("warm"). The copy
+bandwidth of the device is measured in the same run (a 1 GiB device-to-device copy, read + write
+bytes) and every row reports GB/s over the bytes it must read and the share of that bandwidth.
+
+* ``attention``: serial DSA's attention over A with its merge (``sparse_attn_merge``), the
+  per-block partials alone (PRR's speculative pass, ``sparse_attn_partials``), and PRR's repair
+  over |M| = 1, 2, 4, 8 blocks merged with the speculative partials of P n A (batch 1).
+* ``selection``: Quest's selection (scores, A, M: ``quest_select``) and PRR's selection with the
+  predictor's step in its epilogue (``quest_select_predict``), bf16 summaries. The kernel the
+  launcher picks is the one-pass kernel where it fits; ``SGLANG_PRR_SELECT_KERNEL=rowtail`` runs
+  the row-tail kernels instead, and ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass
+  kernel after its chunks' pass / the tail's loads / the tail's merges (timing probes of where
+  the time goes; the outputs are then incomplete). Both are read once per process: one run per
+  setting, the ``select_kernel`` and ``debug_stop`` columns say which.
+
+Shape: Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16), page 64, K = 2048 tokens
+(32 blocks + sink + local), |P| = 48 blocks (delta 1.5).
+
+    python benchmarks/bench_kernel_stages.py --csv benchmarks/results/kernel_stages_h200.csv
+    SGLANG_PRR_SELECT_DEBUG_STOP=1 python benchmarks/bench_kernel_stages.py --parts selection \\
+        --append --csv benchmarks/results/kernel_stages_h200.csv
+    python benchmarks/bench_kernel_stages.py --device cpu --quick --csv /tmp/k.csv  # plumbing
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import common  # noqa: E402  (the benchmarks' one graph timer)
+from sglang_prr import ops  # noqa: E402
+
+HQ, HK, D = 32, 8, 128
+COLUMNS = ["part", "case", "batch", "ctx", "tokens", "m_blocks", "cold_us", "warm_us",
+           "bytes", "cold_GBps", "pct_copy", "copy_GBps", "select_kernel", "debug_stop"]
+
+
+def copy_gbps(dev) -> float:
+    """Device-to-device copy bandwidth, read + write bytes (0 on a CPU)."""
+    if dev.type != "cuda":
+        return 0.0
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    e0, e1 = torch.cuda.Event(True), torch.cuda.Event(True)
+    e0.record()
+    for _ in range(10):
+        y.copy_(x)
+    e1.record()
+    e1.synchronize()
+    return 2 * x.numel() * 10 / (e0.elapsed_time(e1) * 1e-3) / 1e9
+
+
+def n_sets(bytes_per_set: int, dev) -> int:
+    """Input sets to rotate so that a replay's inputs exceed 3x the L2."""
+    return max(2, int(3 * common.l2_bytes(dev) // max(bytes_per_set, 1)) + 1)
+
+
+def attention_sets(B, ntok, page, nblk_ctx, R, dev, g):
+    """R input sets: B requests of ``nblk_ctx`` blocks each, lists of ntok/page + 2 blocks
+    (the sink, the newest and random middle ones) on distinct pages."""
+    na = ntok // page + 2
+    pages_per = B * na
+    kv = torch.randn(R * pages_per * page + page, 2, HK, D, generator=g).to(dev, torch.bfloat16)
+    sets = []
+    for r in range(R):
+        table = torch.zeros(B, nblk_ctx, dtype=torch.int32)
+        idx = torch.empty(B, HK, na, dtype=torch.int32)
+        for b in range(B):
+            mid = torch.sort(torch.randperm(nblk_ctx - 2, generator=g)[: na - 2] + 1).values
+            ids = torch.cat([torch.tensor([0]), mid, torch.tensor([nblk_ctx - 1])])
+            table[b, ids] = torch.arange(na, dtype=torch.int32) + 1 + r * pages_per + b * na
+            idx[b] = ids.to(torch.int32)
+        sets.append(dict(q=torch.randn(B, HQ, D, generator=g).to(dev, torch.bfloat16),
+                         table=table.to(dev), idx=idx.to(dev),
+                         cnt=torch.full((B, HK), na, dtype=torch.int32, device=dev),
+                         sl=torch.full((B,), nblk_ctx * page, dtype=torch.int64, device=dev)))
+    return kv[:, 0], kv[:, 1], sets, na
+
+
+def bench_attention(a, dev, g, bw, rows):
+    page, sm = a.page, 1.0 / math.sqrt(D)
+    for B, ntok in a.attn_points:
+        per = B * HK * (ntok + 2 * page) * D * 2 * 2  # the listed pages' K and V
+        R = 2 if a.quick else n_sets(per, dev)
+        k_buf, v_buf, sets, na = attention_sets(B, ntok, page, a.ctx_blocks, R, dev, g)
+
+        def merge(s, **kw):
+            return ops.sparse_attn_merge(s["q"], k_buf, v_buf, s["table"], s["sl"], s["idx"],
+                                         s["cnt"], page, sm, None, None, None, None, None, None,
+                                         0, True, out_dtype=torch.bfloat16)
+
+        def partials(s):
+            return ops.sparse_attn_partials(s["q"], k_buf, v_buf, s["table"], s["sl"], s["idx"],
+                                            s["cnt"], page, sm)
+
+        cases = [("serial (attention + merge)", merge, 0)]
+        if B == 1:
+            cases.append(("partials", partials, 0))
+        for name, fn, m in cases:
+            rows.append(_row("attention", name, B, a.ctx_blocks * page, ntok, m, per, R, sets, fn,
+                             a, dev, bw))
+        if B == 1:
+            for m in a.repair_blocks:
+                calls = []
+                for s in sets:
+                    o_s, l_s = partials(s)
+                    mi = s["idx"].clone()
+                    mi[:, :, :m] = s["idx"][:, :, na - m:]  # M: the last m blocks of A
+                    mc = torch.full_like(s["cnt"], m)
+                    pc = torch.full_like(s["cnt"], na - m)  # P: the first |A| - m blocks
+                    calls.append(lambda s=s, o_s=o_s, l_s=l_s, mi=mi, mc=mc, pc=pc:
+                                 ops.sparse_attn_merge(s["q"], k_buf, v_buf, s["table"], s["sl"],
+                                                       mi, mc, page, sm, o_s, l_s, s["idx"], pc,
+                                                       s["idx"], s["cnt"], s["table"].shape[1],
+                                                       True, out_dtype=torch.bfloat16))
+                rows.append(_timed_row("attention", f"repair + merge, |M| = {m}", B,
+                                       a.ctx_blocks * page, ntok, m, B * HK * m * page * D * 4,
+                                       calls, a, dev, bw))
+        del k_buf, v_buf, sets
+
+
+def selection_sets(B, NB, R, n_pred, dev, g):
+    sets = []
+    for _ in range(R):
+        P = B * NB + 1
+        lo = torch.randn(P, HK, D, generator=g)
+        hi = lo + torch.rand(P, HK, D, generator=g)
+        sets.append(dict(
+            kmin=lo.to(dev, torch.bfloat16), kmax=hi.to(dev, torch.bfloat16),
+            table=(torch.arange(B * NB, dtype=torch.int32).view(B, NB) + 1).to(dev),
+            nblk=torch.full((B,), NB, dtype=torch.int64, device=dev),
+            q=torch.randn(B, HQ, D, generator=g).to(dev, torch.bfloat16),
+            rows=torch.arange(B, device=dev),
+            level=torch.randn(B, HK, NB, generator=g).to(dev),
+            trend=(torch.randn(B, HK, NB, generator=g) * 0.1).to(dev),
+            n_init=torch.full((B,), NB, dtype=torch.int64, device=dev),
+            p_idx=torch.sort(torch.randint(0, NB, (2 * B, HK, n_pred + 2), generator=g,
+                                           dtype=torch.int32), -1).values.to(dev),
+            p_cnt=torch.full((2 * B, HK), n_pred + 2, dtype=torch.int32, device=dev),
+            theta=torch.tensor([[0.6, 0.3, 0.5]] * B, device=dev)))
+    return sets
+
+
+def bench_selection(a, dev, g, bw, rows):
+    k, sink, local, n_pred = a.top_k // a.page, 1, 1, a.n_pred
+    n_out = k + sink + local
+    for B, ctx in a.sel_points:
+        NB = ctx // a.page
+        per = B * NB * HK * D * 2 * 2  # bf16 kmin and kmax of every block
+        R = 2 if a.quick else n_sets(per, dev)
+        sets = selection_sets(B, NB, R, n_pred, dev, g)
+
+        def select(s):
+            return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"],
+                                    s["p_idx"], s["p_cnt"], k, sink, local, n_out, 2 * s["rows"])
+
+        def select_predict(s):
+            return ops.quest_select_predict(
+                s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], s["nblk"] + 1, s["p_idx"],
+                s["p_cnt"], 2 * s["rows"], 2 * s["rows"] + 1, s["level"], s["trend"],
+                s["n_init"], s["theta"], s["rows"], k, n_pred, sink, local, n_out)
+
+        for name, fn in (("select (scores, A, M)", select),
+                         ("select + predictor", select_predict)):
+            rows.append(_row("selection", name, B, ctx, 0, 0, per, R, sets, fn, a, dev, bw))
+        del sets
+
+
+def _row(part, case, B, ctx, tokens, m, nbytes, R, sets, fn, a, dev, bw):
+    return _timed_row(part, case, B, ctx, tokens, m, nbytes,
+                      [lambda s=s: fn(s) for s in sets], a, dev, bw)
+
+
+def _timed_row(part, case, B, ctx, tokens, m, nbytes, calls, a, dev, bw):
+    cold = common.time_graph(calls, a.reps, cold=True, device=dev)[0]
+    warm = common.time_graph(calls[:1] * len(calls), a.reps, device=dev)[0]
+    gbps = nbytes / cold / 1e3
+    row = dict(part=part, case=case, batch=B, ctx=ctx, tokens=tokens, m_blocks=m,
+               cold_us=round(cold, 2), warm_us=round(warm, 2), bytes=nbytes,
+               cold_GBps=round(gbps, 1), pct_copy=round(100 * gbps / bw, 1) if bw else None,
+               copy_GBps=round(bw, 1), select_kernel=os.environ.get("SGLANG_PRR_SELECT_KERNEL",
+                                                                    "auto"),
+               debug_stop=int(os.environ.get("SGLANG_PRR_SELECT_DEBUG_STOP", "0")))
+    print(f"{part:10s} {case:30s} B={B:<3d} ctx={ctx:<7d} tok={tokens:<5d} cold {cold:9.2f} us"
+          f"  warm {warm:9.2f} us  {gbps:7.0f} GB/s", flush=True)
+    return row
+
+
+def plot(rows, png: str) -> None:
+    """Cold µs per case, one panel per part (the bars' labels name batch and size)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    parts = sorted({r["part"] for r in rows})
+    fig, axes = plt.subplots(len(parts), 1, figsize=(10, 3.2 * len(parts)), squeeze=False)
+    for ax, part in zip(axes[:, 0], parts):
+        rs = [r for r in rows if r["part"] == part]
+        labels = [f"{r['case']}\nB={r['batch']} " + (f"{r['tokens']} tok" if part == "attention"
+                                                    else f"{int(r['ctx']) // 1024}K")
+                  for r in rs]
+        ax.barh(range(len(rs)), [float(r["cold_us"]) for r in rs], color="tab:blue",
+                label="cold L2")
+        ax.barh(range(len(rs)), [float(r["warm_us"]) for r in rs], color="tab:orange",
+                alpha=0.6, label="warm L2")
+        ax.set_yticks(range(len(rs)))
+        ax.set_yticklabels(labels, fontsize=7)
+        ax.set_xlabel("µs per call")
+        ax.set_title(part)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+
+
+def _point(text: str) -> tuple:
+    a, b = text.lower().split("x")
+    return int(a), int(b)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--parts", nargs="+", choices=["attention", "selection"],
+                    default=["attention", "selection"])
+    ap.add_argument("--attn-points", type=_point, nargs="+",
+                    default=[(1, 2048), (8, 2048), (32, 2048), (8, 8192), (32, 8192)],
+                    metavar="BATCHxTOKENS", help="attention: batch x selected tokens")
+    ap.add_argument("--repair-blocks", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--ctx-blocks", type=int, default=2048,
+                    help="blocks in each request's table (the attention lists' range)")
+    ap.add_argument("--sel-points", type=_point, nargs="+",
+                    default=[(1, 32768), (1, 131072), (8, 131072), (32, 131072)],
+                    metavar="BATCHxCTX", help="selection: batch x context tokens")
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=2048, help="K in tokens")
+    ap.add_argument("--n-pred", type=int, default=48, help="|P| in blocks")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes (plumbing on a CPU)")
+    ap.add_argument("--csv", default=str(ROOT / "benchmarks" / "results" / "kernel_stages.csv"))
+    ap.add_argument("--append", action="store_true", help="add rows to an existing CSV")
+    a = ap.parse_args(argv)
+    dev = torch.device(a.device)
+    if a.quick:
+        a.attn_points, a.repair_blocks, a.ctx_blocks = [(1, 64), (2, 64)], [1, 2], 16
+        a.sel_points, a.page, a.top_k, a.n_pred, a.reps = [(1, 512), (2, 512)], 16, 64, 6, 2
+    g = torch.Generator().manual_seed(0)
+    bw = copy_gbps(dev)
+    print(f"device {dev}, copy bandwidth {bw:.0f} GB/s, L2 {common.l2_bytes(dev) >> 20} MiB")
+    rows = []
+    if "attention" in a.parts:
+        bench_attention(a, dev, g, bw, rows)
+    if "selection" in a.parts:
+        bench_selection(a, dev, g, bw, rows)
+    old = []
+    if a.append and os.path.exists(a.csv):
+        with open(a.csv) as f:
+            old = list(csv.DictReader(f))
+    os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
+    with open(a.csv, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(old + rows)
+    print(f"wrote {len(rows)} rows to {a.csv}")
+    plot(old + rows, os.path.splitext(a.csv)[0] + ".png")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,485 @@
+// PRR's Quest selection on SM90 in one pass over the summaries: scores, top-K (A), M = A \ P(t)
+// and, with the predictor's state given, its step (Holt update, P(t+1)) in the same launch
+// (quest_select_onepass_kernel), and the launcher that picks it or the row-tail kernel of
+// selection.cu (then the predictor's own kernel). Every kernel is graph-safe: static launch
+// shapes, device-side counts, no host reads.
+#include "prr_kernels.h"
+#include "common.cuh"
+#include "topk.cuh"
+
+#include <cuda_bf16.h>
+#include <cub/block/block_scan.cuh>
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <cmath>
+
+namespace prr {
+namespace {
+
+// ============================================================================ one-pass selection
+// Quest scores, top-K (A), M = A \ P(t), and with the predictor set the Holt update of the
+// row's state and P(t+1), in one launch and one pass over the bf16 (or fp32) summaries.
+// Grid (chunks of kOpChunk blocks, Hk, B), kOpThreads threads. A CTA scores its chunk with D/8
+// lanes per block (16-byte loads; q of the GQA group in registers), updates the chunk's level and
+// trend while the scores are in registers, and keeps its chunk's best min(K, chunk) blocks by score
+// and best min(|P|, chunk) by prediction: composite keys (order key << 32 | ~id: larger is better,
+// ties to the lower id, as the reference's stable sort), ranked among the chunk and written to a
+// candidate workspace. The last CTA of the row merges the chunks' sorted candidate lists pairwise
+// (merge path, truncated to K) in log2(chunks) rounds, then writes A, M and P(t+1) as ascending
+// lists with the kept sink/local blocks. Every CTA of a request counts itself out on a second
+// counter, and the last one raises n_init, after every CTA has read it.
+constexpr int kOpThreads = 256;
+constexpr int kOpChunk = 64;
+constexpr size_t kOpMaxSmem = 160 * 1024;
+
+__device__ __forceinline__ unsigned long long comp_key(uint32_t key, int id) {
+  return key ? ((unsigned long long)key << 32) | (unsigned long long)(0xFFFFFFFFu - (uint32_t)id)
+             : 0ull;
+}
+__device__ __forceinline__ int comp_id(unsigned long long ck) {
+  return (int)(0xFFFFFFFFu - (uint32_t)(ck & 0xFFFFFFFFull));
+}
+__device__ __forceinline__ int clamp_nb(int64_t x, int hi) {
+  return (int)(x < 0 ? 0 : (x > hi ? hi : x));
+}
+
+// 8 summary values as raw registers (loaded early, converted at use: half the registers of
+// floats for bf16).
+template <typename S> struct Sum8;
+template <> struct Sum8<float> {
+  float4 x, y;
+  __device__ __forceinline__ void load(const float* p) {
+    x = __ldg(reinterpret_cast<const float4*>(p));
+    y = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  }
+  __device__ __forceinline__ void get(float* f) const {
+    f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w; f[4] = y.x; f[5] = y.y; f[6] = y.z; f[7] = y.w;
+  }
+};
+template <> struct Sum8<__nv_bfloat16> {
+  uint4 u;
+  __device__ __forceinline__ void load(const __nv_bfloat16* p) {
+    u = __ldg(reinterpret_cast<const uint4*>(p));
+  }
+  __device__ __forceinline__ void get(float* f) const {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) { const float2 v = __bfloat1622float2(h[i]); f[2 * i] = v.x; f[2 * i + 1] = v.y; }
+  }
+};
+
+// out[p] for p < min(K, cx + cy): the (p+1)-th largest of two descending lists (merge path).
+__device__ __forceinline__ unsigned long long merge_at(const unsigned long long* X, int cx,
+                                                      const unsigned long long* Y, int cy,
+                                                      int p) {
+  int lo = p - cy > 0 ? p - cy : 0, hi = p < cx ? p : cx;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (X[mid] > Y[p - mid - 1]) lo = mid + 1; else hi = mid;
+  }
+  const int j = p - lo;
+  return (lo < cx && (j >= cy || X[lo] > Y[j])) ? X[lo] : Y[j];
+}
+
+// Writes the ascending list [0, lo) ++ ids ++ [hi, n) (ids ascending, lo <= ids < hi) clamped
+// to width w, -1 padded, and its count (also into `copy`, shared memory, when given); returns
+// the count. Called by the whole CTA.
+__device__ int write_kept_list(const int* ids, int nid, int lo, int hi, int n, int32_t* out,
+                               int w, int32_t* cnt, int* copy = nullptr) {
+  const int nlo = lo, nhi = n > hi ? n - hi : 0;
+  const int total = nlo + nid + nhi;
+  for (int e = threadIdx.x; e < w; e += blockDim.x) {
+    int x = -1;
+    if (e < total) x = e < nlo ? e : (e < nlo + nid ? ids[e - nlo] : hi + (e - nlo - nid));
+    out[e] = x;
+    if (copy) copy[e] = x;
+  }
+  const int c = total < w ? total : w;
+  if (threadIdx.x == 0) *cnt = c;
+  return c;
+}
+
+// Three CTAs per SM (<= 85 registers): more requests in flight for the latency-bound chain.
+template <typename S, int D>
+__global__ void __launch_bounds__(kOpThreads, 3)
+quest_select_onepass_kernel(SelectArgs a) {
+  constexpr int L = D / 8;               // lanes per block (8 dims each)
+  constexpr int BPP = kOpThreads / L;    // blocks per pass
+  constexpr int PASSES = kOpChunk / BPP;
+  extern __shared__ __align__(16) unsigned char s_dyn[];
+  __shared__ unsigned long long s_ck[2][kOpChunk];
+  __shared__ __align__(16) float s_q[kMaxGroup * D];  // q of the GQA group (few registers)
+  const int ch = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  const int tid = threadIdx.x, grp = tid / L, ln = tid % L;
+  const int G = a.Hq / a.Hk, NB = a.NB;
+  const bool pred = a.level != nullptr;
+  const int64_t row = (int64_t)b * a.Hk + hk;
+  // ---- every load that does not depend on another, in one round trip: the block counts, q,
+  // the chunk's pages (read for every block of the table's width: the count is not known yet),
+  // the state and theta. A chunk past the row's blocks then exits.
+  // Issue order matters: the pages first (the summaries wait on them), q kept in registers until
+  // the summary loads are out, the state (which waits on the request's row) last.
+  int64_t page[PASSES];
+#pragma unroll
+  for (int p = 0; p < PASSES; ++p) {
+    const int blk = ch * kOpChunk + p * BPP + grp;
+    page[p] = blk < NB ? ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64) : 0;
+  }
+  const int nb = clamp_nb(ld_index(a.nblk, b, a.nblk64), NB);
+  const int nbn = pred ? clamp_nb(ld_index(a.nblk_next, b, a.nblk_next64), NB) : nb;
+  float qf8[8];
+  const int qe = tid * 8;  // G * D <= 8 * kOpThreads: one 8-wide piece per thread at most
+  if (qe < G * D) load8_any(a.q, b * a.q_stride + (int64_t)hk * G * D + qe, a.q_dtype, qf8);
+  const int64_t srow = pred ? slot_of(a.rows, a.rows64, b) : 0;
+  float al = 0.f, be = 0.f, gam = 0.f;
+  int ninit = 0;
+  float l0[PASSES], v0[PASSES];
+  const int64_t srow_hk = (srow * a.Hk + hk) * NB;
+  if (pred) {
+    al = a.theta[srow * a.theta_stride];
+    be = a.theta[srow * a.theta_stride + 1];
+    gam = a.theta[srow * a.theta_stride + 2];
+    ninit = clamp_nb(ld_index(a.n_init, srow, a.ninit64), NB);
+  }
+#pragma unroll
+  for (int p = 0; p < PASSES; ++p) {
+    const int blk = ch * kOpChunk + p * BPP + grp;
+    l0[p] = v0[p] = 0.f;
+    if (pred && ln == 0 && blk < NB) { l0[p] = a.level[srow_hk + blk]; v0[p] = a.trend[srow_hk + blk]; }
+  }
+  const int Lr = max(nb, nbn);
+  const int nch = max((Lr + kOpChunk - 1) / kOpChunk, 1);
+  if (ch >= nch) return;  // chunks past the row's blocks (the table is as wide as the longest)
+  // ---- the summaries (second round trip), all passes in flight
+  Sum8<S> rlo[PASSES], rhi[PASSES];
+  const S* kmin = reinterpret_cast<const S*>(a.kmin);
+  const S* kmax = reinterpret_cast<const S*>(a.kmax);
+#pragma unroll
+  for (int p = 0; p < PASSES; ++p) {
+    const int blk = ch * kOpChunk + p * BPP + grp;
+    if (blk < nb) {
+      const int64_t off = (page[p] * a.Hk + hk) * D + ln * 8;
+      rlo[p].load(kmin + off);
+      rhi[p].load(kmax + off);
+    }
+  }
+  const int ninit_new = max(ninit, nb);
+  float* srow_out = a.scores ? a.scores + row * NB : nullptr;
+  if (qe < G * D) {
+    *reinterpret_cast<float4*>(s_q + qe) = make_float4(qf8[0], qf8[1], qf8[2], qf8[3]);
+    *reinterpret_cast<float4*>(s_q + qe + 4) = make_float4(qf8[4], qf8[5], qf8[6], qf8[7]);
+  }
+  __syncthreads();  // s_q
+#pragma unroll
+  for (int p = 0; p < PASSES; ++p) {
+    const int blk = ch * kOpChunk + p * BPP + grp;
+    float part = 0.f;
+    if (blk < nb) {
+      float lo[8], hi[8];
+      rlo[p].get(lo);
+      rhi[p].get(hi);
+      for (int g = 0; g < G; ++g) {
+        const float4 qa = *reinterpret_cast<const float4*>(s_q + g * D + ln * 8);
+        const float4 qb = *reinterpret_cast<const float4*>(s_q + g * D + ln * 8 + 4);
+        const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+        for (int i = 0; i < 8; ++i) part += fmaxf(qv[i] * hi[i], qv[i] * lo[i]);
+      }
+    }
+#pragma unroll
+    for (int off = L / 2; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+    if (ln == 0) {
+      const int li = p * BPP + grp;
+      if (srow_out && blk < NB) srow_out[blk] = blk < nb ? part : -INFINITY;
+      uint32_t ka = 0, kp = 0;
+      if (blk < nb && is_middle(blk, nb, a.sink, nb - a.local)) ka = order_key(part);
+      if (pred && blk < Lr) {
+        float l = 0.f, v = 0.f;
+        if (blk < nb) {  // eq 3, rounded op by op like the reference
+          // A level that is not finite (InfLLM-v2 scores -inf before a complete compressed
+          // key) restarts like a new block, as in the reference.
+          if (blk < ninit && isfinite(l0[p])) {
+            v = __fadd_rn(__fmul_rn(be, __fsub_rn(part, l0[p])),
+                          __fmul_rn(__fsub_rn(1.f, be), v0[p]));
+            l = __fadd_rn(__fmul_rn(al, part), __fmul_rn(__fsub_rn(1.f, al), l0[p]));
+          } else {
+            l = part;
+          }
+          a.level[srow_hk + blk] = l;
+          a.trend[srow_hk + blk] = v;
+        } else if (blk < ninit_new) {
+          l = l0[p];
+          v = v0[p];
+        }
+        if (is_middle(blk, nbn, a.sink, nbn - a.local))
+          kp = order_key(blk < ninit_new ? __fadd_rn(l, __fmul_rn(gam, v)) : -INFINITY);
+      }
+      s_ck[0][li] = comp_key(ka, blk);
+      s_ck[1][li] = comp_key(kp, blk);
+    }
+  }
+  __syncthreads();
+  // n_init: raised once every CTA of the request has read it (every read above was used). The
+  // ticket is taken here, its answer used at the end, so its round trip overlaps the rest.
+  int ticket = -1;
+  if (pred && tid == 0) ticket = atomicAdd(a.req_sem + b, 1);
+  // ---- the chunk's candidates: rank among the chunk (keys are distinct), keep the best kc
+  const int na = __syncthreads_count(tid < kOpChunk && s_ck[0][tid] != 0);
+  const int np = __syncthreads_count(tid < kOpChunk && s_ck[1][tid] != 0);
+  if (tid < 2 * kOpChunk) {
+    const int kind = tid / kOpChunk, i = tid % kOpChunk;
+    const unsigned long long x = s_ck[kind][i];
+    const int kc = kind == 0 ? a.kca : a.kcp;
+    if (x != 0 && (kind == 0 || pred)) {
+      int r = 0;
+#pragma unroll 8
+      for (int j = 0; j < kOpChunk; ++j) r += s_ck[kind][j] > x;
+      if (r < kc) a.ws[(row * a.nch + ch) * (a.kca + a.kcp) + kind * a.kca + r] = x;
+    }
+  }
+  if (tid == 0) {
+    a.ws_cnt[(row * a.nch + ch) * 2] = min(na, a.kca);
+    a.ws_cnt[(row * a.nch + ch) * 2 + 1] = pred ? min(np, a.kcp) : 0;
+  }
+  if (a.debug_stop == 1) return;  // timing probe: the chunks' pass alone
+  const bool last = last_of_group(a.sem + row, nch);
+  if (ticket == a.Hk * nch - 1) {
+    atomicExch(a.req_sem + b, 0);
+    if (a.ninit64) reinterpret_cast<long long*>(a.n_init)[srow] = ninit_new;
+    else reinterpret_cast<int*>(a.n_init)[srow] = ninit_new;
+  }
+  if (!last) return;
+
+  // ================================================================ the row's tail
+  if (srow_out)
+    for (int i = nch * kOpChunk + tid; i < NB; i += kOpThreads) srow_out[i] = -INFINITY;
+  int n2 = 1;
+  while (n2 < nch) n2 <<= 1;
+  const int KA = max(a.k, 0), KP = pred ? max(a.n_pred, 0) : 0;
+  // Ping-pong buffers: list buffers (A: 2 x n2 x kca, P: 2 x n2 x kcp keys), counts (2 x n2
+  // each); buffer `c` of a kind is at base + c * stride.
+  unsigned long long* const bA = reinterpret_cast<unsigned long long*>(s_dyn);
+  unsigned long long* const bP = bA + 2 * (size_t)n2 * a.kca;
+  int* const cA = reinterpret_cast<int*>(bP + 2 * (size_t)n2 * a.kcp);
+  int* const cP = cA + 2 * n2;
+  const size_t sA = (size_t)n2 * a.kca, sP = (size_t)n2 * a.kcp;
+#define BUF_A(c) (bA + (c) * sA)
+#define BUF_P(c) (bP + (c) * sP)
+#define CNT_A(c) (cA + (c) * n2)
+#define CNT_P(c) (cP + (c) * n2)
+  int* s_pl = cP + 2 * n2;                // P(t) [Np]
+  int* s_ida = s_pl + a.Np;               // A's top ids, ascending [KA]
+  int* s_idp = s_ida + KA;                // P(t+1)'s top ids, ascending [KP]
+  int* s_alist = s_idp + KP;              // A [n_out]
+  // candidates (third round trip, L2), and P(t) for M
+  // Every candidate load in flight at once (kTailLoads per thread per round trip).
+  constexpr int kTailLoads = 16;
+  const int W = a.kca + a.kcp;
+  const unsigned long long* wrow = a.ws + row * a.nch * W;
+  for (int e0 = tid; e0 < nch * W; e0 += kTailLoads * kOpThreads) {
+    unsigned long long x[kTailLoads];
+#pragma unroll
+    for (int u = 0; u < kTailLoads; ++u) {
+      const int e = e0 + u * kOpThreads;
+      if (e < nch * W) x[u] = __ldcg(wrow + e);
+    }
+#pragma unroll
+    for (int u = 0; u < kTailLoads; ++u) {
+      const int e = e0 + u * kOpThreads;
+      if (e >= nch * W) break;
+      const int c = e / W, j = e % W;
+      if (j < a.kca) BUF_A(0)[c * a.kca + j] = x[u];
+      else BUF_P(0)[c * a.kcp + (j - a.kca)] = x[u];
+    }
+  }
+  for (int c = tid; c < nch; c += kOpThreads) {
+    CNT_A(0)[c] = __ldcg(a.ws_cnt + (row * a.nch + c) * 2);
+    CNT_P(0)[c] = __ldcg(a.ws_cnt + (row * a.nch + c) * 2 + 1);
+  }
+  int pc = 0;
+  if (a.p_idx) {
+    const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
+    pc = min(max(a.p_cnt[prow], 0), a.Np);
+    for (int i = tid; i < pc; i += kOpThreads) s_pl[i] = a.p_idx[prow * a.Np + i];
+  }
+  __syncthreads();
+  if (a.debug_stop == 2) return;  // timing probe: up to the tail's loads
+  // pairwise merges, both kinds in the same rounds
+  int n = nch, SA = a.kca, SP = a.kcp, cur = 0;
+  while (n > 1) {
+    const int nn = (n + 1) / 2;
+    const int SA2 = min(KA, 2 * SA), SP2 = min(KP, 2 * SP);
+    const int itemsA = nn * SA2, items = itemsA + nn * SP2;
+    for (int e = tid; e < items; e += kOpThreads) {
+      const bool isA = e < itemsA;
+      const int W1 = isA ? SA : SP, S2 = isA ? SA2 : SP2, K = isA ? KA : KP;
+      const int ee = isA ? e : e - itemsA;
+      const int i = ee / S2, p = ee % S2;
+      const unsigned long long* in = isA ? BUF_A(cur) : BUF_P(cur);
+      const int* cin = isA ? CNT_A(cur) : CNT_P(cur);
+      const int cx = cin[2 * i], cy = 2 * i + 1 < n ? cin[2 * i + 1] : 0;
+      const int co = min(K, cx + cy);
+      if (p < co) {
+        const unsigned long long v = merge_at(in + (size_t)(2 * i) * W1, cx,
+                                              in + (size_t)(2 * i + 1) * W1, cy, p);
+        (isA ? BUF_A(cur ^ 1) : BUF_P(cur ^ 1))[(size_t)i * S2 + p] = v;
+      }
+    }
+    for (int e = tid; e < 2 * nn; e += kOpThreads) {
+      const bool isA = e < nn;
+      const int i = isA ? e : e - nn;
+      const int* cin = isA ? CNT_A(cur) : CNT_P(cur);
+      const int cy = 2 * i + 1 < n ? cin[2 * i + 1] : 0;
+      (isA ? CNT_A(cur ^ 1) : CNT_P(cur ^ 1))[i] = min(isA ? KA : KP, cin[2 * i] + cy);
+    }
+    __syncthreads();
+    n = nn; SA = SA2; SP = SP2; cur ^= 1;
+  }
+  if (a.debug_stop == 3) return;  // timing probe: up to the merges
+  const int ca = min(CNT_A(cur)[0], KA), cp = min(CNT_P(cur)[0], KP);
+  // the chosen ids in ascending order (rank sort: distinct ids)
+  for (int e = tid; e < ca + cp; e += kOpThreads) {
+    const bool isA = e < ca;
+    const unsigned long long* lst = isA ? BUF_A(cur) : BUF_P(cur);
+    const int c = isA ? ca : cp, i = isA ? e : e - ca;
+    const int id = comp_id(lst[i]);
+    int r = 0;
+    for (int j = 0; j < c; ++j) r += comp_id(lst[j]) < id;
+    (isA ? s_ida : s_idp)[r] = id;
+  }
+#undef BUF_A
+#undef BUF_P
+#undef CNT_A
+#undef CNT_P
+  __syncthreads();
+  const bool dense = a.dense_row && a.dense_row[b];
+  // A: dense rows take every block; else [0, sink) ++ top-K ++ [nb - local, nb).
+  const int lo_a = min(a.sink, nb), hi_a = max(a.sink, nb - a.local);
+  int32_t* arow = a.a_idx + row * a.n_out;
+  const int acnt = dense ? write_kept_list(s_ida, 0, nb, nb, nb, arow, a.n_out, a.a_cnt + row,
+                                           s_alist)
+                         : write_kept_list(s_ida, ca, lo_a, hi_a, nb, arow, a.n_out,
+                                           a.a_cnt + row, s_alist);
+  // P(t+1): [0, sink) ++ top-|P| ++ [nbn - local, nbn), into its own rows.
+  if (pred) {
+    const int64_t orow = slot_of(a.p_out_rows, a.p_out_rows64, b) * a.Hk + hk;
+    write_kept_list(s_idp, cp, min(a.sink, nbn), max(a.sink, nbn - a.local), nbn,
+                    a.p_out_idx + orow * a.Np_out, a.Np_out, a.p_out_cnt + orow);
+  }
+  __syncthreads();
+  // M = A \ P(t), ascending (A's order), by a block scan over A's entries.
+  using Scan = cub::BlockScan<int, kOpThreads>;
+  __shared__ typename Scan::TempStorage s_scan;
+  int base = 0;
+  int32_t* mrow = a.m_idx + row * a.n_out;
+  for (int e0 = 0; e0 < a.n_out; e0 += kOpThreads) {
+    const int e = e0 + tid;
+    int keep = 0, x = -1;
+    if (e < acnt) {
+      x = s_alist[e];
+      keep = 1;
+      for (int j = 0; keep && j < pc; ++j) {
+        const int y = s_pl[j];
+        keep = !(y == x && y >= 0 && y < nb);
+      }
+    }
+    int pos, tot;
+    Scan(s_scan).ExclusiveSum(keep, pos, tot);
+    if (keep) mrow[base + pos] = x;
+    base += tot;
+    __syncthreads();
+  }
+  for (int e = base + tid; e < a.n_out; e += kOpThreads) mrow[e] = -1;
+  if (tid == 0) {
+    a.m_cnt[row] = base;
+    if (a.stats && !dense) {
+      atomicAdd(a.stats + kStatSelected, (unsigned long long)acnt);
+      atomicAdd(a.stats + kStatRepair, (unsigned long long)base);
+      atomicAdd(a.stats + kStatPredicted, (unsigned long long)pc);
+      atomicAdd(a.stats + kStatRows, 1ull);
+    }
+  }
+}
+
+template <typename S, int D>
+cudaError_t onepass_launch(const SelectArgs& a, size_t smem, cudaStream_t s) {
+  cudaError_t e = set_smem_limit(quest_select_onepass_kernel<S, D>, smem);
+  if (e != cudaSuccess) return e;
+  quest_select_onepass_kernel<S, D><<<dim3(a.nch, a.Hk, a.B), kOpThreads, smem, s>>>(a);
+  return cudaGetLastError();
+}
+template <typename S>
+cudaError_t onepass_dispatch(const SelectArgs& a, size_t smem, cudaStream_t s) {
+  switch (a.D) {
+    case 64: return onepass_launch<S, 64>(a, smem, s);
+    case 128: return onepass_launch<S, 128>(a, smem, s);
+    default: return onepass_launch<S, 256>(a, smem, s);
+  }
+}
+
+// SGLANG_PRR_SELECT_KERNEL=rowtail|onepass forces one selection kernel where both apply (a
+// tuning knob, read once per process); by default the one-pass kernel runs when it fits.
+inline int select_kernel_env() {
+  static int v = [] {
+    const char* e = getenv("SGLANG_PRR_SELECT_KERNEL");
+    if (!e) return 0;
+    if (!strcmp(e, "rowtail")) return 1;
+    if (!strcmp(e, "onepass")) return 2;
+    return 0;
+  }();
+  return v;
+}
+
+}  // namespace
+
+bool select_one_pass(int D, int G, int NB, int k, int n_pred, int Np, int n_out, int* nch,
+                     int* kca, int* kcp, size_t* smem) {
+  if (!(D == 64 || D == 128 || D == 256) || G < 1 || G > kMaxGroup || NB <= 0) return false;
+  const int n = (NB + kOpChunk - 1) / kOpChunk;
+  int n2 = 1;
+  while (n2 < n) n2 <<= 1;
+  const int ka = std::min(std::max(k, 0), kOpChunk), kp = std::min(std::max(n_pred, 0), kOpChunk);
+  const size_t bytes = 2 * (size_t)n2 * (ka + kp) * sizeof(unsigned long long) +
+                       4 * (size_t)n2 * sizeof(int) +
+                       ((size_t)Np + std::max(k, 0) + std::max(n_pred, 0) + n_out) * sizeof(int);
+  *nch = n; *kca = ka; *kcp = kp; *smem = bytes;
+  return bytes <= kOpMaxSmem;
+}
+
+cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
+  if (a.D % 8 != 0 || a.Hq % a.Hk != 0 || a.NB > kTopkMaxBlocks)
+    return cudaErrorInvalidValue;
+  if (a.B == 0 || a.Hk == 0 || a.NB == 0) return cudaSuccess;
+  int nch, kca, kcp;
+  size_t smem;
+  if (a.ws && select_kernel_env() != 1 &&
+      select_one_pass(a.D, a.Hq / a.Hk, a.NB, a.k, a.level ? a.n_pred : 0, a.Np,
+                      a.n_out, &nch, &kca, &kcp, &smem)) {
+    if (nch != a.nch || kca != a.kca || kcp != a.kcp) return cudaErrorInvalidValue;
+    static const int stop = [] {  // timing probes of the kernel's stages (development only)
+      const char* e = getenv("SGLANG_PRR_SELECT_DEBUG_STOP");
+      return e ? atoi(e) : 0;
+    }();
+    SelectArgs c = a;
+    c.debug_stop = stop;
+    return c.s_dtype == kBF16 ? onepass_dispatch<__nv_bfloat16>(c, smem, s)
+                              : onepass_dispatch<float>(c, smem, s);
+  }
+  cudaError_t e = launch_quest_select_rowtail(a, s);
+  if (e != cudaSuccess || !a.level) return e;
+  // The predictor's own kernel, after the scores (sizes the one-pass kernel does not take).
+  PredictArgs p{};
+  p.rows = a.rows; p.rows64 = a.rows64;
+  p.level = a.level; p.trend = a.trend; p.n_init = a.n_init; p.ninit64 = a.ninit64;
+  p.scores = a.scores; p.nblk = a.nblk; p.nblk64 = a.nblk64;
+  p.nblk_next = a.nblk_next; p.nblk_next64 = a.nblk_next64;
+  p.theta = a.theta; p.theta_stride = a.theta_stride;
+  p.idx = a.p_out_idx; p.cnt = a.p_out_cnt; p.n_out = a.Np_out;
+  p.p_rows = a.p_out_rows; p.p_rows64 = a.p_out_rows64;
+  p.sem = a.req_sem;
+  p.B = a.B; p.Hk = a.Hk; p.NB = a.NB; p.k = a.n_pred; p.sink = a.sink; p.local = a.local;
+  return launch_predict_update(p, s);
+}
+
+}  // namespace prr

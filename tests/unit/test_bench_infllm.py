@@ -1,0 +1,55 @@
+"""CPU dry run of benchmarks/bench_infllm.py (the reference in place of the kernels, a stub
+timer): the rows carry the warm and the cold-L2 timings, each from its own measurement."""
+
+from __future__ import annotations
+
+import importlib.util
+import types
+from pathlib import Path
+
+import pytest
+
+from sglang_prr import reference as ref
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def dry(monkeypatch):
+    spec = importlib.util.spec_from_file_location("bench_infllm",
+                                                  ROOT / "benchmarks" / "bench_infllm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    timed = []
+
+    def fake_warm_cold(calls, reps, warmup=1, device="cuda"):
+        for c in calls:
+            c()
+        timed.append(len(calls))
+        return {"warm": (2.0, 1.5, 2.5), "cold": (3.0, 2.5, 3.5)}
+
+    monkeypatch.setattr(mod, "DEVICE", "cpu")
+    monkeypatch.setattr(mod, "ROTATE_BYTES", 1)
+    monkeypatch.setattr(mod, "time_warm_cold", fake_warm_cold)
+    monkeypatch.setattr(mod, "cuda_ops", lambda: types.SimpleNamespace(
+        infllm_scores=ref.infllm_scores, infllm_update=ref.infllm_update))
+    mod.timed = timed
+    return mod
+
+
+def test_dry_run_warm_and_cold_columns(dry):
+    rows = []
+    dry.bench_scores(1, 1024, 64, 8, 2, 32, reps=2, rows=rows)
+    dry.bench_update(1, 1024, 64, 2, 32, reps=2, rows=rows)
+    assert [(r["op"], r["variant"]) for r in rows] == [
+        ("infllm_scores", "kernel"), ("infllm_scores", "reference"),
+        ("infllm_update", "kernel"), ("infllm_update", "reference")]
+    scores = rows[0]
+    assert (scores["us_median"], scores["us_cold_median"]) == (2.0, 3.0)
+    assert (scores["us_cold_p10"], scores["us_cold_p90"]) == (2.5, 3.5)
+    key_bytes = 1 * ((1024 - 32) // 16 + 1) * 2 * 32 * 4
+    assert scores["GBps"] == pytest.approx(key_bytes / 2.0 / 1e3, abs=0.05)
+    assert scores["GBps_cold"] == pytest.approx(key_bytes / 3.0 / 1e3, abs=0.05)
+    assert float(scores["max_rel_err"]) == 0.0  # the stub "kernel" is the reference itself
+    assert rows[2]["us_cold_median"] == 3.0 and rows[2]["GBps_cold"] == ""
+    assert dry.timed == [2, 2, 16, 16]  # R rotating sets per graph (R = 2 at ROTATE_BYTES 1)

@@ -1,0 +1,40 @@
+"""bench_kernel_stages.py on CPU (tiny sizes, the reference ops, wall clock): every part writes
+its rows, the bytes each row counts follow its sizes, and --append keeps earlier rows."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+import bench_kernel_stages as bks  # noqa: E402
+
+
+def _read(p):
+    with open(p) as f:
+        return list(csv.DictReader(f))
+
+
+def test_rows_bytes_and_append(tmp_path):
+    out = tmp_path / "k.csv"
+    rows = bks.main(["--device", "cpu", "--quick", "--csv", str(out)])
+    got = _read(out)
+    assert len(got) == len(rows) > 0 and list(got[0]) == bks.COLUMNS
+    cases = {(r["part"], r["case"]) for r in got}
+    assert ("attention", "partials") in cases and ("selection", "select + predictor") in cases
+    assert {int(r["m_blocks"]) for r in got if r["case"].startswith("repair")} == {1, 2}
+    assert all(float(r["cold_us"]) > 0 and float(r["warm_us"]) > 0 for r in got)
+    # The bytes a row must read grow with its batch (serial attention, selection).
+    for part, case in (("attention", "serial (attention + merge)"),
+                       ("selection", "select (scores, A, M)")):
+        by_b = {int(r["batch"]): int(r["bytes"]) for r in got
+                if r["part"] == part and r["case"] == case}
+        assert by_b[2] == 2 * by_b[1], (part, by_b)
+    assert (tmp_path / "k.png").exists()
+    # --append keeps the earlier rows (control: without it they are replaced).
+    bks.main(["--device", "cpu", "--quick", "--parts", "selection", "--append", "--csv",
+              str(out)])
+    assert len(_read(out)) == len(got) + 4
+    bks.main(["--device", "cpu", "--quick", "--parts", "selection", "--csv", str(out)])
+    assert len(_read(out)) == 4

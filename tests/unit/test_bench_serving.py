@@ -1,0 +1,241 @@
+"""benchmarks/bench_serving.py on CPU: the plan of servers and points, the server commands, the
+decode-batch check (SGLang's log lines and the profile's step spans), the timing, the real-text
+prompts, the logprob comparison, the CSV merge and plot; and one CPU server (demo shape) that
+decodes a steady batch (every step bs = B) and, as the check's negative control, a staggered one
+(steps of fewer requests, caught)."""
+
+from __future__ import annotations
+
+import csv
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_serving", ROOT / "benchmarks" / "bench_serving.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["bench_serving"] = mod  # its dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _plan(bench, *argv):
+    _, a = bench.parse_args(list(argv))
+    return {s.name: [(p.kind, p.ctx, p.batch) for p in pts] for s, pts in bench.plan(a)}, a
+
+
+def test_default_plan_has_every_kind(bench):
+    plan, _ = _plan(bench)
+    grid = [("grid", 32768, 1), ("grid", 32768, 8), ("throughput", 32768, 16),
+            ("grid", 131072, 1)]
+    assert list(plan) == ["dense", "serial", "prr", "auto", "serial-infllm_v2", "prr-infllm_v2",
+                          "dense-smollm2", "serial-smollm2", "prr-smollm2"]
+    assert plan["dense"] == [("reference", 4096, 1)] + grid  # the reference row: dense only
+    assert plan["serial"] == plan["prr"] == plan["auto"] == grid
+    assert plan["serial-infllm_v2"] == plan["prr-infllm_v2"] == [("infllm", 32768, 1),
+                                                                 ("infllm", 131072, 1)]
+    assert plan["prr-smollm2"] == [("smollm2", 7680, 1)]
+
+
+def test_plan_selection(bench):
+    plan, _ = _plan(bench, "--only", "throughput", "infllm", "--variants", "prr", "auto")
+    assert plan == {"prr": [("throughput", 32768, 16)], "auto": [("throughput", 32768, 16)],
+                    "prr-infllm_v2": [("infllm", 32768, 1), ("infllm", 131072, 1)]}
+    plan, _ = _plan(bench, "--throughput", "--infllm-points", "--smollm2", "--skip",
+                    "--dense-ref-ctx", "0", "--variants", "dense")
+    assert plan == {"dense": [("grid", 32768, 1), ("grid", 32768, 8), ("grid", 131072, 1),
+                              ("grid", 131072, 8)]}  # no throughput, no reference, 128K/8 back
+    plan, a = _plan(bench, "--arrival", "staggered", "--only", "grid", "--variants", "serial")
+    assert {p.arrival for _, pts in bench.plan(a) for p in pts} == {"staggered"}
+
+
+def test_bad_options_are_named(bench, capsys):
+    for argv, word in ((["--smollm2", "8100x1"], "8100x1"), (["--out", "1"], "--out 1"),
+                       (["--throughput", "32768"], "CTXxBATCH"),
+                       (["--decode-log-interval", "0"], "--decode-log-interval 0")):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+        assert word in capsys.readouterr().err
+    bench.parse_args(["--smollm2", "8100x1", "--only", "grid"])  # not run: not checked
+
+
+def test_server_commands(bench, tmp_path, capsys):
+    bench.main(["--dry-run", "--workdir", str(tmp_path)])
+    cmds = [ln.split() for ln in capsys.readouterr().out.splitlines() if "launch_server" in ln]
+    assert len(cmds) == 9
+    opt = lambda c, k: c[c.index(k) + 1] if k in c else None
+    for c in cmds:  # the decode batch of every step comes from SGLang's own log
+        assert (opt(c, "--log-level"), opt(c, "--decode-log-interval")) == ("info", "1")
+        assert opt(c, "--attention-backend") == "flashinfer" and "--disable-cuda-graph" not in c
+    dense, serial, prr, auto, inf_s, inf_p, sm_d, sm_s, sm_p = cmds
+    assert opt(dense, "--max-running-requests") == opt(dense, "--cuda-graph-max-bs") == "16"
+    assert opt(dense, "--prr-method") == "dense" and "--prr-serial" in serial
+    assert opt(auto, "--prr-budget") == "auto" and opt(prr, "--prr-budget") == "1.5"
+    assert opt(inf_s, "--prr-method") == opt(inf_p, "--prr-method") == "infllm_v2"
+    assert "--prr-serial" in inf_s and "--prr-serial" not in inf_p
+    for c in cmds[:6]:
+        assert opt(c, "--load-format") == "dummy" and "--dtype" not in c
+    for c in (sm_d, sm_s, sm_p):  # real weights, bf16, within SmolLM2's 8192 positions
+        assert "--load-format" not in c and opt(c, "--dtype") == "bfloat16"
+        assert int(opt(c, "--context-length")) <= 8192
+    assert opt(sm_d, "--prr-method") == "dense" and "--prr-serial" in sm_s
+
+
+LOG = """\
+[2026-12-01 14:43:36] Decode batch, #running-req: 2, #token: 0, token usage: 0.00, cpu graph: False, gen throughput (token/s): 2.79, #queue-req: 0
+[2026-12-01 14:43:37] Prefill batch, #new-seq: 2, #new-token: 32, #cached-token: 576, token usage: 0.00, #running-req: 0, #queue-req: 0, #pending-token: 0, cpu graph: False, input throughput (token/s): 72.27
+[2026-12-01 14:43:37] Decode batch, #running-req: 2, #token: 608, token usage: 0.00, cuda graph: True, gen throughput (token/s): 2.74, #queue-req: 0
+[2026-12-01 14:43:37] sglang_prr: something else, #running-req: 7
+[2026-12-01 14:43:37] Decode batch [12], #running-req: 2, #token: 640, token usage: 0.00, cuda graph: True, gen throughput (token/s): 8.95, #queue-req: 0
+"""
+
+
+def test_decode_batch_from_the_log(bench):
+    # the line before the measured prefill (an earlier request's last step) is not counted
+    assert bench.logged_decode_batches(LOG) == [2, 2]
+    assert bench.logged_prefills(LOG) == (1, 32, 576)
+    assert bench.steady_check(2, [2, 2]) == (True, "")
+    ok, why = bench.steady_check(2, [2, 1, 2])  # negative control: one step of one request
+    assert not ok and "bs 1 x 1, bs 2 x 2" in why
+    ok, why = bench.steady_check(2, [])
+    assert not ok and "no decode step" in why
+    staggered = LOG.replace("#running-req: 2, #token: 640", "#running-req: 1, #token: 640")
+    assert bench.logged_decode_batches(staggered) == [2, 1]
+
+
+def test_decode_batch_from_the_profile(bench):
+    assert bench.steady_check(8, [8], {"step[DECODE bs=8]": 6}) == (True, "")
+    ok, why = bench.steady_check(8, [8], {"step[DECODE bs=8]": 4, "step[DECODE bs=1]": 2})
+    assert not ok and "{1: 2, 8: 4}" in why  # negative control: the issue's batch-8 "point"
+    ok, why = bench.steady_check(8, [8], {"step[DECODE bs=8]": 4,
+                                          "step[EXTEND bs=1 toks=2048]": 2})
+    assert not ok and "non-decode" in why
+    ok, why = bench.steady_check(8, [8], {})
+    assert not ok and "no decode step" in why
+
+
+def test_timing_of_a_steady_window(bench):
+    # two requests, first tokens at 1.0 and 1.2 s, then one token every 0.1 s (one a double)
+    marks = [[(1.0, 1), (1.1, 1), (1.3, 2), (1.4, 1)],
+             [(1.2, 1), (1.3, 1), (1.4, 1), (1.5, 1), (1.6, 1)]]
+    r = bench.timing(marks)
+    assert r["median_ttft_ms"] == pytest.approx(1200.0)
+    assert r["median_itl_ms"] == pytest.approx(100.0)
+    assert r["median_tpot_ms"] == pytest.approx(100.0)
+    # after 1.2 s: 2 + 1 tokens of the first request, 4 of the second, over 0.4 s
+    assert r["output_tok_s"] == pytest.approx(7 / 0.4)
+    assert r["tokens"] == 10 and r["completed"] == 2
+    with pytest.raises(RuntimeError):  # a request without tokens
+        bench.timing([marks[0], []])
+
+
+def test_logprob_comparison(bench):
+    ref = {"ids": [5, 6, 7, 8], "logprobs": [-0.5, -1.0, -0.25, -2.0]}
+    assert bench.compare_logprobs(ref, dict(ref)) == (0.0, None)
+    got = {"ids": [5, 6, 7, 8], "logprobs": [-0.5, -1.0 + 3e-3, -0.25, -2.0]}
+    diff, first = bench.compare_logprobs(ref, got)
+    assert diff == pytest.approx(3e-3) and first is None
+    # negative control: another token at step 2; its logprob and those after are not compared
+    got = {"ids": [5, 6, 9, 1], "logprobs": [-0.5, -1.0 + 1e-4, -9.0, -9.0]}
+    diff, first = bench.compare_logprobs(ref, got)
+    assert diff == pytest.approx(1e-4) and first == 2
+    assert bench.compare_logprobs(ref, {"ids": [5, 6], "logprobs": [-0.5, -1.0]}) == (0.0, 2)
+
+
+def test_text_prompts_are_real_text_and_deterministic(bench, tmp_path):
+    from sglang_prr import demo
+    tok = str(Path(demo.demo_model_path()) / "tokenizer.json")
+    lib = tmp_path / "Lib"
+    lib.mkdir()
+    for i, name in enumerate(["b_mod.py", "a_mod.py", "tiny.py", "c_mod.py"]):
+        body = "x = 1\n" if name == "tiny.py" else f"def f{i}(x):\n    return x * {i}\n" * 200
+        (lib / name).write_text(body)
+    prompts, desc = bench.text_prompts(tok, 300, 2, lib=str(lib))
+    again, desc2 = bench.text_prompts(tok, 300, 2, lib=str(lib))
+    assert prompts == again and desc == desc2
+    assert [len(p) for p in prompts] == [300, 300] and prompts[0] != prompts[1]
+    from tokenizers import Tokenizer
+    text = Tokenizer.from_file(tok).decode(prompts[0])
+    assert text.startswith("# file: a_mod.py\ndef f1(x)")  # sorted, tiny files skipped
+    assert "Lib/a_mod.py.." in desc and "python 3." in desc
+    # negative control: other sources give other ids
+    (lib / "a_mod.py").write_text("class A:\n    pass\n" * 300)
+    assert bench.text_prompts(tok, 300, 2, lib=str(lib))[0] != prompts
+    with pytest.raises(RuntimeError, match="tokens"):
+        bench.text_prompts(tok, 10 ** 6, 1, lib=str(lib))
+    files = bench.stdlib_files()  # the running interpreter's own Lib
+    assert files == sorted(files) and any(f.name == "argparse.py" for f in files)
+
+
+def test_csv_merge_old_rows_and_plot(bench, tmp_path):
+    path = str(tmp_path / "serving.csv")
+    old = [dict(variant="dense", ctx=4096, batch=1, median_itl_ms=4.7, reference=1),
+           dict(variant="prr", ctx=32768, batch=8, median_itl_ms=9.0, reference=0)]
+    with open(path, "w", newline="") as f:  # a CSV of the earlier columns
+        w = csv.DictWriter(f, fieldnames=list(old[0]))
+        w.writeheader()
+        w.writerows(old)
+    row = lambda v, kind, ctx, b, itl, tok, **kw: dict(
+        variant=v, label=v, method=kw.get("method", "dense" if v == "dense" else "quest"),
+        model=kw.get("model", "llama3-8b-shape"), kind=kind, ctx=ctx, batch=b,
+        median_itl_ms=itl, output_tok_s=tok, kernels_per_step=kw.get("k"),
+        kernels_per_layer=1.0, gpu_busy_ms_per_step=2.0, profile_bs=f"{b}:6", reference=0)
+    new = [row("prr", "grid", 32768, 8, 8.0, 900.0, k=500.0),
+           row("prr", "throughput", 32768, 16, 11.0, 1400.0),
+           row("prr", "infllm", 32768, 1, 6.0, 160.0, method="infllm_v2"),
+           row("prr", "smollm2", 7680, 1, 3.0, 300.0, model="smollm2-135m-instruct")]
+    bench._write(bench._merge(bench._read(path), new), path)
+    back = bench._read(path)
+    keys = [(r["variant"], r["kind"], r["method"], r["ctx"], r["batch"]) for r in back]
+    # the old prr 32K/8 row was replaced by the new grid row (same key), the others added
+    assert keys == [("dense", "", "", "4096", "1"), ("prr", "grid", "quest", "32768", "8"),
+                    ("prr", "throughput", "quest", "32768", "16"),
+                    ("prr", "infllm", "infllm_v2", "32768", "1"),
+                    ("prr", "smollm2", "quest", "7680", "1")]
+    assert list(back[0])[:len(bench.COLUMNS)] == bench.COLUMNS
+    assert bench._fill(back[0])["kind"] == "reference"
+    bench._write_profile_table(path)
+    table = (tmp_path / "serving_profile.md").read_text().splitlines()
+    assert len(table) == 3 and table[2].startswith(
+        "| prr | quest | llama3-8b-shape | grid | 32768 | 8 | 8:6 | 500.0 |")
+    bench.main(["--plot-only", path])
+    assert (tmp_path / "serving.png").stat().st_size > 10_000
+
+
+@pytest.mark.server
+def test_cpu_server_steady_batch_and_staggered_control(bench, tmp_path):
+    """One CPU server (demo shape, 2 layers): a steady batch of 2 decodes bs = 2 at every
+    logged and profiled step; the same point staggered (negative control) does not, and the
+    check says so. About a minute on two cores."""
+    from sglang_prr import demo
+    _, a = bench.parse_args(
+        ["--device", "cpu", "--shape", "demo", "--layers", "2", "--out", "8", "--page", "16",
+         "--top-k", "32", "--min-context", "64", "--profile", "--profile-steps", "3",
+         "--csv", str(tmp_path / "serving.csv"), "--start-timeout", "600"])
+    model = demo.shaped_model_dir(tmp_path / "demo-shape", num_hidden_layers=2,
+                                  max_position_embeddings=1024)
+    srv = bench.Server("prr", "quest", "demo-shape")
+    points = [bench.Point(300, 2, "grid", "steady"), bench.Point(300, 2, "grid", "staggered")]
+    rows = list(bench.run_server(srv, points, model, a, tmp_path, 2))
+    steady, staggered = rows
+    assert steady["arrival"] == "steady" and staggered["arrival"] == "staggered"
+    assert steady["steady"] == 1, steady
+    assert steady["decode_batch"] == steady["decode_batch_min"] == 2
+    assert steady["decode_steps"] >= a.out - 1  # every step of the 7 after the first token
+    assert steady["profile_bs"] == "2:3"
+    assert steady["prefill_cached_frac"] > 0.9  # the measured prefill hit the warm cache
+    assert steady["median_warm_ttft_ms"] is not None and steady["output_tok_s"] > 0
+    assert 0.0 < steady["hit_rate"] <= 1.0 and steady["mean_repair_blocks"] is not None
+    assert steady["delta"] == 1.5 and steady["completed"] == 2
+    # negative control: request 1 is sent once request 0 has two tokens
+    assert staggered["steady"] == 0, staggered
+    assert staggered["decode_batch_min"] == 1
+    assert staggered["prefill_cached_frac"] == 0.0  # cold: the cache was flushed
