@@ -6,7 +6,10 @@ import random
 import socket
 from pathlib import Path
 
-_TAKEN: set[int] = set()
+# SGLang's default port, which the README's commands use: tests/integration/test_newcomer.py
+# serves there, so no other test server is given it.
+README_PORT = 30000
+_TAKEN: set[int] = {README_PORT}
 
 
 def _ephemeral_range() -> tuple[int, int]:

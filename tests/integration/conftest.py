@@ -54,9 +54,9 @@ BIND_RETRIES = 2
 
 
 class Server:
-    def __init__(self, name, args, env, explicit_model, model_path, logdir):
+    def __init__(self, name, args, env, explicit_model, model_path, logdir, port=None):
         self.name = name
-        self.port = free_port()
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(logdir) / f"server-{name}.log"
         cmd = [sys.executable, "-m", "sglang_prr.launch_server", "--port", str(self.port)] + args
