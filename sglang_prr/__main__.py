@@ -10,26 +10,53 @@ from __future__ import annotations
 import argparse
 import math
 
-import torch
+HEADER = """\
+PRR decode ops on a synthetic paged KV cache (no model, no server). Each step decodes the same
+queries twice: serial DSA (score the blocks, select the top-K set A, attend over A) and PRR
+(attend over the predicted set P while A is selected, then repair: attend over the missed blocks
+M = A \\ P and merge). Columns, means over the batch's rows and KV heads:
+  step            decode step
+  hit(|P&A|/|A|)  share of the selected blocks A that the prediction P already held (0 at
+                  step 0: nothing is predicted before a first selection)
+  |M|(mean)       blocks repaired per row and KV head (selected but not predicted)
+  max|PRR-DSA|    largest difference between the two outputs: PRR (exact) attends exactly A,
+                  so only fp32 rounding (~1e-6) is expected"""
 
-from . import ops
-from .config import PRRConfig
-from .tools.synthetic import paged_kv
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m sglang_prr",
+        description="Run PRR's decode ops against serial DSA on a synthetic paged KV cache "
+                    "(no model, no server) and print, per decode step, the prediction's hit "
+                    "rate, the repaired blocks |M| and the difference of the two outputs.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--context", type=int, default=8192,
+                    help="tokens already in each request's KV cache")
+    ap.add_argument("--batch", type=int, default=2, help="requests decoded together")
+    ap.add_argument("--steps", type=int, default=8, help="decode steps")
+    ap.add_argument("--block-size", type=int, default=64,
+                    help="tokens per block (one KV page): 16, 32, 64 or 128")
+    ap.add_argument("--top-k", type=int, default=1024,
+                    help="selection budget K in tokens (rounded up to whole blocks)")
+    ap.add_argument("--budget", type=float, default=1.5,
+                    help="speculation budget delta: |P| <= delta * K blocks")
+    ap.add_argument("--device", default="auto",
+                    help="cpu, cuda, or auto (cuda when available)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the synthetic cache and queries")
+    return ap
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--context", type=int, default=8192)
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--block-size", type=int, default=64)
-    ap.add_argument("--top-k", type=int, default=1024, help="tokens")
-    ap.add_argument("--budget", type=float, default=1.5)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
+    a = build_parser().parse_args(argv)  # before torch's import: --help answers at once
+    import torch
+
+    from . import ops
+    from .config import PRRConfig
+    from .tools.synthetic import paged_kv
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device
     cfg = PRRConfig(block_size=a.block_size, top_k=a.top_k, budget=a.budget).validate()
-    dev, page = torch.device(a.device), cfg.block_size
+    dev, page = torch.device(device), cfg.block_size
     g = torch.Generator(device="cpu").manual_seed(a.seed)
     B, Hk, G, D = a.batch, 8, 4, 128
     # A few blocks hold keys aligned with a slowly drifting query direction.
@@ -45,6 +72,7 @@ def main(argv=None) -> None:
     p_idx = torch.full((B, Hk, n_pred + 2), -1, dtype=torch.int32, device=dev)
     p_cnt = torch.zeros(B, Hk, dtype=torch.int32, device=dev)
     scale = 1.0 / math.sqrt(D)
+    print(HEADER)
     print(f"device={dev} batch={B} context={a.context} block={page} K={k} blocks |P|<={n_pred}")
     print("step  hit(|P&A|/|A|)  |M|(mean)  max|PRR-DSA|")
     for step in range(a.steps):

@@ -138,10 +138,19 @@ class Calibrator:
     def plan(self, req_to_token: Tensor, req_pool_indices: Tensor,
              extend_seq_lens_cpu: Sequence[int], extend_prefix_lens_cpu: Sequence[int]
              ) -> CalibrationPlan:
-        """Per request of an extend batch, ``calib_queries`` queries spaced evenly over its chunk
-        (always its last one), their causal lengths and the block table of the blocks the chunk
-        can see (not the request pool's whole width). Host lengths in; the request slots stay on
-        the device (one-element index tensors), so nothing here waits for the device."""
+        """Per request of an extend batch that will decode sparse, ``calib_queries`` queries
+        spaced evenly over its chunk (always its last one), their causal lengths and the block
+        table of the blocks the chunk can see (not the request pool's whole width). Host lengths
+        in; the request slots stay on the device (one-element index tensors), so nothing here
+        waits for the device.
+
+        A request whose length after this chunk (prefix + new tokens, from the host lengths) is
+        below ``min_context`` is left out: its decode attends every block, so its theta* and P
+        would never be used, and calibrating it is prefill work for nothing (a short chat
+        prompt on the default server calibrated all 30 layers). The chunks of a long prompt
+        calibrate from the first one that reaches ``min_context``; a request that only grows
+        past it while decoding starts its sparse steps from the theta* last chosen per layer,
+        like one that cannot calibrate."""
         rows = req_pool_indices.long()
         reqs, start = [], 0
         for i, (n_new, n_pre) in enumerate(zip(extend_seq_lens_cpu, extend_prefix_lens_cpu)):
@@ -149,7 +158,7 @@ class Calibrator:
             n_new, n_pre = int(n_new), int(n_pre)
             s0, start = start, start + n_new
             phi = min(self.cfg.calib_queries, n_new)
-            if phi < 1:
+            if phi < 1 or n_pre + n_new < self.cfg.min_context:
                 continue
             # phi <= n_new spaces the offsets >= 1 apart, so they are distinct after rounding
             # (no ``unique``, which would wait for the device).

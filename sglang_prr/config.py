@@ -7,6 +7,7 @@ The ``--prr-*`` server flags are generated from the fields of this dataclass
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import logging
 import math
 from dataclasses import dataclass, field
@@ -254,13 +255,43 @@ class PRRConfig:
         return cls(**{k: v for k, v in d.items() if k in names}).validate()
 
 
-def _fail(name: str, value: Any, allowed: str) -> None:
-    raise PRRConfigError(f"invalid PRR option {name}={value!r}: allowed {allowed}")
+# Values people reach for that are no value of the option, and what does what they want.
+_SERIAL = "serial DSA is a decode mode of quest and infllm_v2: use --prr-serial"
+_OFF = "to turn PRR off use --prr-method dense"
+_VALUE_HINTS = {
+    "method": {"serial": _SERIAL, "dsa": _SERIAL, "serial_dsa": _SERIAL, "serial-dsa": _SERIAL,
+               "prr": "PRR runs on quest (the default) or infllm_v2: leave --prr-method out",
+               "exact": "exact is a mode: use --prr-mode exact",
+               "union": "union is a mode: use --prr-mode union",
+               "off": _OFF, "none": _OFF},
+    "mode": {"serial": "use --prr-serial", "dsa": "use --prr-serial", "dense": _OFF,
+             "off": _OFF},
+    "budget": {v: "to decode without speculation (serial DSA) use --prr-serial"
+               for v in ("0", "0.0", "off", "none", "no", "serial", "false")},
+}
+
+
+def _hint(name: str, value: Any, choices: Sequence[Any] = ()) -> str:
+    """What the user most likely meant by an invalid ``value`` of option ``name``: a known
+    mix-up (``--prr-method serial`` -> ``--prr-serial``), else the closest spelling of a choice;
+    '' when nothing fits."""
+    v = str(value).strip().lower()
+    known = _VALUE_HINTS.get(name, {}).get(v)
+    if known:
+        return known
+    close = difflib.get_close_matches(v, [str(c) for c in choices], n=1, cutoff=0.6)
+    return f"did you mean {close[0]}?" if close else ""
+
+
+def _fail(name: str, value: Any, allowed: str, choices: Sequence[Any] = ()) -> None:
+    hint = _hint(name, value, choices)
+    raise PRRConfigError(f"invalid PRR option {name}={value!r}: allowed {allowed}"
+                         + (f"; {hint}" if hint else ""))
 
 
 def _choice(name: str, value: Any, choices: Sequence[Any]) -> None:
     if value not in choices:
-        _fail(name, value, "one of " + " | ".join(str(c) for c in choices))
+        _fail(name, value, "one of " + " | ".join(str(c) for c in choices), choices)
 
 
 def _int(name: str, value: Any) -> int:

@@ -134,10 +134,11 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
-def cache_dir() -> Path:
+def cache_dir(key: Optional[str] = None) -> Path:
+    """The cache folder of the library built from these sources (``key``: their hash, if known)."""
     root = os.environ.get("SGLANG_PRR_CACHE_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "sglang_prr")
-    return Path(root) / "kernels" / source_hash()
+    return Path(root) / "kernels" / (key or source_hash())
 
 
 def _run(cmd: List[str]) -> None:
@@ -153,12 +154,12 @@ def build(out_dir: Optional[Path] = None, verbose: bool = False) -> Path:
     The build runs in a private temp dir and is moved into place atomically, so concurrent
     processes never load a half-written library.
     """
-    final_dir = Path(out_dir) if out_dir is not None else cache_dir()
+    want = source_hash()  # once: it reads every source
+    final_dir = Path(out_dir) if out_dir is not None else cache_dir(want)
     final = final_dir / LIB_NAME
     # A named output folder keeps the hash of the sources it was built from: a library built
     # from other sources is rebuilt, never returned as if it were current.
     stamp = final_dir / STAMP_NAME
-    want = source_hash()
     if final.exists() and (out_dir is None or (stamp.exists() and stamp.read_text() == want)):
         return final
     final_dir.mkdir(parents=True, exist_ok=True)

@@ -20,10 +20,11 @@ counted on the device by the selection kernel.
 
 Extend (``forward_extend``): the inner backend's attention, then the summaries of the new
 tokens, then calibration (``calibration.Calibrator``) on ``calib_queries`` queries sampled
-evenly from each request's chunk: every candidate of ``cfg.theta_grid`` is scored, the scores
-accumulate over the chunks of a chunked prefill, theta* = argmax per request and layer; the
-predictor is replayed over the sampled queries with theta* and predicts P for the first decode
-step. Off when no batch size ever speculates.
+evenly from the chunk of each request that will decode sparse (at least ``min_context`` tokens
+after the chunk, read from the host lengths; shorter requests are skipped): every candidate of
+``cfg.theta_grid`` is scored, the scores accumulate over the chunks of a chunked prefill,
+theta* = argmax per request and layer; the predictor is replayed over the sampled queries with
+theta* and predicts P for the first decode step. Off when no batch size ever speculates.
 """
 
 from __future__ import annotations

@@ -45,7 +45,10 @@ LOG_TAIL_CHARS = 4000
 # an earlier enable(), a stats file of another server, the repair switch of a negative control.
 ENV_DROPPED = ("SGLANG_PRR_CONFIG", "SGLANG_PRR_STATS_FILE", "SGLANG_PRR_DEBUG_SKIP_REPAIR")
 
-_TAKEN: set = set()
+# SGLang's default port, which the README's commands use: tests/integration/test_newcomer.py
+# serves there, so free_port() never hands it out.
+README_PORT = 30000
+_TAKEN: set = {README_PORT}
 
 
 class ServerError(RuntimeError):

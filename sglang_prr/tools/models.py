@@ -25,7 +25,14 @@ What the GGUF conversion gets wrong, and ``fix_converted`` repairs (``check_conv
   (``Sequence[Digits(individual_digits), ByteLevel]``) and decodes with ``ByteLevel``; the
   conversion gives plain ``ByteLevel`` (digits split only because the vocabulary has no
   multi-digit merges) and a SentencePiece-style decoder with byte fallback;
-* ``rms_norm_eps`` read back as float32 (9.99999975e-06 instead of 1e-05).
+* ``rms_norm_eps`` read back as float32 (9.99999975e-06 instead of 1e-05);
+* no sampling defaults: ``generation_config.json`` gets the model card's (temperature 0.2,
+  top-p 0.9), which SGLang applies to requests that set none (``--sampling-defaults model``);
+  at SGLang's temperature 1.0 this 135M model rambles (a bare chat request: 1800+ tokens).
+
+A cache of an earlier recipe of the same version is fixed in place when next used (JSON files
+only, under the lock): no download, and an offline machine keeps its real model, which a bump
+of ``MODEL_VERSION`` would have replaced by the demo model.
 
 The folder is built in a temporary folder and renamed into place under a file lock, so
 concurrent callers (two servers, a test fixture) download and convert at most once and never see
@@ -88,6 +95,10 @@ DIGIT_CASES = (
     ("In 2024, 12345", ["In", "Ġ", "2", "0", "2", "4", ",", "Ġ", "1", "2", "3", "4", "5"]),
     ("\n    1.", ["ĊĠĠĠĠ", "1", "."]),
 )
+
+# The model card's recommended sampling (HuggingFaceTB/SmolLM2-135M-Instruct: generate(...,
+# temperature=0.2, top_p=0.9, do_sample=True)), written into generation_config.json.
+SAMPLING = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
 
 # The expected architecture (check_converted compares config.json to it).
 ARCH = {"model_type": "llama", "num_hidden_layers": 30, "num_attention_heads": 9,
@@ -187,7 +198,10 @@ def _load_json(p: Path) -> dict:
 
 
 def _dump_json(p: Path, d: dict) -> None:
-    p.write_text(json.dumps(d, indent=2, ensure_ascii=False) + "\n")
+    """Write ``d`` to ``p`` whole or not at all (a running server may be reading the folder)."""
+    tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(d, indent=2, ensure_ascii=False) + "\n")
+    os.replace(tmp, p)
 
 
 def fix_converted(folder: Path) -> List[str]:
@@ -220,7 +234,8 @@ def fix_converted(folder: Path) -> List[str]:
 
     gen_p = folder / "generation_config.json"
     gen = _load_json(gen_p)
-    for k, v in (("bos_token_id", BOS_ID), ("eos_token_id", EOS_ID), ("pad_token_id", PAD_ID)):
+    for k, v in (("bos_token_id", BOS_ID), ("eos_token_id", EOS_ID), ("pad_token_id", PAD_ID),
+                 *SAMPLING.items()):
         setkey(gen, k, v, "generation_config.json")
     _dump_json(gen_p, gen)
 
@@ -264,6 +279,9 @@ def check_converted(folder: Path, full: bool = True) -> None:
     for d, where in ((cfg, "config.json"), (gen, "generation_config.json")):
         if d.get("eos_token_id") != EOS_ID:
             problems.append(f"{where} eos_token_id={d.get('eos_token_id')!r}, expected {EOS_ID}")
+    for k, v in SAMPLING.items():
+        if gen.get(k) != v:
+            problems.append(f"generation_config.json {k}={gen.get(k)!r}, expected {v!r}")
     if tc.get("eos_token") != EOS:
         problems.append(f"tokenizer eos_token={tc.get('eos_token')!r}, expected {EOS!r}")
     if tc.get("tokenizer_class") != TOKENIZER_CLASS:
@@ -298,6 +316,25 @@ def _locked(path: Path):
     return f
 
 
+def _up_to_date(path: Path) -> bool:
+    gen = _load_json(path / "generation_config.json")
+    return all(gen.get(k) == v for k, v in SAMPLING.items())
+
+
+def upgrade_cached(path: Path) -> None:
+    """Fix a folder of an earlier recipe of this version in place (``fix_converted``: JSON
+    files only, each replaced whole) under the build's lock; a no-op when up to date."""
+    if _up_to_date(path):
+        return
+    lock = _locked(models_root() / f".{MODEL_DIRNAME}.lock")
+    try:
+        if not _up_to_date(path):
+            logger.info("sglang_prr: updated %s in place: %s", path,
+                        "; ".join(fix_converted(path)))
+    finally:
+        lock.close()
+
+
 def smollm2_path(download: Optional[Callable[[Path], Path]] = None) -> str:
     """Path of the converted SmolLM2-135M-Instruct folder, built on first use (in this process).
 
@@ -306,6 +343,7 @@ def smollm2_path(download: Optional[Callable[[Path], Path]] = None) -> str:
     """
     path = smollm2_dir()
     if is_cached(path):
+        upgrade_cached(path)
         return str(path)
     lock = _locked(models_root() / f".{MODEL_DIRNAME}.lock")
     try:
@@ -348,6 +386,7 @@ def ensure_smollm2_subprocess(timeout_s: float = 1800.0) -> str:
     progress lines are passed on to stderr as they come."""
     path = smollm2_dir()
     if is_cached(path):
+        upgrade_cached(path)
         return str(path)
     reason = None
     try:

@@ -174,6 +174,14 @@ def real_hit_rate(path: str = REAL_TRACES, k: Optional[int] = None, delta: float
                 traces=len(trs), path=path)
 
 
+def _shown(path: str) -> str:
+    """``path`` relative to the repository when it lies inside it: the profile records where
+    its hit rate came from, not the folder of the machine that measured it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    full = os.path.abspath(path)
+    return os.path.relpath(full, root) if full.startswith(root + os.sep) else path
+
+
 def profile_hit_rate(value, traces: str = REAL_TRACES) -> Tuple[float, str]:
     """``(hit rate, where it comes from)``: a number as given; ``real``: the calibrated
     predictor's |P n A| / |A| at |P| = K on the traces (``real_hit_rate``), or
@@ -188,5 +196,5 @@ def profile_hit_rate(value, traces: str = REAL_TRACES) -> Tuple[float, str]:
                 f"repository's SmolLM2 traces)")
     per = ", ".join(f"layer {k} {v:.3f}" for k, v in r["per_layer"].items())
     return (round(r["overlap"], 4),
-            f"real traces ({r['traces']} requests under {traces}, K = {r['k']} blocks, "
+            f"real traces ({r['traces']} requests under {_shown(traces)}, K = {r['k']} blocks, "
             f"calibrated predictor, |P| = K; {per})")

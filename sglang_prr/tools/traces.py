@@ -25,7 +25,8 @@ reads it; nothing in it is pickled). Arrays:
 
 The server records such files with ``--prr-trace-path DIR`` (plus ``--prr-trace-layers``,
 ``--prr-trace-max-steps``, ``--prr-trace-max-requests``) through ``TraceRecorder``; tracing copies
-scores to the host every step, so it is a diagnostic mode that requires ``--disable-cuda-graph``.
+scores to the host every step, so it is a diagnostic mode that needs the decode CUDA graphs off
+(``--cuda-graph-backend-decode disabled``; on a CPU there are none).
 ``benchmarks/bench_predictor.py --trace DIR`` measures the predictor's hit rates on it
 (``trace_replay.replay``); ``trace_families`` draws synthetic traces in the same format.
 """

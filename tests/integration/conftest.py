@@ -43,12 +43,15 @@ CONFIGS = {
 }
 
 
-def start_server(name, args, env, explicit_model, model_path, logdir) -> harness.Server:
+def start_server(name, args, env, explicit_model, model_path, logdir,
+                 port=None) -> harness.Server:
     """``python -m sglang_prr.launch_server`` through the package's harness, started now and
     waited for with ``wait_ready()``; ``explicit_model`` adds ``--model-path model_path``
-    (else the launcher's default model serves), ``env`` goes on top of the environment."""
+    (else the launcher's default model serves), ``env`` goes on top of the environment;
+    ``port`` None: a free one."""
     args = list(args) + (["--model-path", model_path] if explicit_model else [])
-    srv = harness.Server(args, Path(logdir) / f"server-{name}.log", name=name, env=env)
+    srv = harness.Server(args, Path(logdir) / f"server-{name}.log", name=name, env=env,
+                         port=port)
     srv.model = model_path
     return srv
 

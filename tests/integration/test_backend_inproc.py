@@ -285,7 +285,8 @@ def test_stats_drain_and_host_counts():
     st.count_batch(torch.tensor([100, 20, 50, 1, 1]), 3, 40, sparse_layers=5)
     assert (st.decode_steps, st.dense_rows) == (5, 5 * 1)
     st.count_batch(torch.tensor([10, 20, 1]), 2, 40, sparse_layers=5)
-    assert (st.decode_steps, st.dense_rows) == (5, 5)  # no sparse row: nothing counted
+    # No long row: no sparse layer-step, but both short rows count (they were dropped once).
+    assert (st.decode_steps, st.dense_rows) == (5, 5 + 5 * 2)
     st.counters += torch.tensor([8, 2, 12, 4])
     snap = st.snapshot()
     assert snap["hit_rate"] == 0.75 and snap["delta"] == 1.5 and snap["sparse_rows"] == 4

@@ -2,8 +2,9 @@
 test_backend_inproc: its grid search gives bit for bit what the reference grid search
 (``reference.calibrate``) gives in its place (theta*, the accumulated objective, the replayed
 state, P and the decode outputs), over a chunked prefill of a batch; its plan samples the queries
-and reads the block table the reference way. Negative control: the objective read in reverse
-candidate order changes theta*."""
+and reads the block table the reference way, and only for requests that will decode sparse.
+Negative controls: the objective read in reverse candidate order changes theta*; a long request
+beside the short ones calibrates."""
 
 from __future__ import annotations
 
@@ -78,7 +79,8 @@ def test_backend_calibration_is_bitwise_the_reference_grid_search(method, monkey
 def test_plan_samples_the_chunk_and_reads_the_table_the_reference_way():
     """Offsets spaced evenly over each chunk (its first and last token included), distinct
     without ``unique``; the table is the request's pages for the blocks the chunk can see."""
-    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", calib_queries=8).validate()
+    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=0,
+                    calib_queries=8).validate()
     w = World(1, 4, 2, cfg, 0)
     b = _backends(w, {"prr": cfg})["prr"]
     fb, *_ = w.batch([1, 2], [9, 70])  # 9 new tokens: phi = 8 < 9, the offsets are 1-2 apart
@@ -123,3 +125,34 @@ def test_a_request_that_cannot_calibrate_starts_from_the_last_theta_star():
     assert float(st.h_cnt[:, 3].max()) == 0, "one sampled query calibrates nothing"
     assert torch.equal(st.theta[:, 3], chosen)
     assert not torch.equal(st.theta[:, 3], st.default_theta.expand_as(chosen))
+
+
+def test_only_requests_that_will_decode_sparse_calibrate():
+    """Requests shorter than min_context decode over every block, so their calibration would be
+    prefill work for nothing: they calibrate nothing, counted by ``Stats.calibrations`` (what
+    ``/prr/stats`` reports) and by the objective's sample counts. Negative controls: a request
+    of min_context tokens in the same kind of batch calibrates every layer, and a long prompt's
+    chunked prefill calibrates from the first chunk that reaches min_context."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    L = 3
+    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=100,
+                    calib_queries=8).validate()
+    w = World(L, 4, 2, cfg, seed)
+    b = _backends(w, {"prr": cfg})["prr"]
+    st = b.state
+    calibrations = lambda: b.stats.snapshot()["calibrations"]
+    for rows, new in (([1, 2], [40, 99]), ([1, 2], [1, 1]), ([1, 2], [1, 1])):
+        fb, q, k, v = w.batch(rows, new)  # 99 + 1 decoded: decode never calibrates
+        _forward(b, w, fb, q, k, v)
+    assert calibrations() == 0 and float(st.h_cnt.abs().sum()) == 0
+    assert b.stats.extend_batches == 1  # the prefill did run through the backend
+    fb, q, k, v = w.batch([3, 4], [100, 30])  # row 3: exactly min_context, it decodes sparse
+    _forward(b, w, fb, q, k, v)
+    assert calibrations() == L
+    assert float(st.h_cnt[:, 3].min()) > 0 and float(st.h_cnt[:, 4].abs().sum()) == 0
+    for n_new, want in ((64, L), (64, 2 * L)):  # row 5: 64 tokens (short), then 128 (long)
+        fb, q, k, v = w.batch([5], [n_new])
+        _forward(b, w, fb, q, k, v)
+        assert calibrations() == want, (n_new, calibrations())
+    assert float(st.h_cnt[:, 5].min()) > 0

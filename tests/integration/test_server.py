@@ -149,3 +149,18 @@ def test_metrics_endpoint_exports_prr(prr_server):
     lines = [l for l in text.splitlines() if l.startswith("sglang:prr_hit_rate")]
     assert lines, text[-2000:]
     assert 0.0 <= float(lines[0].split()[-1]) <= 1.0
+
+
+def _stats_keys(server):
+    return list(requests.get(server.url + "/prr/stats", timeout=60).json())
+
+
+def test_prr_stats_has_one_schema_on_every_server(prr_server, dense_server):
+    """A server with PRR off answers with the same fields, in the same order, as a PRR server
+    (it used to answer only config, enabled and decode_steps). Negative control: the comparison
+    tells a schema with one field missing apart."""
+    from sglang_prr.serving.stats import STATS_FIELDS
+
+    prr, dense = _stats_keys(prr_server), _stats_keys(dense_server)
+    assert prr == dense == list(STATS_FIELDS), (prr, dense)
+    assert [k for k in prr if k != "dense_rows"] != dense

@@ -4,6 +4,7 @@ step that follows it (serial DSA where speculation does not pay, the best delta 
 from __future__ import annotations
 
 import json
+import os
 import random
 
 import pytest
@@ -261,6 +262,10 @@ def test_profiler_hit_rate_real_from_traces_or_recorded(tmp_path, monkeypatch):
     assert rate == trace_replay.REAL_HIT_RATE_AT_K and "recorded" in where
     assert trace_replay.profile_hit_rate(0.7, "traces") == (0.7, "given (--hit-rate)")
     assert len(seen) == 2  # a given number reads no trace
+    # the repository's own traces are named relative to it (the profile travels between
+    # machines); a folder outside it keeps its path, as the control
+    assert trace_replay._shown(trace_replay.REAL_TRACES) == os.path.join("benchmarks", "results", "real_traces")
+    assert trace_replay._shown(str(tmp_path / "t")) == str(tmp_path / "t")
     a = profile_budget.parse_args(["--device", "cpu", "--num-qo-heads", "4", "--num-kv-heads",
                                    "2", "--head-dim", "16", "--out", str(tmp_path / "p.json")])
     assert a.hit_rate == "real" and a.compare_hit_rate == 0.7  # the defaults

