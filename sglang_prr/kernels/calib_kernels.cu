@@ -22,8 +22,7 @@ namespace {
 // of the selection's barriers, so small rows run more, smaller CTAs per SM).
 constexpr int kCalibSmallRow = 512;
 constexpr size_t kCalibSmemPerBlock = 3 * sizeof(float);   // level, trend, key
-constexpr size_t kCalibMaxSmem = 200 * 1024;
-constexpr int kCalibMaxBlocks = (int)(kCalibMaxSmem / kCalibSmemPerBlock);
+static_assert(kCalibMaxBlocks * kCalibSmemPerBlock <= 200 * 1024, "kernel_limits.h: kCalibMaxBlocks");
 
 struct Sums4 {
   float num, den, hits, n_a;

@@ -21,22 +21,19 @@ import torch
 from .. import contracts
 from .. import reference as ref
 from .infllm import IMPLS as INFLLM_IMPLS
+from .limits import ATTN_MAX_GROUP, CALIB_MAX_BLOCKS, TOPK_MAX_BLOCKS
 from .loader import FLOAT_TYPES, active, aligned
 
 _registered = False
 
-# Head dims the attention kernel is instantiated for, and its largest GQA group (the n = 8 of
-# its MMAs). Its MMAs are 16-bit, so it reads float16/bfloat16 KV; float32 KV runs the reference.
+# Head dims the attention kernel is instantiated for (its largest GQA group, ATTN_MAX_GROUP,
+# and the other size limits come from kernel_limits.h). Its MMAs are 16-bit, so it reads
+# float16/bfloat16 KV; float32 KV runs the reference.
 ATTN_HEAD_DIMS = (64, 128, 256)
-ATTN_MAX_GROUP = 8
 ATTN_KV_TYPES = (torch.float16, torch.bfloat16)
 # Shared memory the attention launch may ask for (the merge tail's lists and weights grow with
 # the list widths); wider lists run the reference.
 ATTN_MAX_SMEM = 160 * 1024
-# select_topk keeps a row's keys in shared memory (4 bytes per block).
-TOPK_MAX_BLOCKS = 48 * 1024
-# calib_grid_terms keeps a candidate's level, trend and keys there (12 bytes per block, 200 KiB).
-CALIB_MAX_BLOCKS = 200 * 1024 // 12
 
 
 # ----------------------------------------------------------------------------- implementations

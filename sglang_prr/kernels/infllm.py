@@ -16,11 +16,11 @@ import torch
 from .. import contracts
 from .. import reference as ref
 from ..config import INFLLM_STRIDE
+from .limits import INFLLM_MAX_GROUP
 from .loader import FLOAT_TYPES, active, aligned
 
-# Head dims the scores kernel is instantiated for, and its largest GQA group.
+# Head dims the scores kernel is instantiated for (its largest GQA group is kernel_limits.h's).
 INFLLM_HEAD_DIMS = (64, 128, 256)
-INFLLM_MAX_GROUP = 8
 # The pooling pass keeps a block range's probabilities in 48 KiB of shared memory.
 INFLLM_MAX_PAGE = 16 * 12 * 1024
 

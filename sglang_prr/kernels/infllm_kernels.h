@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "kernel_limits.h"
+
 namespace prr {
 
 // Element types of q / k_buf (same codes as prr::DType in prr_kernels.h).
@@ -12,8 +14,6 @@ enum InfllmDType : int { kInfF32 = 0, kInfF16 = 1, kInfBF16 = 2 };
 // Compressed keys: key i = mean of the keys at positions [16 i, 16 i + 32) (reference.py).
 constexpr int kInfllmWindow = 32;
 constexpr int kInfllmStride = 16;
-// Largest GQA group of infllm_scores (query heads per KV head).
-constexpr int kInfllmMaxGroup = 8;
 
 struct InfllmUpdateArgs {
   float* ck;                                        // [num_pages, page_size/16, Hk, D] contiguous

@@ -4,13 +4,12 @@
 #include <cstdint>
 #include <cuda_runtime.h>
 
+#include "kernel_limits.h"
+
 namespace prr {
 
 // Element types of the tensors the kernels read (q, KV buffers).
 enum DType : int { kF32 = 0, kF16 = 1, kBF16 = 2 };
-
-// Largest GQA group handled by the attention kernels (query heads per KV head).
-constexpr int kMaxGroup = 8;
 
 // The decode counters the selection kernels accumulate (int64), in the order of
 // sglang_prr/contracts.py's STATS_SLOTS: sum |A|, sum |M|, sum |P| over the sparse (request,

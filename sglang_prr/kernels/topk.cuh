@@ -6,6 +6,8 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "kernel_limits.h"
+
 namespace prr {
 namespace {
 
@@ -15,7 +17,6 @@ namespace {
 // blocks above T, then the lowest-id blocks equal to T, are chosen (the stable order of the
 // reference). Kept sink/local blocks are added and the set is written as an ascending list.
 constexpr int kTopkThreads = 512;
-constexpr int kTopkMaxBlocks = 48 * 1024;  // 192 KiB of keys: 786K tokens at block 16
 
 __device__ __forceinline__ uint32_t order_key(float s) {
   // The reference ranks NaN and -inf as float32's lowest finite value, +inf as the largest, and
