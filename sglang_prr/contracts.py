@@ -340,6 +340,20 @@ def check_set_difference(a_idx, a_cnt, p_idx, p_cnt, nb) -> None:
     _batch(op, a_idx.shape[0], p_idx=p_idx)
 
 
+def check_accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row) -> None:
+    op = "accumulate_stats"
+    if stats.dtype != torch.int64 or shape(stats) != (len(STATS_SLOTS),):
+        fail(op, "stats", (stats.dtype, shape(stats)), f"int64 [{len(STATS_SLOTS)}] (new_stats)")
+    if a_cnt.dim() != 2 or a_cnt.dtype != torch.int32:
+        fail(op, "a_cnt", (a_cnt.dtype, shape(a_cnt)), "int32 [batch, num_kv_heads]")
+    for name, t in (("m_cnt", m_cnt), ("p_cnt", p_cnt)):
+        if t is not None and (t.dtype != torch.int32 or shape(t) != shape(a_cnt)):
+            fail(op, name, (t.dtype, shape(t)), f"int32 {shape(a_cnt)}")
+    if dense_row is not None and (dense_row.dtype != torch.bool
+                                  or shape(dense_row) != (a_cnt.shape[0],)):
+        fail(op, "dense_row", (dense_row.dtype, shape(dense_row)), f"bool ({a_cnt.shape[0]},)")
+
+
 def _holt_state(op, level, trend) -> None:
     if level.dim() != 3 or level.dtype != torch.float32:
         fail(op, "level", (level.dtype, shape(level)), "float32 [batch, num_kv_heads, NB]")

@@ -106,6 +106,17 @@ def _(a_idx, a_cnt, p_idx, p_cnt, nb):
     return torch.empty_like(a_idx), torch.empty_like(a_cnt)
 
 
+@_op("accumulate_stats", mutates_args=("stats",))
+def accumulate_stats(stats: Tensor, a_cnt: Tensor, m_cnt: Tensor, p_cnt: Optional[Tensor],
+                     dense_row: Optional[Tensor]) -> None:
+    """Add a step's counters into ``stats`` (``contracts.STATS_SLOTS``, int64, in place): sum
+    |A|, |M|, |P| (``p_cnt`` None: 0) and rows over the ``[B, Hk]`` rows that are not dense
+    rows (``dense_row: [B]`` bool). One launch on SM90 (the fused selections count inside their
+    own kernel)."""
+    contracts.check_accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
+    ref.accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
+
+
 @_op("quest_select", mutates_args=("stats",))
 def _quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
                   p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,

@@ -336,6 +336,38 @@ std::tuple<Tensor, Tensor> set_difference(const Tensor& a_idx_in, const Tensor& 
   return std::make_tuple(m_idx, m_cnt);
 }
 
+void accumulate_stats(Tensor& stats, const Tensor& a_cnt_in, const Tensor& m_cnt_in,
+                      const c10::optional<Tensor>& p_cnt_in,
+                      const c10::optional<Tensor>& dense_row_in) {
+  check_cuda(a_cnt_in, "a_cnt");
+  c10::cuda::CUDAGuard guard(a_cnt_in.device());
+  TORCH_CHECK(stats.scalar_type() == at::kLong && stats.is_contiguous() &&
+              stats.numel() == prr::kNumStatSlots, "accumulate_stats: stats must be contiguous "
+              "int64 [", prr::kNumStatSlots, "]");
+  const Tensor a_cnt = a_cnt_in.contiguous(), m_cnt = m_cnt_in.contiguous();
+  TORCH_CHECK(a_cnt.dim() == 2 && a_cnt.scalar_type() == at::kInt &&
+              m_cnt.sizes() == a_cnt.sizes() && m_cnt.scalar_type() == at::kInt,
+              "accumulate_stats: a_cnt and m_cnt must be int32 [B, Hk]");
+  prr::StatsArgs a{};
+  Tensor p_cnt, dense_row;
+  if (p_cnt_in.has_value()) {
+    p_cnt = p_cnt_in->contiguous();
+    TORCH_CHECK(p_cnt.sizes() == a_cnt.sizes() && p_cnt.scalar_type() == at::kInt,
+                "accumulate_stats: p_cnt must be int32 like a_cnt");
+    a.p_cnt = p_cnt.data_ptr<int32_t>();
+  }
+  if (dense_row_in.has_value()) {
+    dense_row = dense_row_in->contiguous();
+    TORCH_CHECK(dense_row.scalar_type() == at::kBool && dense_row.numel() == a_cnt.size(0),
+                "accumulate_stats: dense_row must be bool [", a_cnt.size(0), "]");
+    a.dense_row = dense_row.data_ptr<bool>();
+  }
+  a.stats = reinterpret_cast<unsigned long long*>(stats.data_ptr<int64_t>());
+  a.a_cnt = a_cnt.data_ptr<int32_t>(); a.m_cnt = m_cnt.data_ptr<int32_t>();
+  a.B = (int)a_cnt.size(0); a.Hk = (int)a_cnt.size(1);
+  check_launch(prr::launch_accumulate_stats(a, stream()), "accumulate_stats");
+}
+
 void holt_update(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& scores_in,
                  const Tensor& nblk_in, const Tensor& alpha, const Tensor& beta) {
   check_cuda(level, "level");
@@ -687,6 +719,8 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
         "int n_pred, int sink_blocks, int local_blocks) -> (Tensor, Tensor)");
   m.def("set_difference(Tensor a_idx, Tensor a_cnt, Tensor p_idx, Tensor p_cnt, int nb) "
         "-> (Tensor, Tensor)");
+  m.def("accumulate_stats(Tensor(a!) stats, Tensor a_cnt, Tensor m_cnt, Tensor? p_cnt, "
+        "Tensor? dense_row) -> ()");
   m.def("holt_update(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) n_init, Tensor scores, "
         "Tensor nblk, Tensor alpha, Tensor beta) -> ()");
   m.def("prr_merge(Tensor o_spec, Tensor lse_spec, Tensor p_idx, Tensor p_cnt, Tensor a_idx, "
@@ -727,6 +761,7 @@ TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {
   m.impl("select_topk", &select_topk);
   m.impl("predict_set", &predict_set);
   m.impl("set_difference", &set_difference);
+  m.impl("accumulate_stats", &accumulate_stats);
   m.impl("holt_update", &holt_update);
   m.impl("prr_merge", &prr_merge);
   m.impl("merge_partials", &merge_partials);

@@ -103,6 +103,14 @@ def _set_difference(a_idx, a_cnt, p_idx, p_cnt, nb):
     return torch.ops.sglang_prr_cuda.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
 
 
+def _accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row):
+    contracts.check_accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
+    if not (active(a_cnt.device) and stats.is_contiguous()):
+        ref.accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
+        return
+    torch.ops.sglang_prr_cuda.accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
+
+
 def _calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred, sink_blocks,
                       local_blocks):
     contracts.check_calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred,
@@ -309,6 +317,7 @@ IMPLS: Dict[str, Callable] = {
     "select_topk": _select_topk,
     "predict_set": _predict_set,
     "set_difference": _set_difference,
+    "accumulate_stats": _accumulate_stats,
     "holt_update": _holt_update,
     "prr_merge": _prr_merge,
     "merge_partials": _merge_partials,

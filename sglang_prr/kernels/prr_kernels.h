@@ -138,6 +138,17 @@ struct SetDiffArgs {
 };
 cudaError_t launch_set_difference(const SetDiffArgs& a, cudaStream_t s);
 
+// The decode counters (StatSlot) of a selection composed from separate ops: sums over the
+// (request, KV head) rows that are not dense rows, added into stats in one launch.
+struct StatsArgs {
+  unsigned long long* stats;                       // [kNumStatSlots]
+  const int32_t* a_cnt; const int32_t* m_cnt;      // [B, Hk] contiguous
+  const int32_t* p_cnt;                            // [B, Hk] or null (no prediction: 0)
+  const bool* dense_row;                           // [B] or null
+  int B, Hk;
+};
+cudaError_t launch_accumulate_stats(const StatsArgs& a, cudaStream_t s);
+
 struct HoltArgs {
   float* level; float* trend; void* n_init; bool ninit64;
   const float* scores; const void* nblk; bool nblk64;

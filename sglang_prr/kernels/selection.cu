@@ -10,6 +10,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <algorithm>
 #include <cfloat>
@@ -293,7 +294,38 @@ set_difference_kernel(SetDiffArgs a) {
   if (tid == 0) a.m_cnt[row] = total < a.n_out ? total : a.n_out;
 }
 
+// ============================================================================ counters
+// One CTA over every (request, KV head) row: the four sums of reference.accumulate_stats (|A|,
+// |M|, |P| clamped at 0, rows; dense rows left out) reduced in the CTA, then one atomic per slot.
+constexpr int kStatsThreads = 256;
+
+__global__ void __launch_bounds__(kStatsThreads)
+accumulate_stats_kernel(StatsArgs a) {
+  using Reduce = cub::BlockReduce<long long, kStatsThreads>;
+  __shared__ typename Reduce::TempStorage s_red;
+  long long sum[kNumStatSlots] = {0, 0, 0, 0};
+  const int rows = a.B * a.Hk;
+  for (int r = threadIdx.x; r < rows; r += kStatsThreads) {
+    if (a.dense_row && a.dense_row[r / a.Hk]) continue;
+    sum[kStatSelected] += a.a_cnt[r];
+    sum[kStatRepair] += a.m_cnt[r];
+    if (a.p_cnt) sum[kStatPredicted] += max(a.p_cnt[r], 0);
+    sum[kStatRows] += 1;
+  }
+  for (int slot = 0; slot < kNumStatSlots; ++slot) {
+    const long long total = Reduce(s_red).Sum(sum[slot]);
+    if (threadIdx.x == 0) atomicAdd(a.stats + slot, (unsigned long long)total);
+    __syncthreads();  // s_red is reused by the next slot's reduction
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_accumulate_stats(const StatsArgs& a, cudaStream_t s) {
+  if (a.B == 0 || a.Hk == 0) return cudaSuccess;
+  accumulate_stats_kernel<<<1, kStatsThreads, 0, s>>>(a);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_quest_scores(const QuestArgs& a, cudaStream_t s) {
   if (a.D % 8 != 0 || a.Hq % a.Hk != 0) return cudaErrorInvalidValue;

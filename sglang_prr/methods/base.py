@@ -93,7 +93,7 @@ def select_from_scores(scores: Tensor, *, nblk: Tensor, nb: int, spec: SelectSpe
                        stats: Optional[Tensor] = None) -> Selected:
     """A = kept blocks + top-K of ``scores`` (``ops.select_topk``), ``M = A \\ P``
     (``ops.set_difference``; ``M = A`` without P), the counters accumulated into ``stats``
-    (``reference.accumulate_stats``). ``p_rows: [B]``: P is read at those rows of pool-wide
+    (``ops.accumulate_stats``, one launch). ``p_rows: [B]``: P is read at those rows of pool-wide
     lists ``[R, Hk, Np]``; ``dense_row: [B]`` bool rows select every block. The composition
     ``reference.select_from_scores`` states on the reference alone."""
     a_idx, a_cnt = ops.select_topk(scores, nblk, k=spec.k, sink_blocks=spec.sink_blocks,
@@ -106,7 +106,7 @@ def select_from_scores(scores: Tensor, *, nblk: Tensor, nb: int, spec: SelectSpe
             p_idx, p_cnt = p_idx[p_rows.long()], p_cnt[p_rows.long()]
         m_idx, m_cnt = ops.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
     if stats is not None:
-        ref.accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
+        ops.accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
     return Selected(scores, a_idx, a_cnt, m_idx, m_cnt)
 
 

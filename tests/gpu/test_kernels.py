@@ -489,3 +489,33 @@ def test_dispatch_uses_kernels():
     names = " ".join(e.name for e in prof.events())
     assert "merge_kernel" in names, names[:500]
     del q
+
+
+# ----------------------------------------------------------------------------- counters
+@pytest.mark.parametrize("B, Hk, with_p, with_dense", [
+    (1, 8, True, False), (3, 5, False, True), (37, 7, True, True), (300, 3, True, False)])
+def test_accumulate_stats_matches_reference(B, Hk, with_p, with_dense):
+    """The counters of a composed selection (InfLLM-v2's) in one launch: the same int64 sums as
+    ``reference.accumulate_stats`` over random counts (negative |P| entries clamp to 0, dense
+    rows left out), added onto counters that already hold values; a changed count moves them."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    g = torch.Generator().manual_seed(seed)
+    cnt = lambda lo: torch.randint(lo, 5000, (B, Hk), generator=g, dtype=torch.int32)  # noqa: E731
+    a, m = cnt(0), cnt(0)
+    p = cnt(-3) if with_p else None
+    dense = (torch.rand(B, generator=g) < 0.4) if with_dense else None
+    start = torch.randint(0, 1 << 40, (4,), generator=g, dtype=torch.int64)
+    want = start.clone()
+    ref.accumulate_stats(want, a, m, p, dense)
+    got = start.to(DEV)
+    dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    torch.ops.sglang_prr_cuda.accumulate_stats(got, dev(a), dev(m), dev(p), dev(dense))
+    assert torch.equal(got.cpu(), want), (got, want)
+    # Control: one more selected block in a row that is not dense changes the first slot.
+    keep = 0 if dense is None else int((~dense).nonzero()[0, 0]) if (~dense).any() else None
+    if keep is not None:
+        a[keep, 0] += 1
+        again = start.to(DEV)
+        torch.ops.sglang_prr_cuda.accumulate_stats(again, dev(a), dev(m), dev(p), dev(dense))
+        assert again[0].item() == want[0].item() + 1

@@ -1,0 +1,77 @@
+"""``accumulate_stats``: the decode counters of a selection composed from separate ops (InfLLM-v2's)
+as one op, and that composition counting through it. CPU: the op's reference path; its SM90
+kernel is compared with the reference in ``tests/gpu/test_kernels.py``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_prr import contracts, custom_ops
+from sglang_prr import reference as ref
+from sglang_prr.methods.base import SelectSpec, select_from_scores
+
+
+def _counts(seed, B=5, Hk=3):
+    g = torch.Generator().manual_seed(seed)
+    c = lambda lo: torch.randint(lo, 900, (B, Hk), generator=g, dtype=torch.int32)  # noqa: E731
+    return c(0), c(0), c(-4), torch.rand(B, generator=g) < 0.5
+
+
+def test_the_op_adds_the_reference_sums(seed):
+    a, m, p, dense = _counts(seed)
+    for pc, dr in ((p, dense), (None, None), (p, None), (None, dense)):
+        want, got = contracts.new_stats(), contracts.new_stats()
+        want += 7  # counters that already hold values
+        got += 7
+        ref.accumulate_stats(want, a, m, pc, dr)
+        custom_ops.accumulate_stats(got, a, m, pc, dr)
+        assert torch.equal(got, want), (pc is None, dr is None)
+    # By hand, and a control: the rows of dense requests are not counted.
+    got = contracts.new_stats()
+    custom_ops.accumulate_stats(got, a, m, p, dense)
+    keep = (~dense).view(-1, 1)
+    assert got.tolist() == [int((a * keep).sum()), int((m * keep).sum()),
+                            int((p.clamp(min=0) * keep).sum()), int(keep.sum()) * a.shape[1]]
+    if dense.any():
+        every = contracts.new_stats()
+        custom_ops.accumulate_stats(every, a, m, p, None)
+        assert every[3] > got[3]
+
+
+@pytest.mark.parametrize("bad, name", [
+    (dict(stats=torch.zeros(4, dtype=torch.int32)), "stats"),
+    (dict(stats=torch.zeros(3, dtype=torch.int64)), "stats"),
+    (dict(a_cnt=torch.zeros(5, 3, dtype=torch.int64)), "a_cnt"),
+    (dict(m_cnt=torch.zeros(5, 4, dtype=torch.int32)), "m_cnt"),
+    (dict(p_cnt=torch.zeros(5, 3, dtype=torch.float32)), "p_cnt"),
+    (dict(dense_row=torch.zeros(5, dtype=torch.int32)), "dense_row"),
+    (dict(dense_row=torch.zeros(4, dtype=torch.bool)), "dense_row"),
+])
+def test_bad_arguments_are_named(seed, bad, name):
+    a, m, p, dense = _counts(seed)
+    args = dict(stats=contracts.new_stats(), a_cnt=a, m_cnt=m, p_cnt=p, dense_row=dense)
+    custom_ops.accumulate_stats(**args)  # control: the good arguments run
+    args.update(bad)
+    with pytest.raises(ValueError, match=name):
+        custom_ops.accumulate_stats(**args)
+
+
+def test_a_composed_selection_counts_as_the_reference(seed):
+    """``methods.base.select_from_scores`` (the product's composition) accumulates the counters
+    the reference composition does, with a prediction read at pool rows and dense rows."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hk, NB, R = 4, 2, 30, 7
+    scores = torch.randn(B, Hk, NB, generator=g)
+    nblk = torch.randint(5, NB + 1, (B,), generator=g)
+    p_idx = torch.sort(torch.randint(0, NB, (R, Hk, 9), generator=g, dtype=torch.int32)).values
+    p_cnt = torch.randint(0, 10, (R, Hk), generator=g, dtype=torch.int32)
+    rows = torch.randperm(R, generator=g)[:B]
+    dense = torch.tensor([False, True, False, False])
+    spec = SelectSpec.of(6, 1, 1, 16)
+    got, want = contracts.new_stats(), contracts.new_stats()
+    sel = select_from_scores(scores, nblk=nblk, nb=NB, spec=spec, p_idx=p_idx, p_cnt=p_cnt,
+                             p_rows=rows, dense_row=dense, stats=got)
+    r = ref.select_from_scores(scores, nblk, NB, p_idx, p_cnt, spec.k, spec.sink_blocks,
+                               spec.local_blocks, spec.n_out, rows, dense, want)
+    assert torch.equal(sel.m_cnt, r[4]) and torch.equal(got, want) and got[3] == 3 * Hk
