@@ -99,8 +99,8 @@ def select_from_scores(scores: Tensor, *, nblk: Tensor, nb: int, spec: SelectSpe
     a_idx, a_cnt = ops.select_topk(scores, nblk, k=spec.k, sink_blocks=spec.sink_blocks,
                                    local_blocks=spec.local_blocks, n_out=spec.n_out,
                                    dense_row=dense_row)
-    if p_idx is None:
-        m_idx, m_cnt = a_idx.clone(), a_cnt.clone()
+    if p_idx is None:  # M = A: the same lists (nothing writes them after the selection)
+        m_idx, m_cnt = a_idx, a_cnt
     else:
         if p_rows is not None:
             p_idx, p_cnt = p_idx[p_rows.long()], p_cnt[p_rows.long()]
