@@ -96,8 +96,8 @@ def reuse_overlap(traces: Sequence[Trace], k: int, sink_blocks: int = 1,
 # The SmolLM2-135M-Instruct traces in the repository (4 requests of 4200-5400 tokens of Python
 # source, 128 decode steps, layers 0/10/20/29, block 16, K = 16 blocks), recorded with
 # benchmarks/record_real_traces.py; a source checkout has them, an installed wheel does not.
-REAL_TRACES = os.path.normpath(os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
-                                            "..", "benchmarks", "results", "real_traces"))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REAL_TRACES = os.path.join(REPO_ROOT, "benchmarks", "results", "real_traces")
 SYNTHETIC_HIT_RATE = 0.7  # what the profile held before real traces (reported beside them)
 # real_hit_rate(REAL_TRACES)["overlap"] at delta 1 (|P| = K = 16 blocks), for installs without
 # the traces; tests/unit/test_trace_replay_real.py recomputes it from them.
@@ -177,9 +177,8 @@ def real_hit_rate(path: str = REAL_TRACES, k: Optional[int] = None, delta: float
 def _shown(path: str) -> str:
     """``path`` relative to the repository when it lies inside it: the profile records where
     its hit rate came from, not the folder of the machine that measured it."""
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     full = os.path.abspath(path)
-    return os.path.relpath(full, root) if full.startswith(root + os.sep) else path
+    return os.path.relpath(full, REPO_ROOT) if full.startswith(REPO_ROOT + os.sep) else path
 
 
 def profile_hit_rate(value, traces: str = REAL_TRACES) -> Tuple[float, str]:
