@@ -49,13 +49,15 @@ come from ``/prr/stats`` around the point; ``delta`` is the speculation budget t
 serial DSA; for ``auto`` the server's choice at this batch size). Each server first decodes one
 request of its longest context, so JIT compilation and first-use costs stay out of the rows.
 
-``--profile``: once every request of a point has its first token, ``/start_profile`` records
-the next ``--profile-steps`` forward steps with the torch profiler (CUPTI sees the kernels of
-CUDA-graph replays); ``profile_trace.py`` turns the trace into kernels and GPU-busy time per
-decode step and per layer (CSV columns), one markdown file of the top kernels per point and one
-summary table (``<csv stem>_profile*.md``). The profiler's start and trace export stall the
-scheduler inside the measured requests: the median ITL stays a decode step, TPOT and p90 ITL
-include the stall.
+``--profile``: after the timed pass, the point's requests are sent once more (same prompts,
+from the radix cache) and, once each has its first token, ``/start_profile`` records the next
+``--profile-steps`` forward steps with the torch profiler (CUPTI sees the kernels of CUDA-graph
+replays); ``profile_trace.py`` turns the trace into kernels and GPU-busy time per decode step and
+per layer (CSV columns), one markdown file of the top kernels per point and one summary table
+(``<csv stem>_profile*.md``). The profiler's start and trace export stall the scheduler for
+hundreds of milliseconds, so no timing column comes from the profiled pass (in CSVs of serving
+runs 1-7 they did: TPOT, p90 ITL and ``output_tok_s`` include that stall there; the median ITL
+does not).
 
 The CSV is rewritten after every point (a stopped run keeps its rows) and progress lines are
 printed per phase; ``--only`` and ``--variants`` select a subset, ``--append`` merges into an
@@ -661,6 +663,24 @@ def _prr_numbers(before: dict, after: dict) -> dict:
                 mean_selected_blocks=round(a / d_rows, 3))
 
 
+def timed_then_profiled(send, url: str, prompts, out: int, prof: Optional[Profile],
+                        num_layers: int, after_timed=lambda: None):
+    """The point's timed pass, then (with ``prof``) a profiled pass of the same prompts.
+
+    Returns ``(timing dict, after_timed(), profile summary or None)``. The timing never comes
+    from the pass that the profiler records: starting it and exporting the trace stall the
+    scheduler between decode steps. ``after_timed`` runs between the passes (the caller reads
+    the timed pass's log lines there, so the profiled pass's warm prefill is not counted)."""
+    r = timing(send(url, prompts, out)["marks"])
+    between = after_timed()
+    if prof is None:
+        return r, between, None
+    send(url, prompts, out, on_all_first=prof.start)
+    # The trace before the next request: a profile still short of its steps would
+    # otherwise record that request's steps too.
+    return r, between, prof.summary(num_layers)
+
+
 def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: str,
                   prof_dir: Path, label: str, num_layers: int) -> dict:
     """One point on a running server: cold prefill (TTFT), then the steady batch (or the
@@ -678,16 +698,15 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
               f"(median TTFT {cold_ttft:.1f} ms); decoding {a.out} tokens together", flush=True)
         time.sleep(LOG_SETTLE_S)  # the cold requests' last log lines before the window opens
     before = prr_stats(url)
-    prof = Profile(url, prof_dir, a.profile_steps, cpu=a.device == "cpu") if a.profile else None
     start = log_size(log)
     send = stream_batch if pt.arrival == "steady" else stream_staggered
-    res = send(url, prompts, a.out, on_all_first=prof.start if prof else None)
-    r = timing(res["marks"])
-    # The trace before the next request: a profile still short of its steps would
-    # otherwise record that request's steps too.
-    s = prof.summary(num_layers) if prof else None
-    time.sleep(LOG_SETTLE_S)
-    text = read_log(log, start, log_size(log))
+    prof = Profile(url, prof_dir, a.profile_steps, cpu=a.device == "cpu") if a.profile else None
+
+    def timed_log() -> str:
+        time.sleep(LOG_SETTLE_S)  # the timed pass's last log lines
+        return read_log(log, start, log_size(log))
+
+    r, text, s = timed_then_profiled(send, url, prompts, a.out, prof, num_layers, timed_log)
     logged = logged_decode_batches(text)
     n_pf, new_tok, cached_tok = logged_prefills(text)
     ok, why = steady_check(pt.batch, logged, s["step_spans"] if s else None)

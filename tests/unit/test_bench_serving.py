@@ -137,6 +137,45 @@ def test_timing_of_a_steady_window(bench):
         bench.timing([marks[0], []])
 
 
+def test_timing_comes_from_the_pass_without_the_profiler(bench):
+    """The profiler's start stalls the scheduler: a pass that it records has a 0.5 s gap after
+    the first tokens. The timing must come from the unprofiled pass (100 ms steps, 20 tok/s);
+    the profiled pass's own timing (the negative control) shows the stall."""
+    calls = []
+
+    def send(url, prompts, out, on_all_first=None):
+        calls.append(on_all_first)
+        gap = 0.0
+        if on_all_first is not None:
+            on_all_first()
+            gap = 0.5
+        return {"marks": [[(1.0, 1)] + [(1.1 + gap + 0.1 * i, 1) for i in range(out - 1)]
+                          for _ in prompts]}
+
+    class FakeProfile:
+        started = 0
+
+        def start(self):
+            self.started += 1
+
+        def summary(self, num_layers):
+            return {"started": self.started, "layers": num_layers}
+
+    prof = FakeProfile()
+    r, between, s = bench.timed_then_profiled(send, "url", [[1], [2]], 9, prof, 4,
+                                              lambda: len(calls))
+    assert between == 1  # after the timed pass, before the profiled one
+    assert calls == [None, prof.start] and s == {"started": 1, "layers": 4}
+    assert r["median_tpot_ms"] == pytest.approx(100.0)
+    assert r["output_tok_s"] == pytest.approx(16 / 0.8)
+    stalled = bench.timing(send("url", [[1], [2]], 9, on_all_first=prof.start)["marks"])
+    assert stalled["median_tpot_ms"] > 140.0 and stalled["output_tok_s"] < 13.0
+    # without a profile: one pass, no summary
+    calls.clear()
+    r2, _, s2 = bench.timed_then_profiled(send, "url", [[1]], 9, None, 4)
+    assert calls == [None] and s2 is None and r2["median_itl_ms"] == pytest.approx(100.0)
+
+
 def test_logprob_comparison(bench):
     ref = {"ids": [5, 6, 7, 8], "logprobs": [-0.5, -1.0, -0.25, -2.0]}
     assert bench.compare_logprobs(ref, dict(ref)) == (0.0, None)
