@@ -61,7 +61,10 @@ does not).
 
 The CSV is rewritten after every point (a stopped run keeps its rows) and progress lines are
 printed per phase; ``--only`` and ``--variants`` select a subset, ``--append`` merges into an
-existing CSV (a new row replaces the row of the same variant, method, model, kind, ctx, batch).
+existing CSV (a new row replaces the row of the same variant, method, model, kind, ctx, batch
+and launch). ``SGLANG_PRR_PDL=1`` in the environment (the servers inherit it) launches PRR's
+kernels with programmatic dependent launch; those rows have ``launch`` = ``pdl`` and sit beside
+the others.
 
     python benchmarks/bench_serving.py --profile --csv benchmarks/results/serving_h200.csv
     python benchmarks/bench_serving.py --only throughput --append --csv ...   # one kind
@@ -77,7 +80,8 @@ completed, hit_rate, kernels_per_step, gpu_busy_ms_per_step, kernels_per_layer, 
 wall_s, then method (quest / infllm_v2 / dense), model, kind, decode_batch, decode_batch_min,
 decode_steps, steady, arrival, profile_bs (``bs:steps;...``), prefill_cached_frac (cached
 share of the measured prefill's tokens), median_warm_ttft_ms, delta, mean_repair_blocks,
-mean_selected_blocks, logprob_max_abs_diff, first_diff_token, prompt.
+mean_selected_blocks, logprob_max_abs_diff, first_diff_token, prompt, launch (``pdl`` or
+empty).
 
 Random weights give random attention, so the hit rate of the Llama-shape rows is not a real
 model's; what they measure is the cost of each decode path at a real shape.
@@ -144,7 +148,7 @@ COLUMNS = ["variant", "label", "ctx", "batch", "out", "median_itl_ms", "p90_itl_
            "wall_s", "method", "model", "kind", "decode_batch", "decode_batch_min",
            "decode_steps", "steady", "arrival", "profile_bs", "prefill_cached_frac",
            "median_warm_ttft_ms", "delta", "mean_repair_blocks", "mean_selected_blocks",
-           "logprob_max_abs_diff", "first_diff_token", "prompt"]
+           "logprob_max_abs_diff", "first_diff_token", "prompt", "launch"]
 
 
 @dataclass(frozen=True, order=True)
@@ -611,11 +615,18 @@ def newest_trace(root: Path, since: float, timeout: float):
 
 
 # ----------------------------------------------------------------------------- one server
+def _launch() -> str:
+    """``pdl`` when the servers launch PRR's kernels with programmatic dependent launch
+    (``SGLANG_PRR_PDL=1`` in this environment, which the servers inherit), else ``""``."""
+    return "pdl" if os.environ.get("SGLANG_PRR_PDL") == "1" else ""
+
+
 def _label(srv: Server, a) -> str:
     base = LABELS[srv.variant] if a.device == "cuda" or srv.variant != "dense" else \
         "dense (torch_native)"
     extra = [x for x in ("InfLLM-v2" if srv.method == "infllm_v2" else "",
-                         "SmolLM2" if srv.model == SMOLLM2 else "") if x]
+                         "SmolLM2" if srv.model == SMOLLM2 else "",
+                         "PDL" if _launch() and srv.variant != "dense" else "") if x]
     return base + (f", {', '.join(extra)}" if extra else "")
 
 
@@ -734,7 +745,7 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
         prefill_cached_frac=(round(cached_tok / (new_tok + cached_tok), 4)
                              if new_tok + cached_tok else None),
         median_warm_ttft_ms=round(r["median_ttft_ms"], 1) if cold_ttft is not None else None,
-        delta=_delta(srv, after, pt.batch, a), prompt=prompt_desc,
+        delta=_delta(srv, after, pt.batch, a), prompt=prompt_desc, launch=_launch(),
         **(_prr_numbers(before, after) if srv.variant != "dense" else {}))
     if srv.variant == "serial":
         row["hit_rate"] = None  # serial DSA predicts nothing
@@ -750,7 +761,8 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
             row["logprob_max_abs_diff"] = float(f"{diff:.4g}")
             row["first_diff_token"] = -1 if first is None else first
     if s:
-        md = _profile_path(a.csv, f"_{srv.name}_{pt.kind}_{pt.ctx}_{pt.batch}")
+        md = _profile_path(a.csv, f"_{srv.name}{'-' + _launch() if _launch() else ''}_"
+                                  f"{pt.kind}_{pt.ctx}_{pt.batch}")
         md.write_text(profile_trace.markdown(
             s, f"{label}, {pt.kind}, ctx {pt.ctx}, batch {pt.batch} ({Path(s['trace']).name})"))
     row["wall_s"] = round(time.time() - t_point, 1)
@@ -814,10 +826,17 @@ def _fill(r: dict) -> dict:
     return r
 
 
+def _decode_rate(r: dict):
+    """Output tokens per second of a steady batch: batch / median ITL (None without an ITL)."""
+    itl = float(r["median_itl_ms"]) if r.get("median_itl_ms") else 0.0
+    return 1e3 * int(r["batch"]) / itl if itl > 0 else None
+
+
 def plot(csv_path: str, png: str) -> None:
     """Panels of median ITL bars per point and variant (Llama-shape grid with the InfLLM-v2
-    rows and the dense reference as a line; SmolLM2), and output tokens/s of the throughput
-    points."""
+    rows and the dense reference as a line; SmolLM2), and the throughput points' decode rate
+    (batch / median ITL: output tokens per second of the steady batch; ``output_tok_s`` of runs
+    1-7 included the profiler's stall)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -826,8 +845,8 @@ def plot(csv_path: str, png: str) -> None:
     name = lambda r: r.get("label") or r["variant"]
     panels = [("ITL", [r for r in rows if r["kind"] in ("grid", "infllm")], "median_itl_ms",
                "decode step (median ITL), ms", "Llama-3-8B shape, random weights"),
-              ("throughput", [r for r in rows if r["kind"] == "throughput"], "output_tok_s",
-               "output tokens / s (decode phase)", "throughput"),
+              ("throughput", [r for r in rows if r["kind"] == "throughput"], _decode_rate,
+               "output tokens / s (batch / median ITL)", "throughput"),
               ("smollm2", [r for r in rows if r["kind"] == "smollm2"], "median_itl_ms",
                "decode step (median ITL), ms", "SmolLM2-135M, real text")]
     panels = [p for p in panels if p[1]]
@@ -842,7 +861,8 @@ def plot(csv_path: str, png: str) -> None:
         names = list(dict.fromkeys(name(r) for r in prs))
         w = 0.8 / max(len(names), 1)
         for i, n in enumerate(names):
-            ys = [next((float(r[col]) for r in prs if name(r) == n and r.get(col)
+            get = col if callable(col) else (lambda r, c=col: float(r[c]) if r.get(c) else None)
+            ys = [next((get(r) for r in prs if name(r) == n and get(r) is not None
                         and (int(r["ctx"]), int(r["batch"])) == k), 0.0) for k in keys]
             ax.bar([j + i * w for j in range(len(keys))], ys, w, label=n)
         if what == "ITL":
@@ -871,12 +891,12 @@ def _read(path) -> list:
 def _key(r: dict) -> tuple:
     r = _fill(r)
     return (str(r["variant"]), r["method"], r["model"], r["kind"], int(r["ctx"]),
-            int(r["batch"]))
+            int(r["batch"]), r.get("launch") or "")
 
 
 def _merge(old: list, new: list) -> list:
     """``old`` rows without those that ``new`` measures again (same variant, method, model,
-    kind, ctx, batch), then ``new``."""
+    kind, ctx, batch, launch), then ``new``."""
     again = {_key(r) for r in new}
     return [r for r in old if _key(r) not in again] + new
 
@@ -900,7 +920,8 @@ def _write_profile_table(csv_path: str) -> None:
     lines = ["| variant | method | model | kind | ctx | batch | profiled bs | kernels/step | "
              "kernels/layer | GPU-busy ms/step | median ITL ms |",
              "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|"]
-    lines += [f"| {r['variant']} | {r['method']} | {r['model']} | {r['kind']} | {r['ctx']} | "
+    tag = lambda r: r["variant"] + (f" ({r['launch']})" if r.get("launch") else "")  # noqa: E731
+    lines += [f"| {tag(r)} | {r['method']} | {r['model']} | {r['kind']} | {r['ctx']} | "
               f"{r['batch']} | {r.get('profile_bs') or '-'} | {r['kernels_per_step']} | "
               f"{r['kernels_per_layer']} | {r['gpu_busy_ms_per_step']} | "
               f"{r['median_itl_ms']} |" for r in rows]

@@ -241,6 +241,19 @@ def test_csv_merge_old_rows_and_plot(bench, tmp_path):
                     ("prr", "smollm2", "quest", "7680", "1")]
     assert list(back[0])[:len(bench.COLUMNS)] == bench.COLUMNS
     assert bench._fill(back[0])["kind"] == "reference"
+    # a PDL row of the same point sits beside the other; measured again, it replaces only itself
+    pdl = dict(row("prr", "grid", 32768, 8, 7.5, 950.0), launch="pdl")
+    for _ in range(2):
+        bench._write(bench._merge(bench._read(path), [pdl]), path)
+    back = bench._read(path)
+    same = [(r["median_itl_ms"], r["launch"]) for r in back
+            if (r["variant"], r["kind"], r["ctx"], r["batch"]) == ("prr", "grid", "32768", "8")]
+    assert same == [("8.0", ""), ("7.5", "pdl")]
+    back = [r for r in back if r["launch"] != "pdl"]
+    bench._write(back, path)
+    # the throughput panel's rate: batch / median ITL, not output_tok_s
+    assert bench._decode_rate(dict(batch="16", median_itl_ms="8.0")) == pytest.approx(2000.0)
+    assert bench._decode_rate(dict(batch="16", median_itl_ms="")) is None
     bench._write_profile_table(path)
     table = (tmp_path / "serving_profile.md").read_text().splitlines()
     assert len(table) == 3 and table[2].startswith(
