@@ -232,6 +232,29 @@ class BudgetPolicy:
         return any(self.profile.choose(b, self.cfg.max_budget) > 0
                    for b in self.profile.batch_sizes)
 
+    def reasons(self) -> Dict[str, str]:
+        """Why each profiled batch size runs what it runs (``describe``), in words: the
+        fastest speculative delta's layer time relative to serial DSA (mean over the profiled
+        contexts) against the margin; a fixed budget says so under ``"*"``."""
+        if self.cfg.serial or not self.cfg.enabled:
+            return {"*": "serial DSA (--prr-serial)"}
+        if self.profile is None:
+            return {"*": f"fixed budget delta {float(self.cfg.budget):g}"}
+        prof, out = self.profile, {}
+        ctx = ", ".join(f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in prof.contexts)
+        for b in prof.batch_sizes:
+            rel = {dl: r for dl, r in prof.relative(b).items()
+                   if 0 < dl <= self.cfg.max_budget + 1e-9}
+            chosen = prof.choose(b, self.cfg.max_budget)
+            if not rel:
+                out[str(b)] = "serial DSA: no speculative delta <= --prr-max-budget profiled"
+                continue
+            best = min(rel, key=lambda dl: (rel[dl], dl))
+            cost = f"delta {best:g} costs {rel[best]:.3f}x serial DSA per layer (mean over {ctx})"
+            out[str(b)] = (f"PRR, {cost}" if chosen > 0 else
+                           f"serial DSA: the fastest {cost}, above the {SPECULATE_MARGIN:g} margin")
+        return out
+
     def describe(self) -> Dict[str, float]:
         """The choice per profiled batch size (or the fixed delta under ``"*"``)."""
         if self.profile is None:

@@ -142,10 +142,13 @@ class PRRBackend:
             kernels.load()
         self.stats = shared["stats"]
         self.stats.budget = self.budget.describe()
+        self.stats.budget_reason = self.budget.reasons()
         if cfg.budget == "auto" and not cfg.serial:
             logger.info("sglang_prr: --prr-budget auto from %s: delta per batch size %s (0: "
                         "serial DSA)%s", cfg.profile, self.stats.budget,
                         "" if self.calibrates else "; no batch size speculates, calibration off")
+            for b, why in self.stats.budget_reason.items():
+                logger.info("sglang_prr: budget at batch size %s: %s", b, why)
         self.tracer = self._make_tracer()
         self._ext_plan = None
         summary_mib = self.summaries.nbytes / 2**20

@@ -52,6 +52,7 @@ def empty_stats() -> Dict[str, Any]:
         "decode_steps": 0,
         "serial_steps": 0,
         "budget": {},
+        "budget_reason": {},
         "sparse_rows": 0,
         "dense_rows": 0,
         "hit_rate": None,
@@ -109,6 +110,7 @@ class Stats:
         self.serial_steps = 0  # layer-steps that the budget ran as serial DSA (no counters)
         self.dense_rows = 0
         self.budget: Dict[str, float] = {}  # the budget's choice per batch size
+        self.budget_reason: Dict[str, str] = {}  # why, per batch size (BudgetPolicy.reasons)
         # False: serial DSA only (--prr-serial, or a budget that never speculates): no hit rate,
         # |M| or delta.
         self.speculates = bool(speculates) and not cfg.serial
@@ -150,6 +152,7 @@ class Stats:
             "decode_steps": self.decode_steps,
             "serial_steps": self.serial_steps,
             "budget": dict(self.budget),
+            "budget_reason": dict(self.budget_reason),
             "sparse_rows": rows,
             "dense_rows": self.dense_rows,
             "hit_rate": ((a[_S_A] - a[_S_M]) / a[_S_A]) if prr else None,

@@ -57,6 +57,12 @@ def test_policy_picks_serial_where_speculation_does_not_pay(tmp_path):
     assert pol.delta(16) == 0.0 and pol.delta(160) == 0.0
     assert pol.may_speculate()
     assert pol.describe() == {"1": 0.0, "8": 1.5, "32": 0.0}
+    why = pol.reasons()
+    assert list(why) == ["1", "8", "32"]
+    assert why["1"].startswith("serial DSA: the fastest delta 1 costs 1.050x")
+    assert why["8"].startswith("PRR, delta 1.5 costs 0.930x serial DSA")
+    assert why["32"].startswith("serial DSA: the fastest delta 1 costs 0.995x")
+    assert "above the 0.99 margin" in why["32"] and "above" not in why["8"]
     # Never above max_budget (the static width of P).
     capped = BudgetPolicy(_cfg(_write(tmp_path, prof), max_budget=1.25), SHAPE)
     assert capped.delta(8) == 1.0
@@ -81,6 +87,10 @@ def test_fixed_and_serial_budgets():
     assert BudgetPolicy(PRRConfig(budget=2.0).validate()).delta(7) == 2.0
     assert BudgetPolicy(PRRConfig(serial=True).validate()).delta(7) == 0.0
     assert not BudgetPolicy(PRRConfig(serial=True).validate()).may_speculate()
+    assert BudgetPolicy(PRRConfig(budget=2.0).validate()).reasons() == {
+        "*": "fixed budget delta 2"}
+    assert BudgetPolicy(PRRConfig(serial=True).validate()).reasons() == {
+        "*": "serial DSA (--prr-serial)"}
     with pytest.raises(PRRConfigError, match="--prr-profile"):
         BudgetPolicy(PRRConfig(budget="auto").validate())
 
