@@ -46,7 +46,8 @@ empty strings). TPOT is per request (first to last token); ``output_tok_s`` coun
 tokens that arrived after every request had its first token, over that window's wall time (the
 decode phase). The hit rate, |M| (``mean_repair_blocks``) and |A| (``mean_selected_blocks``)
 come from ``/prr/stats`` around the point; ``delta`` is the speculation budget that ran (0:
-serial DSA; for ``auto`` the server's choice at this batch size). Each server first decodes one
+serial DSA; for ``auto`` the server's choice at this batch size, -1 when it runs dense
+attention there). Each server first decodes one
 request of its longest context, so JIT compilation and first-use costs stay out of the rows.
 
 ``--profile``: after the timed pass, the point's requests are sent once more (same prompts,
@@ -639,7 +640,8 @@ def _prompts(srv: Server, pt: Point, a, model_path: str) -> Tuple[List[List[int]
 
 
 def _delta(srv: Server, stats: dict, batch: int, a):
-    """The speculation budget that ran: 0 for serial DSA, the server's choice for auto."""
+    """The speculation budget that ran: 0 for serial DSA, the server's choice for auto (-1:
+    the profile runs this batch size with dense attention)."""
     if srv.variant == "dense":
         return None
     if srv.variant == "serial":
@@ -653,7 +655,8 @@ def _delta(srv: Server, stats: dict, batch: int, a):
     if not sizes:
         return None
     lb = math.log2(max(batch, 1))  # budget.BudgetProfile.nearest_batch's rule
-    return float(choice[str(min(sizes, key=lambda b: (abs(math.log2(b) - lb), -b)))])
+    got = choice[str(min(sizes, key=lambda b: (abs(math.log2(b) - lb), -b)))]
+    return -1.0 if got == "dense" else float(got)
 
 
 def _prr_numbers(before: dict, after: dict) -> dict:

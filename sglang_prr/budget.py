@@ -14,12 +14,17 @@ holds depends on the GPU, the layer's shape, the context and above all the batch
      "layer_us": [{"batch": 1, "context": 32768, "delta": 0.0, "us": 151.2}, ...]}
 
 ``layer_us`` is the time of one decoder layer (attention step plus the rest of the layer's GEMMs)
-in a CUDA graph; ``delta`` 0 is serial DSA. SGLang captures one decode graph per batch size, so
-the choice is made per batch size and stays static inside each graph: for batch ``b`` the policy
-takes the profiled batch size nearest to ``b`` (in log2, ties to the larger), averages over the
-profiled contexts each delta's time relative to serial DSA, and picks the fastest delta, or serial
-DSA when no delta saves at least ``1 - SPECULATE_MARGIN`` of the layer. The choice is made on the
-host when a forward is planned, never inside a graph.
+in a CUDA graph; ``delta`` 0 is serial DSA. The optional ``dense_us`` (``[{"batch", "context",
+"us"}]``) times the same layer with dense attention (FlashInfer's decode, as SGLang runs it).
+SGLang captures one decode graph per batch size, so the choice is made per batch size and stays
+static inside each graph: for batch ``b`` the policy takes the profiled batch size nearest to
+``b`` (in log2, ties to the larger), averages over the profiled contexts the server can serve
+(those up to its context length; the smallest when none is) each delta's time relative to serial
+DSA, and picks the fastest delta, or serial DSA when no delta saves at least
+``1 - SPECULATE_MARGIN`` of the layer. When dense attention saves that much against the sparse
+choice, the batch size runs dense (``DENSE``): below some context the sparse module's fixed cost
+exceeds dense attention, and the product is then never slower than dense. The choice is made on
+the host when a forward is planned, never inside a graph.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ DEFAULT_DELTAS = (0.0, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 # profile, and serial DSA has no side stream to get wrong.
 SPECULATE_MARGIN = 0.99
 SHAPE_KEYS = ("method", "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "top_k_tokens")
+# describe()'s value for a batch size that decodes with dense attention.
+DENSE = "dense"
 
 
 
@@ -72,6 +79,7 @@ class BudgetProfile:
     shape: Dict[str, object]
     layer_us: Dict[Tuple[int, int, float], float]
     meta: Dict[str, object] = field(default_factory=dict)
+    dense_us: Dict[Tuple[int, int], float] = field(default_factory=dict)  # (batch, context)
 
     # ------------------------------------------------------------------ file format
     @classmethod
@@ -112,8 +120,19 @@ class BudgetProfile:
             us[key] = t
         if not us:
             raise ValueError(f"PRR profile {where} has no layer_us entries")
+        dense: Dict[Tuple[int, int], float] = {}
+        for i, e in enumerate(d.get("dense_us") or []):
+            try:
+                key2, t = (int(e["batch"]), int(e["context"])), float(e["us"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"PRR profile {where}: dense_us[{i}] = {e!r} needs batch, "
+                                 f"context and us ({err})") from None
+            if (key2[0], key2[1], 0.0) not in us or not (math.isfinite(t) and t > 0):
+                raise ValueError(f"PRR profile {where}: dense_us[{i}] = {e!r} needs a finite "
+                                 f"time > 0 at a profiled (batch, context) of layer_us")
+            dense[key2] = t
         prof = cls(dict(shape), us, {k: v for k, v in d.items()
-                                     if k not in ("shape", "layer_us")})
+                                     if k not in ("shape", "layer_us", "dense_us")}, dense)
         for b in prof.batch_sizes:
             for c in prof.contexts:
                 if (b, c, 0.0) not in us:
@@ -124,7 +143,11 @@ class BudgetProfile:
     def to_dict(self) -> Dict[str, object]:
         rows = [{"batch": b, "context": c, "delta": dl, "us": round(t, 3)}
                 for (b, c, dl), t in sorted(self.layer_us.items())]
-        return {**self.meta, "version": PROFILE_VERSION, "shape": self.shape, "layer_us": rows}
+        out = {**self.meta, "version": PROFILE_VERSION, "shape": self.shape, "layer_us": rows}
+        if self.dense_us:
+            out["dense_us"] = [{"batch": b, "context": c, "us": round(t, 3)}
+                               for (b, c), t in sorted(self.dense_us.items())]
+        return out
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -145,11 +168,19 @@ class BudgetProfile:
         lb = math.log2(max(int(batch), 1))
         return min(self.batch_sizes, key=lambda b: (abs(math.log2(b) - lb), -b))
 
-    def relative(self, batch: int) -> Dict[float, float]:
-        """delta -> mean over the profiled contexts of its layer time relative to serial DSA,
-        at the profiled batch size nearest to ``batch`` (deltas measured at every context)."""
+    def contexts_upto(self, max_context: Optional[int]) -> List[int]:
+        """The profiled contexts a server of at most ``max_context`` tokens serves: those up to
+        it (every one without a bound; the smallest when none is that short)."""
+        if max_context is None:
+            return self.contexts
+        return [c for c in self.contexts if c <= max_context] or self.contexts[:1]
+
+    def relative(self, batch: int, contexts: Optional[List[int]] = None) -> Dict[float, float]:
+        """delta -> mean over ``contexts`` (default: every profiled one) of its layer time
+        relative to serial DSA, at the profiled batch size nearest to ``batch`` (deltas measured
+        at every one of those contexts)."""
         b = self.nearest_batch(batch)
-        ctxs = self.contexts
+        ctxs = contexts or self.contexts
         deltas = sorted({dl for bb, _, dl in self.layer_us if bb == b})
         out = {}
         for dl in deltas:
@@ -158,14 +189,37 @@ class BudgetProfile:
                               for c in ctxs) / len(ctxs)
         return out
 
-    def choose(self, batch: int, max_budget: float) -> float:
+    def choose(self, batch: int, max_budget: float,
+               contexts: Optional[List[int]] = None) -> float:
         """The delta for batch size ``batch`` (0.0: serial DSA), at most ``max_budget``."""
-        rel = {dl: r for dl, r in self.relative(batch).items() if dl <= max_budget + 1e-9}
+        rel = {dl: r for dl, r in self.relative(batch, contexts).items()
+               if dl <= max_budget + 1e-9}
         spec = {dl: r for dl, r in rel.items() if dl > 0}
         if not spec:
             return 0.0
         best = min(spec, key=lambda dl: (spec[dl], dl))
         return best if spec[best] <= SPECULATE_MARGIN else 0.0
+
+    def dense_relative(self, batch: int, contexts: Optional[List[int]] = None
+                       ) -> Optional[float]:
+        """Dense attention's layer time relative to serial DSA, mean over ``contexts``, at the
+        profiled batch size nearest to ``batch``; None when the profile has no dense timing
+        there."""
+        b, ctxs = self.nearest_batch(batch), contexts or self.contexts
+        if not all((b, c) in self.dense_us for c in ctxs):
+            return None
+        return sum(self.dense_us[(b, c)] / self.layer_us[(b, c, 0.0)] for c in ctxs) / len(ctxs)
+
+    def dense_wins(self, batch: int, max_budget: float,
+                   contexts: Optional[List[int]] = None) -> bool:
+        """Whether dense attention saves at least ``1 - SPECULATE_MARGIN`` of the layer against
+        the sparse choice (``choose``) at batch size ``batch``."""
+        dense = self.dense_relative(batch, contexts)
+        if dense is None:
+            return False
+        dl = self.choose(batch, max_budget, contexts)
+        sparse = self.relative(batch, contexts)[dl] if dl > 0 else 1.0
+        return dense <= SPECULATE_MARGIN * sparse
 
     def compared(self) -> Optional["BudgetProfile"]:
         """The profile at its ``compare`` entry's hit rate (``profile_budget
@@ -176,7 +230,8 @@ class BudgetProfile:
         us = {k: t for k, t in self.layer_us.items() if k[2] == 0.0}
         us.update({(int(e["batch"]), int(e["context"]), float(e["delta"])): float(e["us"])
                    for e in cmp["layer_us"]})
-        return BudgetProfile(dict(self.shape), us, {"hit_rate": cmp["hit_rate"]})
+        return BudgetProfile(dict(self.shape), us, {"hit_rate": cmp["hit_rate"]},
+                             dict(self.dense_us))
 
     def check_shape(self, shape: Mapping[str, object]) -> None:
         """Raise ``PRRConfigError`` unless the profile was measured for ``shape``."""
@@ -190,16 +245,19 @@ class BudgetProfile:
 
 
 class BudgetPolicy:
-    """The speculation budget of each decode batch size: ``delta(batch)`` (0.0 = serial DSA).
+    """What each decode batch size runs: ``dense(batch)`` (dense attention) or the speculation
+    budget ``delta(batch)`` (0.0 = serial DSA).
 
-    Fixed by the config (``--prr-serial``: 0; a number: that delta for every batch) or, with
-    ``--prr-budget auto``, chosen from the profile. ``shape`` (``SHAPE_KEYS``) is checked
-    against the profile's when given.
+    Fixed by the config (``--prr-serial``: 0; a number: that delta for every batch; never dense)
+    or, with ``--prr-budget auto``, chosen from the profile over the contexts the server serves
+    (``cfg.max_context_blocks`` blocks: the launcher sets it from the context length). ``shape``
+    (``SHAPE_KEYS``) is checked against the profile's when given.
     """
 
     def __init__(self, cfg: PRRConfig, shape: Optional[Mapping[str, object]] = None):
         self.cfg = cfg
         self.profile: Optional[BudgetProfile] = None
+        self.contexts: Optional[List[int]] = None
         if cfg.enabled and not cfg.serial and cfg.budget == "auto":
             if not cfg.profile:
                 raise PRRConfigError("invalid PRR option --prr-budget auto without "
@@ -207,19 +265,35 @@ class BudgetPolicy:
             self.profile = BudgetProfile.load(cfg.profile)
             if shape is not None:
                 self.profile.check_shape(shape)
-        self._cache: Dict[int, float] = {}
+            bound = cfg.max_context_blocks
+            self.contexts = self.profile.contexts_upto(
+                None if bound is None else int(bound) * cfg.block_size)
+        self._cache: Dict[int, Tuple[bool, float]] = {}
+
+    def _choice(self, batch: int) -> Tuple[bool, float]:
+        """(dense, delta) of batch size ``batch`` under the profile, cached."""
+        if batch not in self._cache:
+            prof, mb = self.profile, self.cfg.max_budget
+            dense = prof.dense_wins(batch, mb, self.contexts)
+            self._cache[batch] = (dense, 0.0 if dense else prof.choose(batch, mb, self.contexts))
+        return self._cache[batch]
+
+    def dense(self, batch: int) -> bool:
+        """Whether batch size ``batch`` decodes with dense attention (``--prr-budget auto``
+        only: where the profile measures dense faster than the sparse choice)."""
+        if self.cfg.serial or not self.cfg.enabled or self.profile is None:
+            return False
+        return self._choice(batch)[0]
 
     def delta(self, batch: int) -> float:
         if self.cfg.serial or not self.cfg.enabled:
             return 0.0
         if self.profile is None:
             return float(self.cfg.budget)
-        if batch not in self._cache:
-            self._cache[batch] = self.profile.choose(batch, self.cfg.max_budget)
-        return self._cache[batch]
+        return self._choice(batch)[1]
 
     def predicted_blocks(self, batch: int) -> int:
-        """|P| in middle blocks for batch size ``batch``; 0 for serial DSA."""
+        """|P| in middle blocks for batch size ``batch``; 0 for serial DSA (and dense)."""
         d = self.delta(batch)
         return 0 if d == 0 else self.cfg.predicted_blocks_for(d)
 
@@ -229,35 +303,39 @@ class BudgetPolicy:
             return False
         if self.profile is None:
             return True
-        return any(self.profile.choose(b, self.cfg.max_budget) > 0
-                   for b in self.profile.batch_sizes)
+        return any(self.delta(b) > 0 for b in self.profile.batch_sizes)
 
     def reasons(self) -> Dict[str, str]:
         """Why each profiled batch size runs what it runs (``describe``), in words: the
-        fastest speculative delta's layer time relative to serial DSA (mean over the profiled
-        contexts) against the margin; a fixed budget says so under ``"*"``."""
+        fastest speculative delta's and dense attention's layer times relative to serial DSA
+        (mean over the contexts the server serves) against the margin; a fixed budget says so
+        under ``"*"``."""
         if self.cfg.serial or not self.cfg.enabled:
             return {"*": "serial DSA (--prr-serial)"}
         if self.profile is None:
             return {"*": f"fixed budget delta {float(self.cfg.budget):g}"}
-        prof, out = self.profile, {}
-        ctx = ", ".join(f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in prof.contexts)
+        prof, out, ctxs = self.profile, {}, self.contexts
+        over = ", ".join(f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in ctxs)
         for b in prof.batch_sizes:
-            rel = {dl: r for dl, r in prof.relative(b).items()
+            rel = {dl: r for dl, r in prof.relative(b, ctxs).items()
                    if 0 < dl <= self.cfg.max_budget + 1e-9}
-            chosen = prof.choose(b, self.cfg.max_budget)
+            dense, chosen = self._choice(b)
+            dr = prof.dense_relative(b, ctxs)
+            dense_says = "" if dr is None else f"; dense attention {dr:.3f}x"
             if not rel:
-                out[str(b)] = "serial DSA: no speculative delta <= --prr-max-budget profiled"
-                continue
-            best = min(rel, key=lambda dl: (rel[dl], dl))
-            cost = f"delta {best:g} costs {rel[best]:.3f}x serial DSA per layer (mean over {ctx})"
-            out[str(b)] = (f"PRR, {cost}" if chosen > 0 else
-                           f"serial DSA: the fastest {cost}, above the {SPECULATE_MARGIN:g} margin")
+                why = "no speculative delta <= --prr-max-budget profiled"
+            else:
+                best = min(rel, key=lambda dl: (rel[dl], dl))
+                why = f"the fastest delta {best:g} costs {rel[best]:.3f}x serial DSA per layer"
+            what = DENSE if dense else (f"PRR delta {chosen:g}" if chosen > 0 else "serial DSA")
+            out[str(b)] = (f"{what}: {why}{dense_says} (mean over {over}; margin "
+                           f"{SPECULATE_MARGIN:g})")
         return out
 
-    def describe(self) -> Dict[str, float]:
-        """The choice per profiled batch size (or the fixed delta under ``"*"``)."""
+    def describe(self) -> Dict[str, object]:
+        """The choice per profiled batch size: ``"dense"`` or the delta (0.0: serial DSA); the
+        fixed delta under ``"*"``."""
         if self.profile is None:
             return {"*": self.delta(1)}
-        return {str(b): self.profile.choose(b, self.cfg.max_budget)
+        return {str(b): DENSE if self.dense(b) else self.delta(b)
                 for b in self.profile.batch_sizes}

@@ -10,7 +10,10 @@ Decode, per layer (``forward_decode``):
    where the ``--prr-budget auto`` profile says speculation does not pay: ``budget.py``) or PRR,
    on the request pool's predictor state in place. Rows shorter than ``min_context`` take the same
    kernels with every block selected, so the inner backend never attends in these layers (it is
-   planned with one-token rows, see ``_dense_batch``).
+   planned with one-token rows, see ``_dense_batch``);
+4. a batch size that the ``--prr-budget auto`` profile runs dense (dense attention measured
+   faster than the sparse step there): the inner backend attends, planned with the real lengths,
+   and only the summaries are kept up to date (a request may decode sparse later).
 
 The per-forward values (block table, block counts, dense rows) are planned once per forward in
 SGLang's ``init_forward_metadata_in_graph`` hook (recorded into decode CUDA graphs) or, eagerly,
@@ -235,7 +238,8 @@ class PRRBackend:
             if lens is not None:
                 real = len(lens) - int(getattr(fb, "num_padding", 0) or 0)
                 self.stats.count_batch(lens, real, self.cfg.min_context, self.sparse_layers,
-                                       self.budget.delta(len(lens)) > 0)
+                                       self.budget.delta(len(lens)) > 0,
+                                       dense=self.budget.dense(len(lens)))
 
     def init_forward_metadata(self, fb):
         self._before_forward(fb)
@@ -249,9 +253,14 @@ class PRRBackend:
         self._plan_decode(fb)
         return out
 
+    def _runs_dense(self, fb) -> bool:
+        """Whether this decode forward's batch size runs dense attention (``BudgetPolicy.dense``;
+        the batch size as the graph was captured for it: padding rows included)."""
+        return fb.forward_mode.is_decode() and self.budget.dense(int(fb.seq_lens.shape[0]))
+
     def _plan_decode(self, fb) -> None:
         """The per-forward values of the decode step, kept on the batch for its layers."""
-        if self.active and fb.forward_mode.is_decode():
+        if self.active and fb.forward_mode.is_decode() and not self._runs_dense(fb):
             fb._prr_batch = self.step.plan(self.req_pool.req_to_token, fb.req_pool_indices,
                                            fb.seq_lens,
                                            None if self.state is None else self.state.p_par)
@@ -270,7 +279,7 @@ class PRRBackend:
         (``--prr-dense-layers`` needs every row's dense attention), no host lengths."""
         lens_cpu = getattr(fb, "seq_lens_cpu", None)
         if (not self.active or self.dense_layers or lens_cpu is None
-                or not fb.forward_mode.is_decode()):
+                or not fb.forward_mode.is_decode() or self._runs_dense(fb)):
             return fb
         view = copy.copy(fb)
         view.seq_lens = torch.ones_like(fb.seq_lens)
@@ -347,6 +356,12 @@ class PRRBackend:
         if not self._applies(layer):
             return self.inner.forward_decode(q, k, v, layer, fb, save_kv_cache=save_kv_cache,
                                              **kwargs)
+        if self._runs_dense(fb):  # the inner backend attends (it writes the KV first)
+            o = self.inner.forward_decode(q, k, v, layer, fb, save_kv_cache=save_kv_cache,
+                                          **kwargs)
+            if k is not None:
+                self._update_summaries(layer.layer_id, k, fb)
+            return o
         cfg, l = self.cfg, layer.layer_id
         Hq, D, Dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
         B = fb.seq_lens.shape[0]

@@ -166,12 +166,13 @@ class Stats:
         }
 
     def count_batch(self, lens_cpu, real_rows: int, min_context: int, sparse_layers: int,
-                    speculates: bool = True) -> None:
+                    speculates: bool = True, dense: bool = False) -> None:
         """Host counts of one decode batch: its first ``real_rows`` host lengths (the rest is
         CUDA-graph padding) split at ``min_context`` like the decode step splits them;
-        ``speculates``: False when the budget runs this batch as serial DSA."""
+        ``speculates``: False when the budget runs this batch as serial DSA; ``dense``: the
+        budget runs it with dense attention (every row is a dense row)."""
         lens = lens_cpu[:real_rows]
-        n_sparse = int((lens >= min_context).sum())
+        n_sparse = 0 if dense else int((lens >= min_context).sum())
         # Short rows count in every batch, also one without a long row (they were counted only
         # beside a long one, so a server that saw only short prompts reported 0).
         self.dense_rows += sparse_layers * (real_rows - n_sparse)

@@ -22,7 +22,9 @@ default): the server's predictor (calibrated theta*) on the SmolLM2 block-score 
 the old default). ``--compare-hit-rate`` (0.7; ``none``: off) times the speculative deltas at
 that rate too: its table and choices are printed beside, kept in the profile's ``compare`` entry.
 With the layer's GEMMs (``--hidden-size`` > 0) the L2 is cold by construction: over 400 MB of
-weights per Llama-3-8B layer stream through it between two steps, as in the server.
+weights per Llama-3-8B layer stream through it between two steps, as in the server. Each point
+also times the layer with dense attention (``dense_decode``: FlashInfer's decode as SGLang runs
+it; ``--no-dense`` skips it), so ``--prr-budget auto`` can run dense where it is faster.
 
     python -m sglang_prr.profile_budget --model-path meta-llama/Meta-Llama-3-8B \\
         --prr-top-k 2048 --prr-top-k-unit tokens --out profile_h200.json
@@ -56,6 +58,8 @@ from ..config import PRRConfig
 from ..flags import add_prr_args, pop_prr_args
 from ..step import DecodeStep, LayerState
 from . import trace_replay
+from .dense_decode import dense_decode
+from .profile_report import progress as _progress, table
 
 
 def _ints(text: str) -> List[int]:
@@ -116,6 +120,9 @@ def parse_args(argv: Optional[Sequence[str]] = None):
     ap.add_argument("--compare-hit-rate", type=_hit_rate, default=trace_replay.SYNTHETIC_HIT_RATE,
                     help="also time the speculative deltas at this hit rate and show its "
                          "choices beside the others ('none': skip)")
+    ap.add_argument("--no-dense", dest="dense", action="store_false",
+                    help="skip the dense-attention timing of each point (then auto never runs "
+                         "dense)")
     ap.add_argument("--layers", type=int, default=4, help="layers per captured graph")
     ap.add_argument("--iters", type=int, default=20, help="replays per timing")
     ap.add_argument("--repeats", type=int, default=5, help="timings per point (median)")
@@ -291,9 +298,11 @@ def _gemms(a, batch: int, dev, dtype):
     return before, after
 
 
-def time_point(a, pt: _Point, delta: float, hit_rate: Optional[float] = None) -> float:
+def time_point(a, pt: _Point, delta: float, hit_rate: Optional[float] = None,
+               dense=None) -> float:
     """Microseconds per layer of the decode step at budget ``delta`` (0: serial DSA), the
-    prediction holding ``hit_rate`` (default ``a.hit_rate``)."""
+    prediction holding ``hit_rate`` (default ``a.hit_rate``); with ``dense`` (``attend(q)``,
+    ``dense_decode``) the same layer with dense attention instead of the step."""
     cfg, dev = a.cfg, pt.q.device
     serial = delta == 0.0
     n_pred = 0 if serial else cfg.predicted_blocks_for(delta)
@@ -307,12 +316,13 @@ def time_point(a, pt: _Point, delta: float, hit_rate: Optional[float] = None) ->
     gem = _gemms(a, pt.batch, dev, dtype)
 
     def forward():
-        batch = step.plan(pt.req_to_token, pt.rows, pt.seq_lens)
+        batch = None if dense else step.plan(pt.req_to_token, pt.rows, pt.seq_lens)
         for i, st in enumerate(states):
             if gem:
                 gem[0]()
-            o = step.run(pt.q, k_buf, v_buf, pt.summary, batch, st, stats, pt.scale, dtype,
-                         join=i == len(states) - 1)
+            o = dense(pt.q) if dense else step.run(pt.q, k_buf, v_buf, pt.summary, batch, st,
+                                                   stats, pt.scale, dtype,
+                                                   join=i == len(states) - 1)
             if gem:
                 gem[1](o)
 
@@ -358,9 +368,10 @@ def measure(a) -> BudgetProfile:
     compare = getattr(a, "compare_hit_rate", None)
     points = [(c, b) for c in a.contexts for b in a.batch_sizes]
     per_point = len(a.deltas) + (sum(1 for d in a.deltas if d) if compare is not None else 0)
-    total = len(points) * per_point
+    total = len(points) * (per_point + int(a.dense))
     us: Dict[tuple, float] = {}
     us_cmp: Dict[tuple, float] = {}
+    dense_us: Dict[tuple, float] = {}
     done, t0 = 0, time.time()
     for ctx, batch in points:
         pt = _Point(a, ctx, batch)
@@ -372,6 +383,12 @@ def measure(a) -> BudgetProfile:
             done += 1
             _progress(done, total, t0, f"ctx {ctx} batch {batch} delta {d:g}"
                       + (f" hit {hit:g}" if hit is not None else "") + f": {t:.1f} us/layer")
+        attend = a.dense and dense_decode(pt.q, pt.k_buf, pt.v_buf, pt.req_to_token, pt.rows,
+                                          pt.seq_lens, pt.page, pt.scale)
+        if attend:
+            dense_us[(batch, ctx)] = t = time_point(a, pt, 0.0, dense=attend)
+            _progress(done + 1, total, t0, f"ctx {ctx} batch {batch} dense: {t:.1f} us/layer")
+        done += int(a.dense)
         del pt
         if torch.device(a.device).type == "cuda":
             torch.cuda.empty_cache()
@@ -393,36 +410,7 @@ def measure(a) -> BudgetProfile:
             "hit_rate": compare,
             "layer_us": [{"batch": b, "context": c, "delta": d, "us": round(t, 3)}
                          for (b, c, d), t in sorted(us_cmp.items())]}
-    return BudgetProfile(shape, us, meta)
-
-
-def _progress(done: int, total: int, t0: float, what: str) -> None:
-    width = 30
-    fill = int(width * done / total)
-    eta = (time.time() - t0) / done * (total - done)
-    print(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} eta {eta:4.0f} s  {what:50s}",
-          end="", file=sys.stderr, flush=True)
-
-
-def table(prof: BudgetProfile, max_budget: float) -> str:
-    """Markdown: each delta's time relative to serial DSA, per batch and context, and the
-    policy's choice per batch size; with a ``compare`` entry, each cell and choice is ``at the
-    profile's hit rate / at the compare hit rate``."""
-    profs = [prof] + [p for p in (prof.compared(),) if p is not None]
-    deltas = sorted({d for _, _, d in prof.layer_us if d})
-    name = lambda d: "serial" if d == 0 else f"delta {d:g}"
-    lines = ["cells: layer time / serial DSA's at hit rate "
-             + " / ".join(str(p.meta.get("hit_rate")) for p in profs), "",
-             "| batch | context | serial us | " + " | ".join(f"d={d:g}" for d in deltas)
-             + " | choice |", "|" + "---|" * (4 + len(deltas))]
-    for b in prof.batch_sizes:
-        choice = " / ".join(name(p.choose(b, max_budget)) for p in profs)
-        for c in prof.contexts:
-            base = prof.layer_us[(b, c, 0.0)]
-            cells = [" / ".join(f"{p.layer_us[(b, c, d)] / base:.3f}" if (b, c, d) in p.layer_us
-                                else "-" for p in profs) for d in deltas]
-            lines.append(f"| {b} | {c} | {base:.1f} | " + " | ".join(cells) + f" | {choice} |")
-    return "\n".join(lines)
+    return BudgetProfile(shape, us, meta, dense_us)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -427,8 +427,9 @@ def test_join_layer_from_sglang_pool(start, end, n, join):
     assert _backends(w, {"prr": cfg})["prr"]._join_layer == join
 
 
-def _auto_profile(tmp_path, hq, hk, rel):
-    """A budget profile for the World's layer shape: at batch b, delta d takes rel[b][d] x serial."""
+def _auto_profile(tmp_path, hq, hk, rel, dense=None):
+    """A budget profile for the World's layer shape: at batch b, delta d takes rel[b][d] x serial;
+    dense attention dense[b] x serial (no dense timing without ``dense``)."""
     import json
 
     rows = []
@@ -437,8 +438,11 @@ def _auto_profile(tmp_path, hq, hk, rel):
         rows += [dict(batch=b, context=200, delta=d, us=10.0 * r) for d, r in by_delta.items()]
     shape = dict(method="quest", num_qo_heads=hq, num_kv_heads=hk, head_dim=D, page_size=PAGE,
                  top_k_tokens=2 * PAGE)
+    prof = {"version": 2, "shape": shape, "layer_us": rows}
+    if dense:
+        prof["dense_us"] = [dict(batch=b, context=200, us=10.0 * r) for b, r in dense.items()]
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"version": 2, "shape": shape, "layer_us": rows}))
+    path.write_text(json.dumps(prof))
     return str(path)
 
 
@@ -491,6 +495,52 @@ def test_budget_auto_in_backend(tmp_path):
     with pytest.raises(ValueError, match="num_qo_heads: profile 8 vs server 4"):
         _backends(World(2, 4, 2, cfg, seed), {"x": PRRConfig(budget="auto", profile=wrong,
                                                              **base)})
+
+
+def test_budget_auto_runs_dense_where_the_profile_says(tmp_path):
+    """A profile that measures dense attention faster at batch 1 and PRR faster at batch 4: every
+    batch-1 decode step equals the dense inner backend's output exactly and plans nothing of the
+    sparse step, every batch-3 step equals serial DSA and speculates; the summaries written during
+    the dense steps are the ones a sparse-only server writes (a request may decode sparse later).
+    Controls: at batch 1 serial DSA (K = 2 blocks) differs from dense; the statistics count the
+    dense steps as dense rows."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    base = dict(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40, calib_queries=6)
+    path = _auto_profile(tmp_path, 4, 2, {1: {1.5: 1.1}, 4: {1.5: 0.8}}, dense={1: 0.5, 4: 1.5})
+    cfgs = {"auto": PRRConfig(budget="auto", profile=path, **base),
+            "serial": PRRConfig(serial=True, **base)}
+    worlds = {m: World(2, 4, 2, cfgs["serial"], seed) for m in list(cfgs) + ["dense"]}
+    backs = {m: _backends(worlds[m], {m: cfgs[m]})[m] for m in cfgs}
+    backs["dense"] = _backends(worlds["dense"], {})["dense"]
+    auto = backs["auto"]
+    assert auto.stats.budget == {"1": "dense", "4": 1.5} and auto.calibrates
+    assert auto.stats.budget_reason["1"].startswith("dense: ")
+    steps = [([1, 2, 3], [64, 60, 80]), ([1, 2, 3], [60, 90, 50])]
+    steps += [([1, 2, 3], [1, 1, 1]), ([2], [1])] * 4
+    gaps = {1: {"dense": 0.0, "serial": 0.0}, 3: {"dense": 0.0, "serial": 0.0}}
+    planned = set()
+    for rows, new in steps:
+        outs = {}
+        for m, w in worlds.items():
+            fb, q, k, v = w.batch(rows, new)
+            outs[m] = _forward(backs[m], w, fb, q, k, v)
+            if m == "auto" and fb.forward_mode.is_decode():
+                planned.add((len(rows), getattr(fb, "_prr_batch", None) is not None))
+        if fb.forward_mode.is_decode():
+            for other in ("dense", "serial"):
+                gap = (outs["auto"] - outs[other]).abs().max().item()
+                gaps[len(rows)][other] = max(gaps[len(rows)][other], gap)
+    assert planned == {(1, False), (3, True)}
+    assert gaps[1]["dense"] == 0.0, f"batch 1 (dense) vs the inner backend: {gaps} (seed {seed})"
+    assert gaps[3]["serial"] < 1e-5, f"batch 3 (PRR) vs serial DSA: {gaps} (seed {seed})"
+    assert gaps[1]["serial"] > 1e-3, f"control: DSA at K=2 matched dense (seed {seed})"
+    for i in range(2):  # summaries kept up to date through the dense steps
+        for mine, theirs in zip(auto.summaries.layer(i), backs["serial"].summaries.layer(i)):
+            assert torch.equal(mine, theirs), i
+    snap = auto.stats.snapshot()
+    assert snap["dense_rows"] == 4 * 2 and snap["decode_steps"] == 4 * 2, snap
+    assert snap["budget"] == {"1": "dense", "4": 1.5} and snap["hit_rate"] is not None
 
 
 def test_tensor_parallel_rank_sizes_and_reporting(tmp_path, monkeypatch):

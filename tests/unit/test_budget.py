@@ -59,10 +59,11 @@ def test_policy_picks_serial_where_speculation_does_not_pay(tmp_path):
     assert pol.describe() == {"1": 0.0, "8": 1.5, "32": 0.0}
     why = pol.reasons()
     assert list(why) == ["1", "8", "32"]
-    assert why["1"].startswith("serial DSA: the fastest delta 1 costs 1.050x")
-    assert why["8"].startswith("PRR, delta 1.5 costs 0.930x serial DSA")
+    assert why["1"] == ("serial DSA: the fastest delta 1 costs 1.050x serial DSA per layer "
+                        "(mean over 32K, 128K; margin 0.99)")
+    assert why["8"].startswith("PRR delta 1.5: the fastest delta 1.5 costs 0.930x")
     assert why["32"].startswith("serial DSA: the fastest delta 1 costs 0.995x")
-    assert "above the 0.99 margin" in why["32"] and "above" not in why["8"]
+    assert "dense" not in " ".join(why.values())  # no dense timing in this profile
     # Never above max_budget (the static width of P).
     capped = BudgetPolicy(_cfg(_write(tmp_path, prof), max_budget=1.25), SHAPE)
     assert capped.delta(8) == 1.0
@@ -249,6 +250,45 @@ def test_profiler_plumbing_on_cpu(tmp_path, capsys):
     bare = BudgetProfile(prof.shape, prof.layer_us, {"hit_rate": 0.9})  # no compare entry
     assert bare.compared() is None
     assert " / " not in "\n".join(profile_budget.table(bare, 4.0).splitlines()[2:])
+    # dense attention timed at every point, a column of the table; --no-dense: none
+    assert set(prof.dense_us) == {(1, 200), (2, 200)} and all(t > 0 for t in prof.dense_us.values())
+    assert "| dense | choice |" in text
+    rc = profile_budget.main(["--no-dense" if x == "--out" else x for x in [
+        "--device", "cpu", "--num-qo-heads", "4", "--num-kv-heads", "2", "--head-dim", "16",
+        "--hidden-size", "0", "--prr-block-size", "16", "--prr-top-k", "3", "--prr-top-k-unit",
+        "blocks", "--contexts", "200", "--batch-sizes", "1", "--deltas", "1", "--iters", "1",
+        "--repeats", "1", "--layers", "1", "--dtype", "float32", "--hit-rate", "0.9",
+        "--compare-hit-rate", "none", "--out"]] + ["--out", str(out)])
+    assert rc == 0 and BudgetProfile.load(str(out)).dense_us == {}
+
+
+def test_dense_decode_pages_and_output(seed):
+    """The dense layer the profile times: FlashInfer's page table of each request (its pages in
+    order, the last one's fill) from SGLang's slot table, and on CPU the reference's dense
+    attention over those pages; control: another request's pages give another output."""
+    from sglang_prr import reference as ref
+    from sglang_prr.tools.dense_decode import dense_decode, paged_indices
+    g = torch.Generator().manual_seed(seed)
+    page, Hk, D, B = 16, 2, 8, 3
+    lens = torch.tensor([33, 16, 70])
+    perm = torch.randperm(40, generator=g) + 1  # pages in any order, page 0 unused
+    req_to_token = torch.zeros(B + 1, 80, dtype=torch.int32)
+    for r in range(1, B + 1):
+        pages = perm[(r - 1) * 5:r * 5]
+        req_to_token[r] = (pages[:, None] * page + torch.arange(page)).reshape(-1)
+    rows = torch.tensor([3, 1, 2])
+    indptr, indices, last = paged_indices(req_to_token, rows, lens, page)
+    assert indptr.tolist() == [0, 3, 4, 9] and last.tolist() == [1, 16, 6]
+    table = ref.block_table(req_to_token, rows, page)
+    want = torch.cat([table[b, :n] for b, n in enumerate([3, 1, 5])])
+    assert indices.tolist() == want.tolist()
+    k = torch.randn(41 * page, Hk, D, generator=g)
+    v = torch.randn(41 * page, Hk, D, generator=g)
+    q = torch.randn(B, 4, D, generator=g)
+    o = dense_decode(q, k, v, req_to_token, rows, lens, page, 0.3)(q)
+    assert torch.equal(o, ref.dense_attention(q, k, v, table, lens, page, 0.3))
+    other = dense_decode(q, k, v, req_to_token, rows.roll(1), lens, page, 0.3)(q)
+    assert not torch.allclose(other, o)
 
 
 def test_profiler_hit_rate_real_from_traces_or_recorded(tmp_path, monkeypatch):
@@ -297,3 +337,75 @@ def test_profiler_rejects_bad_flags(tmp_path, capsys, argv, match):
     with pytest.raises(SystemExit) as e:
         profile_budget.parse_args(base + argv)
     assert e.value.code == 2 and match in capsys.readouterr().err
+
+
+def _with_dense(prof, dense_rel):
+    """``prof`` plus dense timings: ``dense_rel[b][c]`` x serial DSA at (batch b, context c)."""
+    base = {(r["batch"], r["context"]): r["us"] for r in prof["layer_us"] if r["delta"] == 0.0}
+    prof["dense_us"] = [dict(batch=b, context=c, us=base[(b, c)] * r)
+                        for b, by_ctx in dense_rel.items() for c, r in by_ctx.items()]
+    return prof
+
+
+def test_dense_where_dense_wins(tmp_path):
+    """A batch size runs dense attention where the profile measures it faster than the sparse
+    choice by the margin; elsewhere serial DSA or the best delta. Controls: without dense timings
+    nothing runs dense, and a dense time within the margin of PRR's does not win."""
+    ctxs = (8192, 131072)
+    prof = _profile({1: {1.0: 1.05}, 8: {1.5: 0.90}, 32: {1.5: 0.90}}, contexts=ctxs)
+    _with_dense(prof, {1: {8192: 0.5, 131072: 0.9},      # dense wins at batch 1
+                       8: {8192: 0.6, 131072: 1.0},      # mean 0.8 < 0.99 * 0.9: dense
+                       32: {8192: 0.85, 131072: 0.95}})  # mean 0.9: not below PRR's 0.891
+    pol = BudgetPolicy(_cfg(_write(tmp_path, prof)), SHAPE)
+    assert [pol.dense(b) for b in (1, 8, 32)] == [True, True, False]
+    assert pol.delta(1) == 0.0 and pol.predicted_blocks(1) == 0 and pol.delta(32) == 1.5
+    assert pol.describe() == {"1": "dense", "8": "dense", "32": 1.5}
+    why = pol.reasons()
+    assert why["1"].startswith("dense: ") and "dense attention 0.700x" in why["1"]
+    assert why["32"].startswith("PRR delta 1.5: ") and "dense attention 0.900x" in why["32"]
+    assert pol.may_speculate()  # batch 32 speculates
+    # control: the same profile without its dense timings never runs dense
+    plain = {k: v for k, v in prof.items() if k != "dense_us"}
+    pol = BudgetPolicy(_cfg(_write(tmp_path, plain, "plain.json")), SHAPE)
+    assert not any(pol.dense(b) for b in (1, 8, 32)) and pol.delta(8) == 1.5
+    # --prr-serial is serial DSA even with a profile that says dense
+    assert not BudgetPolicy(_cfg(_write(tmp_path, prof), serial=True), SHAPE).dense(1)
+
+
+def test_dense_over_the_contexts_the_server_serves(tmp_path):
+    """Dense attention wins at 8K and loses at 128K: a server of 128K tokens averages both and
+    runs serial DSA; one whose context length is 8K (max_context_blocks) sees only 8K and runs
+    dense; a server shorter than every profiled context takes the shortest."""
+    prof = _with_dense(_profile({1: {1.0: 1.05}}, contexts=(8192, 131072)),
+                       {1: {8192: 0.6, 131072: 3.0}})
+    path = _write(tmp_path, prof)
+    assert not BudgetPolicy(_cfg(path), SHAPE).dense(1)
+    assert not BudgetPolicy(_cfg(path, max_context_blocks=131072 // 64), SHAPE).dense(1)
+    short = BudgetPolicy(_cfg(path, max_context_blocks=8192 // 64), SHAPE)
+    assert short.dense(1) and short.contexts == [8192] and "mean over 8K;" in short.reasons()["1"]
+    tiny = BudgetPolicy(_cfg(path, max_context_blocks=2), SHAPE)
+    assert tiny.contexts == [8192] and tiny.dense(1)
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d["dense_us"][0].update(us=float("inf")), "finite"),
+    (lambda d: d["dense_us"][0].update(context=4096), "profiled"),
+    (lambda d: d["dense_us"][0].pop("us"), "needs batch, context and us"),
+])
+def test_bad_dense_timing_is_a_clear_error(tmp_path, mutate, match):
+    d = _with_dense(_profile({1: {1.5: 0.9}}), {1: {32768: 0.8, 131072: 0.9}})
+    BudgetProfile.load(_write(tmp_path, d))  # control: the good profile loads
+    mutate(d)
+    with pytest.raises(ValueError, match=match):
+        BudgetProfile.load(_write(tmp_path, d, "bad.json"))
+
+
+def test_dense_timings_survive_save_and_load(tmp_path):
+    d = _with_dense(_profile({1: {1.5: 0.9}}), {1: {32768: 0.8, 131072: 0.9}})
+    prof = BudgetProfile.load(_write(tmp_path, d))
+    out = tmp_path / "again.json"
+    prof.save(str(out))
+    again = BudgetProfile.load(str(out))
+    assert again.dense_us == {k: round(t, 3) for k, t in prof.dense_us.items()}
+    assert len(again.dense_us) == 2
+    assert "dense_us" not in again.meta
