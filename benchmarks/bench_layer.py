@@ -60,6 +60,7 @@ from sglang_prr.tools import trace_replay, traces  # noqa: E402
 from sglang_prr import reference as ref  # noqa: E402
 from sglang_prr.config import PRRConfig  # noqa: E402
 from sglang_prr.step import DecodeStep, LayerState, new_layer_state  # noqa: E402
+from sglang_prr.tools.dense_decode import dense_decode  # noqa: E402
 from sglang_prr.tools.synthetic import paged_kv  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -88,27 +89,13 @@ def pool_state(R, hk, nb, width, dev):
     return new_layer_state(R, hk, nb, width, (0.6, 0.3, 0.5), dev)
 
 
-def flashinfer_dense(env, batch, ctx, page, hq, hk, d, dev):
+def flashinfer_dense(env, page, scale, dev):
+    """SGLang's dense decode over the requests' pages (``tools.dense_decode``: FlashInfer, with
+    tensor cores for GQA groups of 4 or more, as SGLang plans it); None on CPU (no baseline)."""
     if dev.type != "cuda":
         return None
-    try:
-        import flashinfer
-    except Exception as e:  # noqa: BLE001 - report and skip the baseline
-        print(f"[dense] FlashInfer unavailable: {e}")
-        return None
-    npg = -(-ctx // page)
-    indptr = torch.arange(batch + 1, dtype=torch.int32, device=dev) * npg
-    indices = env["pages"][:, :npg].reshape(-1).int().to(dev)
-    last = torch.full((batch,), ctx - (npg - 1) * page, dtype=torch.int32, device=dev)
-    ws = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        ws, "NHD", use_cuda_graph=True, paged_kv_indptr_buffer=indptr,
-        paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last)
-    w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=env["qs"].dtype,
-           kv_data_type=env["k_buf"].dtype)
-    kc = env["k_buf"].view(env["n_pages"], page, hk, d)
-    vc = env["v_buf"].view(env["n_pages"], page, hk, d)
-    return lambda q: w.run(q, (kc, vc))
+    return dense_decode(env["qs"][0], env["k_buf"], env["v_buf"], env["req_to_token"],
+                        env["rows"], env["seq"], page, scale)
 
 
 def time_graph(fn, q_buf, qs, dev, iters, warmup=None, p_copy=None):
@@ -358,7 +345,7 @@ def main(argv=None):
                 p0 = next(iter(plants.values()))
                 spare = copier(torch.empty_like(p0[0][0]), torch.empty_like(p0[1][0]), p0[0],
                                p0[1])
-            dense = flashinfer_dense(env, batch, ctx, a.page, hq, hk, d, dev)
+            dense = flashinfer_dense(env, a.page, scale, dev)
             if dense is not None:
                 res["dense (FlashInfer)"] = time_graph(dense, q_buf, qs, dev, a.iters,
                                                        p_copy=spare)

@@ -446,6 +446,23 @@ def _auto_profile(tmp_path, hq, hk, rel, dense=None):
     return str(path)
 
 
+# Two prefill chunks of three requests, then decode steps of batch 3 and batch 1 in turn.
+AUTO_STEPS = ([([1, 2, 3], [64, 60, 80]), ([1, 2, 3], [60, 90, 50])]
+              + [([1, 2, 3], [1, 1, 1]), ([2], [1])] * 4)
+
+
+def _decode_steps(worlds, backs, steps):
+    """Every step through each backend on its own world (same slots, same inputs); yields the
+    decode steps' ``(rows, the "auto" backend's forward batch, outputs by backend)``."""
+    for rows, new in steps:
+        outs, fbs = {}, {}
+        for m, w in worlds.items():
+            fbs[m], q, k, v = w.batch(rows, new)
+            outs[m] = _forward(backs[m], w, fbs[m], q, k, v)
+        if fbs["auto"].forward_mode.is_decode():
+            yield rows, fbs["auto"], outs
+
+
 def test_budget_auto_in_backend(tmp_path):
     """--prr-budget auto: batch 1 runs serial DSA and batch 3 speculates (delta 1.5), as the
     profile says; every step equals serial DSA; the statistics report the choice and the serial
@@ -461,18 +478,11 @@ def test_budget_auto_in_backend(tmp_path):
     backs = {m: _backends(worlds[m], {m: cfgs[m]})[m] for m in cfgs}
     auto = backs["auto"]
     assert auto.calibrates and auto.stats.budget == {"1": 0.0, "4": 1.5}
-    steps = [([1, 2, 3], [64, 60, 80]), ([1, 2, 3], [60, 90, 50])]
-    steps += [([1, 2, 3], [1, 1, 1]), ([2], [1])] * 4
+    steps = AUTO_STEPS
     gap, n_pred = 0.0, set()
-    for rows, new in steps:
-        outs = {}
-        for m, w in worlds.items():
-            fb, q, k, v = w.batch(rows, new)
-            outs[m] = _forward(backs[m], w, fb, q, k, v)
-            if m == "auto" and fb.forward_mode.is_decode():
-                n_pred.add((len(rows), fb._prr_batch.n_pred))
-        if fb.forward_mode.is_decode():
-            gap = max(gap, (outs["auto"] - outs["serial"]).abs().max().item())
+    for rows, fb, outs in _decode_steps(worlds, backs, steps):
+        n_pred.add((len(rows), fb._prr_batch.n_pred))
+        gap = max(gap, (outs["auto"] - outs["serial"]).abs().max().item())
     assert n_pred == {(3, 3), (1, 0)}  # |P| = floor(1.5 * 2) at batch 3 (nearest: 4); serial at 1
     assert gap < 1e-5, f"auto vs serial DSA: {gap} (seed {seed})"
     snap = auto.stats.snapshot()
@@ -516,21 +526,13 @@ def test_budget_auto_runs_dense_where_the_profile_says(tmp_path):
     auto = backs["auto"]
     assert auto.stats.budget == {"1": "dense", "4": 1.5} and auto.calibrates
     assert auto.stats.budget_reason["1"].startswith("dense: ")
-    steps = [([1, 2, 3], [64, 60, 80]), ([1, 2, 3], [60, 90, 50])]
-    steps += [([1, 2, 3], [1, 1, 1]), ([2], [1])] * 4
     gaps = {1: {"dense": 0.0, "serial": 0.0}, 3: {"dense": 0.0, "serial": 0.0}}
     planned = set()
-    for rows, new in steps:
-        outs = {}
-        for m, w in worlds.items():
-            fb, q, k, v = w.batch(rows, new)
-            outs[m] = _forward(backs[m], w, fb, q, k, v)
-            if m == "auto" and fb.forward_mode.is_decode():
-                planned.add((len(rows), getattr(fb, "_prr_batch", None) is not None))
-        if fb.forward_mode.is_decode():
-            for other in ("dense", "serial"):
-                gap = (outs["auto"] - outs[other]).abs().max().item()
-                gaps[len(rows)][other] = max(gaps[len(rows)][other], gap)
+    for rows, fb, outs in _decode_steps(worlds, backs, AUTO_STEPS):
+        planned.add((len(rows), getattr(fb, "_prr_batch", None) is not None))
+        for other in ("dense", "serial"):
+            gap = (outs["auto"] - outs[other]).abs().max().item()
+            gaps[len(rows)][other] = max(gaps[len(rows)][other], gap)
     assert planned == {(1, False), (3, True)}
     assert gaps[1]["dense"] == 0.0, f"batch 1 (dense) vs the inner backend: {gaps} (seed {seed})"
     assert gaps[3]["serial"] < 1e-5, f"batch 3 (PRR) vs serial DSA: {gaps} (seed {seed})"
