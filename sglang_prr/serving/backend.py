@@ -239,7 +239,7 @@ class PRRBackend:
                 real = len(lens) - int(getattr(fb, "num_padding", 0) or 0)
                 self.stats.count_batch(lens, real, self.cfg.min_context, self.sparse_layers,
                                        self.budget.delta(len(lens)) > 0,
-                                       dense=self.budget.dense(len(lens)))
+                                       dense=self._runs_dense(fb))
 
     def init_forward_metadata(self, fb):
         self._before_forward(fb)
