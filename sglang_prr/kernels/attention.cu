@@ -250,6 +250,7 @@ __device__ __forceinline__ bool repeats_earlier(const int32_t* list, int n, int 
 template <typename T, int D>
 __global__ void __launch_bounds__(kAttnThreads)
 block_attn_kernel(AttnArgs a, int nq) {
+  pdl_begin();  // before any global-memory access (PDL)
   using Sw = RowSwizzle<D>;
   using Op = typename Mma<T>::Op;
   constexpr int kQRow = AttnSmem<T, D>::kQRow;
@@ -477,7 +478,7 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
   if (a.sem) smem = std::max(smem, attn_merge_smem(a.N, a.o1 ? a.N1 : 0, a.Na, a.Hq / a.Hk));
   cudaError_t e = set_smem_limit(block_attn_kernel<T, D>, smem);
   if (e != cudaSuccess) return e;
-  block_attn_kernel<T, D><<<dim3(a.N, a.Hk, a.B), kAttnThreads, smem, s>>>(a, nq);
+  launch_kernel(block_attn_kernel<T, D>, dim3(a.N, a.Hk, a.B), kAttnThreads, smem, s, a, nq);
   return cudaGetLastError();
 }
 
@@ -494,6 +495,8 @@ cudaError_t attn_dispatch_d(const AttnArgs& a, cudaStream_t s) {
 }
 
 }  // namespace
+
+bool launches_with_pdl() { return pdl_enabled(); }
 
 size_t attn_merge_smem(int N, int N1, int Na, int G) {
   const size_t E = (size_t)N + N1;

@@ -706,6 +706,8 @@ void quest_update(Tensor& kmin, Tensor& kmax, const Tensor& k_in, const Tensor& 
   check_launch(prr::launch_quest_update(a, stream()), "quest_update");
 }
 
+bool launches_with_pdl() { return prr::launches_with_pdl(); }
+
 }  // namespace
 
 TORCH_LIBRARY(sglang_prr_cuda, m) {
@@ -753,6 +755,8 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
   m.def("calib_grid_terms(Tensor scores, Tensor nblk, Tensor wa, Tensor am, Tensor alphas, "
         "Tensor betas, Tensor gammas, int n_pred, int sink_blocks, int local_blocks) -> Tensor");
   m.def("prepare(Tensor like) -> ()");
+  // No tensor argument: a catch-all kernel (dispatched without a device).
+  m.def("launches_with_pdl() -> bool", &launches_with_pdl);
 }
 
 TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {

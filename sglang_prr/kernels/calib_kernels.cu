@@ -36,6 +36,7 @@ struct Sum4Op {
 template <int kCalibThreads>
 __global__ void __launch_bounds__(kCalibThreads)
 calib_grid_terms_kernel(CalibArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   extern __shared__ __align__(16) unsigned char s_raw[];
   const int NB = a.NB;
   float* s_level = reinterpret_cast<float*>(s_raw);
@@ -119,12 +120,12 @@ cudaError_t launch_calib_grid_terms(const CalibArgs& a, cudaStream_t s) {
   const size_t smem = kCalibSmemPerBlock * a.NB;
   const dim3 grid(a.A * a.B * a.G, a.Hk, a.R);
   if (a.NB <= kCalibSmallRow) {
-    calib_grid_terms_kernel<128><<<grid, 128, smem, s>>>(a);
+    launch_kernel(calib_grid_terms_kernel<128>, grid, 128, smem, s, a);
     return cudaGetLastError();
   }
   cudaError_t e = set_smem_limit(calib_grid_terms_kernel<256>, smem);
   if (e != cudaSuccess) return e;
-  calib_grid_terms_kernel<256><<<grid, 256, smem, s>>>(a);
+  launch_kernel(calib_grid_terms_kernel<256>, grid, 256, smem, s, a);
   return cudaGetLastError();
 }
 

@@ -4,6 +4,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <cstdlib>
+#include <utility>
 
 #include "prr_kernels.h"
 
@@ -19,6 +21,52 @@ template <typename K>
 cudaError_t set_smem_limit(K* kernel, size_t bytes) {
   if (bytes <= 48 * 1024) return cudaSuccess;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+}
+
+// Programmatic dependent launch (PDL). With SGLANG_PRR_PDL=1 every kernel of the library is
+// launched with programmatic stream serialization: it may be scheduled while the kernel before it
+// in the stream (or graph) is still running, so its launch latency hides under that kernel's tail.
+// Correctness rests on one rule: every kernel calls pdl_begin() before its first global-memory
+// access (read or write), and griddepcontrol.wait returns only once the previous grid has
+// completed and its writes are visible. Without the launch attribute both instructions are no-ops.
+// pdl_begin() also signals at once that the next kernel may be scheduled: it then waits in its own
+// pdl_begin() while this one runs (the signal fires only when every CTA of this grid has started
+// or exited, so waiting CTAs never keep this grid's CTAs from being scheduled).
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether launches carry the PDL attribute: SGLANG_PRR_PDL=1, read once per process.
+inline bool pdl_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("SGLANG_PRR_PDL");
+    return v != nullptr && v[0] == '1' && v[1] == '\0';
+  }();
+  return on;
+}
+
+// Launch `kernel` on `grid` x `block` with `smem` bytes of dynamic shared memory on stream `s`
+// (with the PDL attribute when enabled). Returns the launch's error, which is also the runtime's
+// last error, so launchers keep ending in cudaGetLastError().
+template <typename... KArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                          cudaStream_t s, Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  if (pdl_enabled()) {
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+  }
+  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
 __device__ __forceinline__ int64_t ld_index(const void* p, int64_t i, bool is64) {

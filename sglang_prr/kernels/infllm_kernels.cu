@@ -68,6 +68,7 @@ constexpr int kUpdThreads = 128;
 
 template <typename T>
 __global__ void __launch_bounds__(kUpdThreads) infllm_update_kernel(InfllmUpdateArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   __shared__ int64_t s_slot[kInfllmWindow];
   const int n = blockIdx.x;
   const int64_t pos = ld_index(a.positions, n, a.pos64);
@@ -131,6 +132,7 @@ constexpr int kPoolThreads = 256;
 template <int D, int GMAX, int UNROLL>
 __global__ void __launch_bounds__(kScoreThreads)
 infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
+  pdl_begin();  // before any global-memory access (PDL)
   constexpr int L = D / 8;                 // lanes per head row
   constexpr int SPLIT = L / GMAX;          // lanes per query head after the reduce-scatter
   static_assert(L >= GMAX && L <= 32, "lanes per head row");
@@ -311,6 +313,7 @@ __device__ __forceinline__ void ld4_any(const void* base, int64_t off, int dt, f
 template <int D, int GMAX>
 __global__ void __launch_bounds__(kScoreThreads)
 infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
+  pdl_begin();  // before any global-memory access (PDL)
   constexpr int L = D / 8;
   constexpr int SPLIT = L / GMAX;
   static_assert(L >= GMAX && L <= 32, "lanes per head row");
@@ -448,6 +451,7 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
 
 __global__ void __launch_bounds__(kPoolThreads)
 infllm_pool_kernel(InfllmScoresArgs a, int bpc, int NC) {
+  pdl_begin();  // before any global-memory access (PDL)
   extern __shared__ float s_p[];  // bpc * pp + 1 entries
   __shared__ float s_M[kInfllmMaxGroup], s_iL[kInfllmMaxGroup];
   const int cb = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
@@ -561,7 +565,7 @@ cudaError_t launch_logits(const InfllmScoresArgs& a, int NC, int hc, int chunk, 
       if (e != cudaSuccess) return e;
       attr_set = true;
     }
-    kern<<<dim3(NC, 1, a.B), kScoreThreads, smem, s>>>(a, chunk, S);
+    launch_kernel(kern, dim3(NC, 1, a.B), kScoreThreads, smem, s, a, chunk, S);
     return cudaGetLastError();
   }
   const size_t smem = (kChunkMax + 1) * sizeof(int64_t) + (size_t)hc * GMAX * kChunkMax * sizeof(float);
@@ -570,7 +574,7 @@ cudaError_t launch_logits(const InfllmScoresArgs& a, int NC, int hc, int chunk, 
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
   }
-  kern<<<dim3(NC, a.Hk / hc, a.B), kScoreThreads, smem, s>>>(a, hc, chunk);
+  launch_kernel(kern, dim3(NC, a.Hk / hc, a.B), kScoreThreads, smem, s, a, hc, chunk);
   return cudaGetLastError();
 }
 template <int D>
@@ -593,9 +597,9 @@ cudaError_t launch_infllm_update(const InfllmUpdateArgs& a, cudaStream_t s) {
     return cudaErrorInvalidValue;
   if (a.N == 0 || a.Hk == 0) return cudaSuccess;
   switch (a.k_dtype) {
-    case kInfF32: infllm_update_kernel<float><<<a.N, kUpdThreads, 0, s>>>(a); break;
-    case kInfF16: infllm_update_kernel<__half><<<a.N, kUpdThreads, 0, s>>>(a); break;
-    case kInfBF16: infllm_update_kernel<__nv_bfloat16><<<a.N, kUpdThreads, 0, s>>>(a); break;
+    case kInfF32: launch_kernel(infllm_update_kernel<float>, a.N, kUpdThreads, 0, s, a); break;
+    case kInfF16: launch_kernel(infllm_update_kernel<__half>, a.N, kUpdThreads, 0, s, a); break;
+    case kInfBF16: launch_kernel(infllm_update_kernel<__nv_bfloat16>, a.N, kUpdThreads, 0, s, a); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();
@@ -636,7 +640,7 @@ cudaError_t launch_infllm_scores(const InfllmScoresArgs& a, cudaStream_t s) {
   const size_t smem = ((size_t)bpc * pp + 1) * sizeof(float);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;  // pages of more than 196K tokens
   const dim3 grid2((a.NB + bpc - 1) / bpc, a.Hk, a.B);
-  infllm_pool_kernel<<<grid2, kPoolThreads, smem, s>>>(a, bpc, NC);
+  launch_kernel(infllm_pool_kernel, grid2, kPoolThreads, smem, s, a, bpc, NC);
   return cudaGetLastError();
 }
 

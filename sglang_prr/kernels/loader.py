@@ -65,6 +65,13 @@ def prepare(device: torch.device) -> None:
     torch.ops.sglang_prr_cuda.prepare(torch.empty(0, device=device))
 
 
+def launches_with_pdl() -> bool:
+    """Whether the loaded library launches its kernels with programmatic dependent launch
+    (``SGLANG_PRR_PDL=1`` in the environment when the first kernel launches or this is asked;
+    read once per process). False when the library is not loaded."""
+    return bool(load() and torch.ops.sglang_prr_cuda.launches_with_pdl())
+
+
 def load_error() -> Optional[str]:
     """Why ``load()`` failed (None when it succeeded or was not tried)."""
     return _lib_error

@@ -27,6 +27,7 @@ constexpr int kMergeThreads = 128;
 
 __global__ void __launch_bounds__(kMergeThreads)
 merge_kernel(MergeArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   extern __shared__ float s_dyn[];
   const int Nt = a.N1 + a.N2;
   const int nt4 = (Nt + 3) / 4 * 4;   // keeps s_part 16-byte aligned
@@ -139,7 +140,7 @@ cudaError_t launch_merge(const MergeArgs& a, cudaStream_t s) {
   const size_t smem = ((size_t)(Nt + 3) / 4 * 4 + kMergeThreads * 4 + (a.p_idx ? a.nb / 32 + 1 : 0)) * 4;
   cudaError_t e = set_smem_limit(merge_kernel, smem);
   if (e != cudaSuccess) return e;
-  merge_kernel<<<a.R, kMergeThreads, smem, s>>>(a);
+  launch_kernel(merge_kernel, a.R, kMergeThreads, smem, s, a);
   return cudaGetLastError();
 }
 

@@ -24,6 +24,7 @@ namespace {
 // row (b, hk). n_init[b] is read by all Hk rows of the request and raised by the last of them.
 __global__ void __launch_bounds__(kTopkThreads)
 predict_update_kernel(PredictArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   extern __shared__ uint32_t s_key[];  // [NB]
   const int hk = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x;
@@ -81,6 +82,7 @@ predict_update_kernel(PredictArgs a) {
 
 // ============================================================================ Holt update
 __global__ void holt_update_kernel(HoltArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   const int64_t total = (int64_t)a.B * a.Hk * a.NB;
   for (int64_t e = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; e < total;
        e += (int64_t)gridDim.x * blockDim.x) {
@@ -104,6 +106,7 @@ __global__ void holt_update_kernel(HoltArgs a) {
 }
 // A separate launch: the element kernel must see the old n_init everywhere.
 __global__ void holt_ninit_kernel(HoltArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   const int b = blockIdx.x * blockDim.x + threadIdx.x;
   if (b >= a.B) return;
   const int64_t nb = ld_index(a.nblk, b, a.nblk64);
@@ -124,7 +127,7 @@ cudaError_t launch_predict_update(const PredictArgs& a, cudaStream_t s) {
   const size_t smem = (size_t)(a.NB > 0 ? a.NB : 1) * sizeof(uint32_t);
   cudaError_t e = set_smem_limit(predict_update_kernel, smem);
   if (e != cudaSuccess) return e;
-  predict_update_kernel<<<dim3(a.Hk, a.B), kTopkThreads, smem, s>>>(a);
+  launch_kernel(predict_update_kernel, dim3(a.Hk, a.B), kTopkThreads, smem, s, a);
   return cudaGetLastError();
 }
 
@@ -134,11 +137,11 @@ cudaError_t launch_holt_update(const HoltArgs& a, cudaStream_t s) {
     const int threads = 256;
     int64_t blocks = (total + threads - 1) / threads;
     if (blocks > 4096) blocks = 4096;
-    holt_update_kernel<<<(int)blocks, threads, 0, s>>>(a);
+    launch_kernel(holt_update_kernel, (int)blocks, threads, 0, s, a);
     cudaError_t e = cudaGetLastError();
     if (e != cudaSuccess) return e;
   }
-  if (a.B > 0) holt_ninit_kernel<<<(a.B + 127) / 128, 128, 0, s>>>(a);
+  if (a.B > 0) launch_kernel(holt_ninit_kernel, (a.B + 127) / 128, 128, 0, s, a);
   return cudaGetLastError();
 }
 

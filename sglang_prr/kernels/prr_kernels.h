@@ -196,4 +196,8 @@ cudaError_t launch_calib_grid_terms(const CalibArgs& a, cudaStream_t s);
 // The largest NB the calibration kernel takes (its per-row state lives in shared memory).
 int max_calib_blocks();
 
+// Whether this process launches the kernels with programmatic dependent launch
+// (SGLANG_PRR_PDL=1; see pdl_begin in common.cuh).
+bool launches_with_pdl();
+
 }  // namespace prr

@@ -104,6 +104,7 @@ __device__ int write_kept_list(const int* ids, int nid, int lo, int hi, int n, i
 template <typename S, int D>
 __global__ void __launch_bounds__(kOpThreads, 3)
 quest_select_onepass_kernel(SelectArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   constexpr int L = D / 8;               // lanes per block (8 dims each)
   constexpr int BPP = kOpThreads / L;    // blocks per pass
   constexpr int PASSES = kOpChunk / BPP;
@@ -406,7 +407,7 @@ template <typename S, int D>
 cudaError_t onepass_launch(const SelectArgs& a, size_t smem, cudaStream_t s) {
   cudaError_t e = set_smem_limit(quest_select_onepass_kernel<S, D>, smem);
   if (e != cudaSuccess) return e;
-  quest_select_onepass_kernel<S, D><<<dim3(a.nch, a.Hk, a.B), kOpThreads, smem, s>>>(a);
+  launch_kernel(quest_select_onepass_kernel<S, D>, dim3(a.nch, a.Hk, a.B), kOpThreads, smem, s, a);
   return cudaGetLastError();
 }
 template <typename S>

@@ -44,6 +44,7 @@ __device__ __forceinline__ float4 ld_sum4<__nv_bfloat16>(const __nv_bfloat16* p,
 template <typename S>
 __global__ void __launch_bounds__(kQuestWarps * 32)
 quest_scores_kernel(QuestArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   extern __shared__ float s_q[];  // [Hq, D]
   const int b = blockIdx.y;
   const int HqD = a.Hq * a.D;
@@ -103,6 +104,7 @@ quest_scores_kernel(QuestArgs a) {
 
 __global__ void __launch_bounds__(kTopkThreads)
 select_topk_kernel(TopkArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   extern __shared__ uint32_t s_key[];  // [NB]
   const int hk = blockIdx.x, b = blockIdx.y;
   const int tid = threadIdx.x;
@@ -151,6 +153,7 @@ constexpr int kSelChunk = kSelWarps * kSelPerWarp;
 template <typename S>
 __global__ void __launch_bounds__(kSelThreads)
 quest_select_kernel(SelectArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   extern __shared__ __align__(16) uint32_t s_sel[];  // q group [G, D] floats, then keys [NB]
   const int hk = blockIdx.x, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -253,6 +256,7 @@ constexpr int kSetThreads = 256;
 
 __global__ void __launch_bounds__(kSetThreads)
 set_difference_kernel(SetDiffArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   extern __shared__ uint32_t s_bits[];
   using Scan = cub::BlockScan<int, kSetThreads>;
   __shared__ typename Scan::TempStorage s_scan;
@@ -301,6 +305,7 @@ constexpr int kStatsThreads = 256;
 
 __global__ void __launch_bounds__(kStatsThreads)
 accumulate_stats_kernel(StatsArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   using Reduce = cub::BlockReduce<long long, kStatsThreads>;
   __shared__ typename Reduce::TempStorage s_red;
   long long sum[kNumStatSlots] = {0, 0, 0, 0};
@@ -323,7 +328,7 @@ accumulate_stats_kernel(StatsArgs a) {
 
 cudaError_t launch_accumulate_stats(const StatsArgs& a, cudaStream_t s) {
   if (a.B == 0 || a.Hk == 0) return cudaSuccess;
-  accumulate_stats_kernel<<<1, kStatsThreads, 0, s>>>(a);
+  launch_kernel(accumulate_stats_kernel, 1, kStatsThreads, 0, s, a);
   return cudaGetLastError();
 }
 
@@ -335,11 +340,11 @@ cudaError_t launch_quest_scores(const QuestArgs& a, cudaStream_t s) {
   if (a.s_dtype == kBF16) {
     cudaError_t e = set_smem_limit(quest_scores_kernel<__nv_bfloat16>, smem);
     if (e != cudaSuccess) return e;
-    quest_scores_kernel<__nv_bfloat16><<<grid, kQuestWarps * 32, smem, s>>>(a);
+    launch_kernel(quest_scores_kernel<__nv_bfloat16>, grid, kQuestWarps * 32, smem, s, a);
   } else {
     cudaError_t e = set_smem_limit(quest_scores_kernel<float>, smem);
     if (e != cudaSuccess) return e;
-    quest_scores_kernel<float><<<grid, kQuestWarps * 32, smem, s>>>(a);
+    launch_kernel(quest_scores_kernel<float>, grid, kQuestWarps * 32, smem, s, a);
   }
   return cudaGetLastError();
 }
@@ -352,7 +357,7 @@ cudaError_t launch_select_topk(const TopkArgs& a, cudaStream_t s) {
   const size_t smem = (size_t)(a.NB > 0 ? a.NB : 1) * sizeof(uint32_t);
   cudaError_t e = set_smem_limit(select_topk_kernel, smem);
   if (e != cudaSuccess) return e;
-  select_topk_kernel<<<dim3(a.Hk, a.B), kTopkThreads, smem, s>>>(a);
+  launch_kernel(select_topk_kernel, dim3(a.Hk, a.B), kTopkThreads, smem, s, a);
   return cudaGetLastError();
 }
 
@@ -366,11 +371,11 @@ cudaError_t launch_quest_select_rowtail(const SelectArgs& a, cudaStream_t s) {
   if (a.s_dtype == kBF16) {
     e = set_smem_limit(quest_select_kernel<__nv_bfloat16>, smem);
     if (e != cudaSuccess) return e;
-    quest_select_kernel<__nv_bfloat16><<<grid, kSelThreads, smem, s>>>(a);
+    launch_kernel(quest_select_kernel<__nv_bfloat16>, grid, kSelThreads, smem, s, a);
   } else {
     e = set_smem_limit(quest_select_kernel<float>, smem);
     if (e != cudaSuccess) return e;
-    quest_select_kernel<float><<<grid, kSelThreads, smem, s>>>(a);
+    launch_kernel(quest_select_kernel<float>, grid, kSelThreads, smem, s, a);
   }
   return cudaGetLastError();
 }
@@ -380,7 +385,7 @@ cudaError_t launch_set_difference(const SetDiffArgs& a, cudaStream_t s) {
   const size_t smem = (size_t)((a.nb + 31) / 32 + 1) * sizeof(uint32_t);
   cudaError_t e = set_smem_limit(set_difference_kernel, smem);
   if (e != cudaSuccess) return e;
-  set_difference_kernel<<<a.rows, kSetThreads, smem, s>>>(a);
+  launch_kernel(set_difference_kernel, a.rows, kSetThreads, smem, s, a);
   return cudaGetLastError();
 }
 

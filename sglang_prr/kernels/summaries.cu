@@ -40,6 +40,7 @@ template <> struct Bound<__nv_bfloat16> {
 
 template <typename S>
 __global__ void quest_reset_kernel(QuestUpdateArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   const int n = blockIdx.x;
   const int64_t loc = ld_index(a.out_loc, n, a.loc64), pos = ld_index(a.positions, n, a.pos64);
   const int64_t page = (pos % a.page_size == 0) ? loc / a.page_size : 0;
@@ -80,6 +81,7 @@ __device__ __forceinline__ void atomic_max_b(__nv_bfloat16* p, __nv_bfloat16 v) 
 // no request reads.
 template <typename S>
 __global__ void quest_decode_update_kernel(QuestUpdateArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   const int n = blockIdx.x;
   const int64_t loc = ld_index(a.out_loc, n, a.loc64), pos = ld_index(a.positions, n, a.pos64);
   const int64_t page = loc / a.page_size;
@@ -109,6 +111,7 @@ __global__ void quest_decode_update_kernel(QuestUpdateArgs a) {
 constexpr int kFoldTokens = 16;
 template <typename S>
 __global__ void quest_fold_kernel(QuestUpdateArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
   const int n0 = blockIdx.x * kFoldTokens;
   const int n1 = min(a.N, n0 + kFoldTokens);
   const int HD = a.Hk * a.D;
@@ -145,13 +148,13 @@ __global__ void quest_fold_kernel(QuestUpdateArgs a) {
 template <typename S>
 cudaError_t quest_update_launch(const QuestUpdateArgs& a, cudaStream_t s) {
   if (a.one_per_page) {
-    quest_decode_update_kernel<S><<<a.N, 128, 0, s>>>(a);
+    launch_kernel(quest_decode_update_kernel<S>, a.N, 128, 0, s, a);
     return cudaGetLastError();
   }
-  quest_reset_kernel<S><<<a.N, 256, 0, s>>>(a);
+  launch_kernel(quest_reset_kernel<S>, a.N, 256, 0, s, a);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  quest_fold_kernel<S><<<(a.N + kFoldTokens - 1) / kFoldTokens, 128, 0, s>>>(a);
+  launch_kernel(quest_fold_kernel<S>, (a.N + kFoldTokens - 1) / kFoldTokens, 128, 0, s, a);
   return cudaGetLastError();
 }
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 import time
 
 import pytest
@@ -58,6 +59,23 @@ def test_library_registers_every_op_with_matching_schema(built_lib):
     # negative control: a name the library does not define is not found
     with pytest.raises((AttributeError, RuntimeError)):
         torch.ops.sglang_prr_cuda.no_such_op.default
+
+
+def test_pdl_follows_the_environment(built_lib):
+    """``SGLANG_PRR_PDL=1`` (exactly) turns programmatic dependent launch on, read once per
+    process; unset, ``0`` or another spelling leave it off (the negative controls)."""
+    code = ("import sys, torch; torch.ops.load_library(sys.argv[1]); "
+            "print(torch.ops.sglang_prr_cuda.launches_with_pdl())")
+    seen = {}
+    for value in ("1", "0", "yes", None):
+        env = {k: v for k, v in os.environ.items() if k != "SGLANG_PRR_PDL"}
+        if value is not None:
+            env["SGLANG_PRR_PDL"] = value
+        out = subprocess.run([sys.executable, "-c", code, str(built_lib)], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        seen[value] = out.stdout.strip().splitlines()[-1]
+    assert seen == {"1": "True", "0": "False", "yes": "False", None: "False"}
 
 
 def test_cache_key_changes_with_sources(monkeypatch):
