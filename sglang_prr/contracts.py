@@ -330,14 +330,22 @@ def check_infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions,
             fail(op, f"{name}.shape", shape(t), f"({out_loc.shape[0]},): one per new token")
 
 
-def check_set_difference(a_idx, a_cnt, p_idx, p_cnt, nb) -> None:
+def check_set_difference(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows=None, stats=None,
+                         dense_row=None) -> None:
     op = "set_difference"
     nonneg(op, nb=nb)
     if a_idx.dim() != 3:
         fail(op, "a_idx.shape", shape(a_idx), "[batch, num_kv_heads, N]")
     block_list(op, "a", a_idx, a_cnt, a_idx.shape[1])
     block_list(op, "p", p_idx, p_cnt, a_idx.shape[1])
-    _batch(op, a_idx.shape[0], p_idx=p_idx)
+    rows_of(op, "p_idx", p_rows, a_idx.shape[0], p_idx)
+    if stats is not None:
+        if stats.dtype != torch.int64 or shape(stats) != (len(STATS_SLOTS),):
+            fail(op, "stats", (stats.dtype, shape(stats)),
+                 f"int64 [{len(STATS_SLOTS)}] (new_stats)")
+    if dense_row is not None and (dense_row.dtype != torch.bool
+                                  or shape(dense_row) != (a_idx.shape[0],)):
+        fail(op, "dense_row", (dense_row.dtype, shape(dense_row)), f"bool ({a_idx.shape[0]},)")
 
 
 def check_accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row) -> None:

@@ -93,17 +93,28 @@ def _(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row=None):
             scores.new_empty((B, Hk), dtype=torch.int32))
 
 
-@_op("set_difference")
-def set_difference(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor, nb: int
-                   ) -> Tuple[Tensor, Tensor]:
-    """``M = A \\ P`` as ``(idx [B, Hk, |A| width] int32, cnt [B, Hk] int32)``."""
-    contracts.check_set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
-    return ref.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+@_op("set_difference", mutates_args=("stats",))
+def _set_difference(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor, nb: int,
+                    p_rows: Optional[Tensor], stats: Optional[Tensor],
+                    dense_row: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    contracts.check_set_difference(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows, stats, dense_row)
+    return ref.set_difference_counted(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows, stats, dense_row)
 
 
-@set_difference.register_fake
-def _(a_idx, a_cnt, p_idx, p_cnt, nb):
+@_set_difference.register_fake
+def _(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows, stats, dense_row):
     return torch.empty_like(a_idx), torch.empty_like(a_cnt)
+
+
+def set_difference(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor, nb: int,
+                   p_rows: Optional[Tensor] = None, stats: Optional[Tensor] = None,
+                   dense_row: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``M = A \\ P`` as ``(idx [B, Hk, |A| width] int32, cnt [B, Hk] int32)``. ``p_rows: [B]``:
+    P is read at those rows of pool-wide lists ``[R, Hk, Np]``; ``stats``: the step's counters
+    of A, M and P are added in the same launch (``accumulate_stats``; ``dense_row: [B]`` bool
+    rows left out). See ``reference.set_difference_counted``. (A plain function over the op:
+    torch 2.11 cannot omit a mutable optional argument of a custom op.)"""
+    return _set_difference(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows, stats, dense_row)
 
 
 @_op("accumulate_stats", mutates_args=("stats",))

@@ -315,7 +315,9 @@ std::tuple<Tensor, Tensor> predict_set(const Tensor& level, const Tensor& trend,
 
 std::tuple<Tensor, Tensor> set_difference(const Tensor& a_idx_in, const Tensor& a_cnt_in,
                                           const Tensor& p_idx_in, const Tensor& p_cnt_in,
-                                          int64_t nb) {
+                                          int64_t nb, const c10::optional<Tensor>& p_rows_in,
+                                          const c10::optional<Tensor>& stats,
+                                          const c10::optional<Tensor>& dense_row_in) {
   check_cuda(a_idx_in, "a_idx");
   c10::cuda::CUDAGuard guard(a_idx_in.device());
   const Tensor a_idx = a_idx_in.contiguous(), a_cnt = a_cnt_in.contiguous();
@@ -331,7 +333,22 @@ std::tuple<Tensor, Tensor> set_difference(const Tensor& a_idx_in, const Tensor& 
   a.p_idx = p_idx.data_ptr<int32_t>(); a.p_cnt = p_cnt.data_ptr<int32_t>();
   a.Np = (int)p_idx.size(-1);
   a.m_idx = m_idx.data_ptr<int32_t>(); a.m_cnt = m_cnt.data_ptr<int32_t>();
-  a.n_out = a.Na; a.rows = (int)a_cnt.numel(); a.nb = (int)nb;
+  a.n_out = a.Na; a.rows = (int)a_cnt.numel(); a.nb = (int)nb; a.Hk = (int)a_idx.size(1);
+  Tensor p_rows, dense_row;
+  if (p_rows_in.has_value()) {
+    p_rows = p_rows_in->contiguous();
+    a.p_rows = p_rows.data_ptr(); a.p_rows64 = index64(p_rows, "p_rows");
+  }
+  if (stats.has_value()) {
+    TORCH_CHECK(stats->scalar_type() == at::kLong && stats->is_contiguous() &&
+                stats->numel() == prr::kNumStatSlots, "set_difference: stats must be contiguous "
+                "int64 [", prr::kNumStatSlots, "]");
+    a.stats = reinterpret_cast<unsigned long long*>(stats->data_ptr<int64_t>());
+    if (dense_row_in.has_value()) {
+      dense_row = dense_row_in->contiguous();
+      a.dense_row = dense_row.data_ptr<bool>();
+    }
+  }
   check_launch(prr::launch_set_difference(a, stream()), "set_difference");
   return std::make_tuple(m_idx, m_cnt);
 }
@@ -719,7 +736,8 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
         "int n_out, Tensor? dense_row=None) -> (Tensor, Tensor)");
   m.def("predict_set(Tensor level, Tensor trend, Tensor gamma, Tensor n_init, Tensor nblk_next, "
         "int n_pred, int sink_blocks, int local_blocks) -> (Tensor, Tensor)");
-  m.def("set_difference(Tensor a_idx, Tensor a_cnt, Tensor p_idx, Tensor p_cnt, int nb) "
+  m.def("set_difference(Tensor a_idx, Tensor a_cnt, Tensor p_idx, Tensor p_cnt, int nb, "
+        "Tensor? p_rows=None, Tensor(a!)? stats=None, Tensor? dense_row=None) "
         "-> (Tensor, Tensor)");
   m.def("accumulate_stats(Tensor(a!) stats, Tensor a_cnt, Tensor m_cnt, Tensor? p_cnt, "
         "Tensor? dense_row) -> ()");

@@ -94,13 +94,16 @@ def _predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks, lo
                                                  n_pred, sink_blocks, local_blocks)
 
 
-def _set_difference(a_idx, a_cnt, p_idx, p_cnt, nb):
-    contracts.check_set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+def _set_difference(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows=None, stats=None, dense_row=None):
+    contracts.check_set_difference(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows, stats, dense_row)
     ok = (active(a_idx.device) and a_idx.dtype == torch.int32 and p_idx.dtype == torch.int32
-          and a_cnt.dtype == torch.int32 and p_cnt.dtype == torch.int32 and nb <= (1 << 20))
+          and a_cnt.dtype == torch.int32 and p_cnt.dtype == torch.int32 and nb <= (1 << 20)
+          and (stats is None or stats.is_contiguous()))
     if not ok:
-        return ref.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
-    return torch.ops.sglang_prr_cuda.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+        return ref.set_difference_counted(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows, stats,
+                                          dense_row)
+    return torch.ops.sglang_prr_cuda.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows,
+                                                    stats, dense_row)
 
 
 def _accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row):

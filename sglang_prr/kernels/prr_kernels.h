@@ -130,11 +130,17 @@ struct PredictArgs {
 };
 cudaError_t launch_predict_update(const PredictArgs& a, cudaStream_t s);
 
+// M = A \ P per (request, KV head) row. P's row of row r = (b, h) is p_rows[b] * Hk + h with
+// p_rows given (pool-wide P), r without. With stats, the row's |A|, |M|, |P| (clamped at 0) and
+// 1 are added into the counters (StatSlot) unless dense_row[b].
 struct SetDiffArgs {
   const int32_t* a_idx; const int32_t* a_cnt; int Na;
   const int32_t* p_idx; const int32_t* p_cnt; int Np;
   int32_t* m_idx; int32_t* m_cnt; int n_out;
-  int rows, nb;
+  int rows, nb, Hk;
+  const void* p_rows; bool p_rows64;               // [B] or null
+  unsigned long long* stats;                       // [kNumStatSlots] or null
+  const bool* dense_row;                           // [B] or null
 };
 cudaError_t launch_set_difference(const SetDiffArgs& a, cudaStream_t s);
 

@@ -265,14 +265,16 @@ set_difference_kernel(SetDiffArgs a) {
   const int W = (a.nb + 31) / 32;
   for (int w = tid; w < W; w += kSetThreads) s_bits[w] = 0;
   __syncthreads();
-  const int ca = a.a_cnt[row], cp = a.p_cnt[row];
+  const int b = row / a.Hk;
+  const int64_t prow = a.p_rows ? slot_of(a.p_rows, a.p_rows64, b) * a.Hk + row % a.Hk : row;
+  const int ca = a.a_cnt[row], cp = a.p_cnt[prow];
   for (int i = tid; i < a.Na && i < ca; i += kSetThreads) {
     const int x = a.a_idx[(int64_t)row * a.Na + i];
     if (x >= 0 && x < a.nb) atomicOr(&s_bits[x >> 5], 1u << (x & 31));
   }
   __syncthreads();
   for (int i = tid; i < a.Np && i < cp; i += kSetThreads) {
-    const int x = a.p_idx[(int64_t)row * a.Np + i];
+    const int x = a.p_idx[prow * a.Np + i];
     if (x >= 0 && x < a.nb) atomicAnd(&s_bits[x >> 5], ~(1u << (x & 31)));
   }
   __syncthreads();
@@ -295,7 +297,16 @@ set_difference_kernel(SetDiffArgs a) {
   }
   const int total = s_total;
   for (int j = total + tid; j < a.n_out; j += kSetThreads) out[j] = -1;
-  if (tid == 0) a.m_cnt[row] = total < a.n_out ? total : a.n_out;
+  if (tid == 0) {
+    const int mc = total < a.n_out ? total : a.n_out;
+    a.m_cnt[row] = mc;
+    if (a.stats && !(a.dense_row && a.dense_row[b])) {  // accumulate_stats' sums, this row's part
+      atomicAdd(a.stats + kStatSelected, (unsigned long long)(long long)ca);
+      atomicAdd(a.stats + kStatRepair, (unsigned long long)mc);
+      atomicAdd(a.stats + kStatPredicted, (unsigned long long)(cp > 0 ? cp : 0));
+      atomicAdd(a.stats + kStatRows, 1ull);
+    }
+  }
 }
 
 // ============================================================================ counters

@@ -92,21 +92,21 @@ def select_from_scores(scores: Tensor, *, nblk: Tensor, nb: int, spec: SelectSpe
                        p_rows: Optional[Tensor] = None, dense_row: Optional[Tensor] = None,
                        stats: Optional[Tensor] = None) -> Selected:
     """A = kept blocks + top-K of ``scores`` (``ops.select_topk``), ``M = A \\ P``
-    (``ops.set_difference``; ``M = A`` without P), the counters accumulated into ``stats``
-    (``ops.accumulate_stats``, one launch). ``p_rows: [B]``: P is read at those rows of pool-wide
-    lists ``[R, Hk, Np]``; ``dense_row: [B]`` bool rows select every block. The composition
+    (``ops.set_difference``, which reads P through ``p_rows`` and adds the counters into
+    ``stats`` in its own launch; ``M = A`` without P, counted by ``ops.accumulate_stats``).
+    ``p_rows: [B]``: P is read at those rows of pool-wide lists ``[R, Hk, Np]``;
+    ``dense_row: [B]`` bool rows select every block. The composition
     ``reference.select_from_scores`` states on the reference alone."""
     a_idx, a_cnt = ops.select_topk(scores, nblk, k=spec.k, sink_blocks=spec.sink_blocks,
                                    local_blocks=spec.local_blocks, n_out=spec.n_out,
                                    dense_row=dense_row)
     if p_idx is None:  # M = A: the same lists (nothing writes them after the selection)
-        m_idx, m_cnt = a_idx, a_cnt
-    else:
-        if p_rows is not None:
-            p_idx, p_cnt = p_idx[p_rows.long()], p_cnt[p_rows.long()]
-        m_idx, m_cnt = ops.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
-    if stats is not None:
-        ops.accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
+        if stats is not None:
+            ops.accumulate_stats(stats, a_cnt, a_cnt, None, dense_row)
+        return Selected(scores, a_idx, a_cnt, a_idx, a_cnt)
+    # P read through p_rows and the counters added by the set difference's own launch.
+    m_idx, m_cnt = ops.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows=p_rows, stats=stats,
+                                      dense_row=dense_row)
     return Selected(scores, a_idx, a_cnt, m_idx, m_cnt)
 
 

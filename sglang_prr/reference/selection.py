@@ -54,6 +54,20 @@ def accumulate_stats(stats: Tensor, a_cnt: Tensor, m_cnt: Tensor, p_cnt: Optiona
                           (p.long() * w).sum(), (w * torch.ones_like(a_cnt)).sum()]).to(stats.dtype)
 
 
+def set_difference_counted(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor, nb: int,
+                           p_rows: Optional[Tensor] = None, stats: Optional[Tensor] = None,
+                           dense_row: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """``M = A \\ P`` (``set_difference``) with P read at rows ``p_rows: [B]`` of pool-wide lists
+    ``[R, Hk, Np]`` / ``[R, Hk]`` (None: P is ``[B, ...]``), and, with ``stats``, the step's
+    counters of A, M and P accumulated (``accumulate_stats``, ``dense_row: [B]`` rows left out)."""
+    if p_rows is not None:
+        p_idx, p_cnt = p_idx[p_rows.long()], p_cnt[p_rows.long()]
+    m_idx, m_cnt = set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+    if stats is not None:
+        accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
+    return m_idx, m_cnt
+
+
 def select_from_scores(scores: Tensor, nblk: Tensor, nb: int, p_idx: Optional[Tensor],
                        p_cnt: Optional[Tensor], k: int, sink_blocks: int, local_blocks: int,
                        n_out: int, p_rows: Optional[Tensor] = None,
@@ -64,12 +78,11 @@ def select_from_scores(scores: Tensor, nblk: Tensor, nb: int, p_idx: Optional[Te
     lists ``[R, Hk, Np]`` / ``[R, Hk]``; ``dense_row: [B]`` bool rows select every block
     (``select_topk``); ``stats``, if given, accumulates ``accumulate_stats``."""
     a_idx, a_cnt = select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row)
-    if p_idx is None:
-        m_idx, m_cnt = a_idx.clone(), a_cnt.clone()
-    else:
-        if p_rows is not None:
-            p_idx, p_cnt = p_idx[p_rows.long()], p_cnt[p_rows.long()]
-        m_idx, m_cnt = set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
+    if p_idx is not None:
+        m_idx, m_cnt = set_difference_counted(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows, stats,
+                                              dense_row)
+        return scores, a_idx, a_cnt, m_idx, m_cnt
+    m_idx, m_cnt = a_idx.clone(), a_cnt.clone()
     if stats is not None:
-        accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
+        accumulate_stats(stats, a_cnt, m_cnt, None, dense_row)
     return scores, a_idx, a_cnt, m_idx, m_cnt

@@ -292,6 +292,40 @@ def test_set_difference(B, Hk, Na, Np, nb):
     assert c_ref[0, 0] == 0 and c_ref.sum() > 0, "control: M empty when P covers A, else not"
 
 
+@pytest.mark.parametrize("B,Hk,Na,Np,nb,rows64,with_dense", [
+    (1, 8, 34, 50, 2048, True, False), (3, 4, 7, 11, 50, False, True),
+    (17, 2, 100, 150, 300, True, True)])
+def test_set_difference_pool_rows_and_counters(B, Hk, Na, Np, nb, rows64, with_dense):
+    """P read at pool rows ``p_rows`` and the counters added in the same launch: the lists of the
+    reference over the gathered rows and ``reference.accumulate_stats``'s sums on counters that
+    already hold values; control: other rows give another M."""
+    seeded(f"setdiff rows B={B} nb={nb}")
+    R = 2 * B + 3
+    nbl = [nb] * B
+    a_idx, a_cnt = random_lists(B, Hk, Na, nbl)
+    p_idx, p_cnt = random_lists(R, Hk, Np, [nb] * R)
+    p_cnt[0] = -1  # a negative count reads no entry and counts as 0
+    rows = torch.randperm(R)[:B]
+    rows = rows if rows64 else rows.int()
+    dense = (torch.rand(B) < 0.4) if with_dense else None
+    start = torch.randint(0, 1 << 40, (4,), dtype=torch.int64)
+    want_stats = start.clone()
+    m_ref, c_ref = ref.set_difference_counted(a_idx, a_cnt, p_idx, p_cnt, nb, rows, want_stats,
+                                              dense)
+    poison(((B, Hk, Na), torch.int32), ((B, Hk), torch.int32))
+    stats = start.to(DEV)
+    dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    m, c = torch.ops.sglang_prr_cuda.set_difference(
+        a_idx.to(DEV), a_cnt.to(DEV), p_idx.to(DEV), p_cnt.to(DEV), nb, rows.to(DEV), stats,
+        dev(dense))
+    assert torch.equal(c.cpu(), c_ref) and torch.equal(m.cpu(), m_ref)
+    assert torch.equal(stats.cpu(), want_stats), (stats, want_stats)
+    other = torch.ops.sglang_prr_cuda.set_difference(
+        a_idx.to(DEV), a_cnt.to(DEV), p_idx.to(DEV), p_cnt.to(DEV), nb, rows.flip(0).to(DEV))
+    if B > 1:
+        assert not torch.equal(other[0].cpu(), m_ref), "control: P's rows matter"
+
+
 # ----------------------------------------------------------------------------- merge
 def _partials(B, Hq, N, D, frac_pad=0.3):
     o = torch.randn(B, Hq, N, D)

@@ -117,6 +117,11 @@ SWEEP = {
         ("p_idx/p_cnt dtypes", lambda a: dict(p_idx=a["p_idx"].long())),
         ("p_idx.shape", lambda a: dict(p_idx=a["p_idx"][:, :2], p_cnt=a["p_cnt"][:, :2])),
         ("p_idx.shape", lambda a: dict(p_idx=a["p_idx"][:2], p_cnt=a["p_cnt"][:2])),
+        ("p_idx rows.shape", lambda a: dict(p_rows=torch.zeros(B + 1, dtype=torch.long))),
+        ("p_idx rows", lambda a: dict(p_rows=torch.zeros(B))),  # float rows
+        ("stats", lambda a: dict(stats=torch.zeros(4, dtype=torch.int32))),
+        ("dense_row", lambda a: dict(stats=torch.zeros(4, dtype=torch.int64),
+                                     dense_row=torch.zeros(B, dtype=torch.int32))),
     ],
     "holt_update": [
         ("trend", lambda a: dict(trend=a["trend"][:, :, :4])),

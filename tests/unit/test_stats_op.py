@@ -1,6 +1,8 @@
 """``accumulate_stats``: the decode counters of a selection composed from separate ops (InfLLM-v2's)
-as one op, and that composition counting through it. CPU: the op's reference path; its SM90
-kernel is compared with the reference in ``tests/gpu/test_kernels.py``."""
+as one op, and that composition counting through it; ``set_difference`` with P read at pool rows
+and the counters added in its own launch (PRR's composed selection: no gather, no second
+launch). CPU: the ops' reference paths; their SM90 kernels are compared with the reference in
+``tests/gpu/test_kernels.py``."""
 
 from __future__ import annotations
 
@@ -75,3 +77,31 @@ def test_a_composed_selection_counts_as_the_reference(seed):
     r = ref.select_from_scores(scores, nblk, NB, p_idx, p_cnt, spec.k, spec.sink_blocks,
                                spec.local_blocks, spec.n_out, rows, dense, want)
     assert torch.equal(sel.m_cnt, r[4]) and torch.equal(got, want) and got[3] == 3 * Hk
+
+
+def test_set_difference_reads_pool_rows_and_counts(seed):
+    """``set_difference(p_rows=, stats=, dense_row=)`` == gather P's rows, the set difference,
+    then ``accumulate_stats``; controls: other rows give another M, and without ``stats`` the
+    counters stay untouched."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hk, NB, R = 5, 3, 40, 9
+    lists = lambda rows, n: (torch.sort(torch.randint(0, NB, (rows, Hk, n), generator=g,  # noqa
+                                                      dtype=torch.int32)).values,
+                             torch.randint(-1, n + 1, (rows, Hk), generator=g, dtype=torch.int32))
+    a_idx, a_cnt = lists(B, 12)
+    a_cnt = a_cnt.clamp(min=0)
+    p_idx, p_cnt = lists(R, 15)
+    rows = torch.randperm(R, generator=g)[:B]
+    dense = torch.rand(B, generator=g) < 0.4
+    want_stats, got_stats = contracts.new_stats() + 5, contracts.new_stats() + 5
+    want = ref.set_difference(a_idx, a_cnt, p_idx[rows], p_cnt[rows], NB)
+    ref.accumulate_stats(want_stats, a_cnt, want[1], p_cnt[rows], dense)
+    got = custom_ops.set_difference(a_idx, a_cnt, p_idx, p_cnt, NB, p_rows=rows.int(),
+                                    stats=got_stats, dense_row=dense)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(got_stats, want_stats)
+    other = custom_ops.set_difference(a_idx, a_cnt, p_idx, p_cnt, NB, p_rows=rows.flip(0))
+    assert not torch.equal(other[0], got[0])  # control: P's rows matter
+    untouched = contracts.new_stats()
+    custom_ops.set_difference(a_idx, a_cnt, p_idx[rows], p_cnt[rows], NB, dense_row=dense)
+    assert int(untouched.abs().sum()) == 0
