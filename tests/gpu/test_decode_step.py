@@ -153,6 +153,57 @@ def test_predict_update_rows_and_quest_decode_update_match_reference(extra_width
     assert not torch.equal(w_lo[5], kmin[5])
 
 
+class DecodeGraph:
+    """PRR (two streams, state in place) and serial DSA over one paged KV cache, captured in one
+    CUDA graph (``DecodeStep``: Quest, K = ``k`` blocks, |P| = ``n_pred``, one sink and one local
+    block, min_context 8 pages + 1). The batch: the ``batch`` requests in reverse slot order, then
+    one padding row (slot 0). ``replay(lens)`` draws new queries from ``g`` and returns
+    ``{"prr", "ser"}`` outputs ``[batch + 1, Hq, D]`` (NaN-filled before each replay)."""
+
+    def __init__(self, g, batch, group, page, dtype, hk=2, ctx=None, k=4, n_pred=6):
+        dev, d = torch.device("cuda"), 128
+        self.g, self.page, self.hk, self.d, self.dtype, self.k = g, page, hk, d, dtype, k
+        self.ctx = ctx or 40 * page + 7
+        self.kv = kv = paged_kv(batch, self.ctx + 16, page, hk, d, dtype=dtype, device=dev,
+                                generator=g)
+        R, nb = batch + 1, kv.table.shape[1]
+        mk = lambda serial: DecodeStep("quest", k, n_pred, 1, 1, page,  # noqa: E731
+                                       min_context=8 * page + 1, exact=True, serial=serial,
+                                       device=dev)
+        prr, serial = mk(False), mk(True)
+        state = new_layer_state(R, hk, nb, n_pred + 2, (0.6, 0.3, 0.5), dev)
+        self.rows = torch.cat([kv.rows.flip(0), torch.zeros(1, dtype=torch.long, device=dev)])
+        B = batch + 1
+        self.qkv = torch.empty(B, (hk * group + 2 * hk) * d, device=dev, dtype=dtype)
+        self.q = self.qkv[:, :hk * group * d].view(B, hk * group, d)
+        self.seq = torch.full((B,), self.ctx, device=dev, dtype=torch.long)
+        self.scale = 1.0 / math.sqrt(d)
+        self.outs = {n: torch.empty(B, hk * group, d, device=dev, dtype=dtype)
+                     for n in ("prr", "ser")}
+        self.stats = torch.zeros(4, dtype=torch.int64, device=dev)
+
+        def body():
+            for name, step in (("prr", prr), ("ser", serial)):
+                b = step.plan(kv.req_to_token, self.rows, self.seq)
+                self.outs[name].copy_(step.run(self.q, kv.k_buf, kv.v_buf, [kv.kmin, kv.kmax], b,
+                                               state if name == "prr" else None,
+                                               self.stats if name == "prr" else None,
+                                               self.scale, dtype))
+
+        self.qkv.copy_(torch.randn(self.qkv.shape, generator=g).to(dev) * 3)
+        self.graph = capture(body)
+        self.stats.zero_()
+
+    def replay(self, lens):
+        self.qkv.copy_(torch.randn(self.qkv.shape, generator=self.g).to(self.qkv.device) * 3)
+        self.seq.copy_(torch.tensor(lens))
+        for o in self.outs.values():
+            o.fill_(float("nan"))
+        self.graph.replay()
+        torch.cuda.synchronize()
+        return self.outs
+
+
 @pytest.mark.parametrize("batch,group,page,dtype", [
     (1, 4, 64, torch.bfloat16), (3, 8, 16, torch.bfloat16), (5, 1, 32, torch.float32)])
 def test_decode_step_graph_replay_equals_serial_dsa(batch, group, page, dtype):
@@ -161,46 +212,15 @@ def test_decode_step_graph_replay_equals_serial_dsa(batch, group, page, dtype):
     min_context) equals dense attention; a padding row (slot 0, length 1) is harmless; the
     statistics count the long rows only."""
     g = torch.Generator().manual_seed(seeded(f"step batch={batch} group={group} page={page} {dtype}"))
-    dev = torch.device("cuda")
-    hk, d, ctx = 2, 128, 40 * page + 7
-    kv = paged_kv(batch, ctx + 16, page, hk, d, dtype=dtype, device=dev, generator=g)
-    R, nb = batch + 1, kv.table.shape[1]
-    mk = lambda serial: DecodeStep("quest", 4, 6, 1, 1, page, min_context=8 * page + 1,  # noqa
-                                   exact=True, serial=serial, device=dev)
-    prr, serial = mk(False), mk(True)
-    state = new_layer_state(R, hk, nb, 8, (0.6, 0.3, 0.5), dev)
-    # Batch: the requests in reverse slot order, then one padding row (slot 0, length 1).
-    rows = torch.cat([kv.rows.flip(0), torch.zeros(1, dtype=torch.long, device=dev)])
-    B = batch + 1
-    qkv = torch.empty(B, (hk * group + 2 * hk) * d, device=dev, dtype=dtype)
-    q = qkv[:, :hk * group * d].view(B, hk * group, d)
-    seq = torch.full((B,), ctx, device=dev, dtype=torch.long)
-    scale = 1.0 / math.sqrt(d)
-    outs = {n: torch.empty(B, hk * group, d, device=dev, dtype=dtype) for n in ("prr", "ser")}
-    stats = torch.zeros(4, dtype=torch.int64, device=dev)
-
-    def body():
-        for name, step in (("prr", prr), ("ser", serial)):
-            b = step.plan(kv.req_to_token, rows, seq)
-            outs[name].copy_(step.run(q, kv.k_buf, kv.v_buf, [kv.kmin, kv.kmax], b,
-                                      state if name == "prr" else None,
-                                      stats if name == "prr" else None, scale, dtype))
-
-    qkv.copy_(torch.randn(qkv.shape, generator=g).to(dev) * 3)
-    graph = capture(body)
-    stats.zero_()
+    dg = DecodeGraph(g, batch, group, page, dtype)
+    kv, rows, q, seq, scale, stats, hk = dg.kv, dg.rows, dg.q, dg.seq, dg.scale, dg.stats, dg.hk
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     steps = 6
     for t in range(steps):
-        qkv.copy_(torch.randn(qkv.shape, generator=g).to(dev) * 3)
-        lens = [ctx + t] * batch + [1]
+        lens = [dg.ctx + t] * batch + [1]
         if batch > 1:
             lens[-2] = 5 * page + t  # a short row: dense through the sparse kernels
-        seq.copy_(torch.tensor(lens))
-        for o in outs.values():
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        outs = dg.replay(lens)
         for o in outs.values():
             assert torch.isfinite(o[:batch]).all()
         if dtype == torch.float32:  # float32 KV runs the reference: equal up to fp32 rounding

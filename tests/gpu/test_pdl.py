@@ -29,66 +29,30 @@ NEEDS_KERNEL_LIBRARY = False  # each subprocess loads it
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# One process: PRR (exact, two streams) and serial DSA captured in one graph, replayed STEPS
-# times with queries and lengths from the seed; the outputs of every replay saved.
+# One process: PRR (exact, two streams) and serial DSA captured in one graph
+# (test_decode_step.DecodeGraph, Llama-3-8B's 8 KV heads and GQA 4, K = 32 blocks of 64 tokens,
+# |P| = 48), replayed STEPS times with queries and lengths from the seed; every output saved.
 SCRIPT = r"""
-import math, sys, torch
+import sys, torch
 from sglang_prr import kernels
-from sglang_prr.step import DecodeStep, new_layer_state
-from sglang_prr.tools.synthetic import paged_kv
+from test_decode_step import DecodeGraph
 assert kernels.load(), kernels.load_error()
 seed, out_path, steps = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
-g = torch.Generator().manual_seed(seed)
-dev = torch.device("cuda")
-batch, group, page, dtype = 3, 4, 64, torch.bfloat16
-hk, d, ctx = 8, 128, 300 * page + 7
-kv = paged_kv(batch, ctx + 16, page, hk, d, dtype=dtype, device=dev, generator=g)
-R, nb = batch + 1, kv.table.shape[1]
-mk = lambda serial: DecodeStep("quest", 32, 48, 1, 1, page, min_context=8 * page + 1,
-                               exact=True, serial=serial, device=dev)
-prr, ser = mk(False), mk(True)
-state = new_layer_state(R, hk, nb, 48 + 2, (0.6, 0.3, 0.5), dev)  # |P| + sink + local
-rows = kv.rows.flip(0)
-qkv = torch.empty(batch, (hk * group + 2 * hk) * d, device=dev, dtype=dtype)
-q = qkv[:, :hk * group * d].view(batch, hk * group, d)
-seq = torch.full((batch,), ctx, device=dev, dtype=torch.long)
-outs = {n: torch.empty(batch, hk * group, d, device=dev, dtype=dtype) for n in ("prr", "ser")}
-stats = torch.zeros(4, dtype=torch.int64, device=dev)
-scale = 1.0 / math.sqrt(d)
-
-def body():
-    for name, step in (("prr", prr), ("ser", ser)):
-        b = step.plan(kv.req_to_token, rows, seq)
-        outs[name].copy_(step.run(q, kv.k_buf, kv.v_buf, [kv.kmin, kv.kmax], b,
-                                  state if name == "prr" else None,
-                                  stats if name == "prr" else None, scale, dtype))
-
-qkv.copy_(torch.randn(qkv.shape, generator=g).to(dev) * 3)
-s = torch.cuda.Stream()
-s.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(s):
-    body()
-torch.cuda.current_stream().wait_stream(s)
-graph = torch.cuda.CUDAGraph()
-with torch.cuda.graph(graph):
-    body()
+dg = DecodeGraph(torch.Generator().manual_seed(seed), 3, 4, 64, torch.bfloat16, hk=8,
+                 ctx=300 * 64 + 7, k=32, n_pred=48)
 saved = []
 for t in range(steps):
-    qkv.copy_(torch.randn(qkv.shape, generator=g).to(dev) * 3)
-    seq.copy_(torch.tensor([ctx + t, ctx - 977 * t, 9 * page + 3 * t]))
-    for o in outs.values():
-        o.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    saved.append({n: o.cpu() for n, o in outs.items()})
-torch.save({"pdl": kernels.launches_with_pdl(), "outs": saved, "stats": stats.cpu()}, out_path)
+    outs = dg.replay([dg.ctx + t, dg.ctx - 977 * t, 9 * 64 + 3 * t, 1])
+    saved.append({n: o[:3].cpu() for n, o in outs.items()})
+torch.save({"pdl": kernels.launches_with_pdl(), "outs": saved, "stats": dg.stats.cpu()}, out_path)
 """
 
 
 def _run(tmp_path: Path, seed: int, pdl: str, steps: int = 8) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "SGLANG_PRR_PDL"}
     env["SGLANG_PRR_PDL"] = pdl
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "gpu")]
+                                        + [p for p in [env.get("PYTHONPATH")] if p])
     out = tmp_path / f"pdl{pdl}_seed{seed}.pt"
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(seed), str(out), str(steps)],
                        env=env, capture_output=True, text=True, timeout=600)
