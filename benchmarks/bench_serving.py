@@ -858,7 +858,7 @@ def plot(csv_path: str, png: str) -> None:
     refs = [r for r in rows if r["kind"] == "reference"]
     fig, axes = plt.subplots(1, len(panels), squeeze=False,
                              figsize=(sum(2.0 + 1.4 * len({(r["ctx"], r["batch"])
-                                                           for r in p[1]}) for p in panels), 3.8))
+                                                           for r in p[1]}) for p in panels), 5.0))
     for ax, (what, prs, col, ylabel, title) in zip(axes[0], panels):
         keys = sorted({(int(r["ctx"]), int(r["batch"])) for r in prs})
         names = list(dict.fromkeys(name(r) for r in prs))
@@ -877,7 +877,8 @@ def plot(csv_path: str, png: str) -> None:
         ax.set_xticklabels([f"{_ctx(c)} / b{b}" for c, b in keys])
         ax.set_ylabel(ylabel)
         ax.set_title(title)
-        ax.legend(fontsize=7)
+        # Below the axes: above them it hides the tallest bars.
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=2)
     fig.suptitle("End to end in SGLang, steady batch decode")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
