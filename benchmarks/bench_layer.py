@@ -34,7 +34,9 @@ Variants: dense = FlashInfer paged decode over every page (skipped when FlashInf
 serial = ``step.DecodeStep(serial=True)``: selection then attention over A on one stream; prr =
 ``step.DecodeStep(serial=False)``, what the server runs: speculative attention over P beside the
 selection, then repair over M with the exact merge, and the predictor step writing P(t+1) in place
-(one layer per forward, so the side stream joins after it). As in the server, the predictor state
+(one layer per forward, so the side stream joins after it), in the selection's epilogue; "side
+predictor" = the same with ``--prr-predictor side`` (the selection, then the predictor's own
+launch on the side stream), over the same planted P. As in the server, the predictor state
 lives in pool-shaped tensors ``[R, Hk, ...]`` (row 0: SGLang's padding row) read and written at
 the batch's request slots, and the per-forward values come from ``DecodeStep.plan``, made once
 outside the timed graph (every layer of a forward shares them). Stage rows time the selection
@@ -65,6 +67,8 @@ from sglang_prr.tools.synthetic import paged_kv  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402  (the benchmarks' one graph timer)
+
+SIDE = "PRR (exact), side predictor"  # --prr-predictor side, on the main plant
 
 
 def build(batch, ctx, page, hq, hk, d, dtype, dev, n_queries, seed=0):
@@ -305,6 +309,10 @@ def main(argv=None):
             # Quest, one sink and one local block, no dense rows (min_context 0), as before.
             serial, step = (DecodeStep("quest", k, n_pred, 1, 1, a.page, 0, exact=True,
                                        serial=s, device=dev) for s in (True, False))
+            # --prr-predictor side: the selection, then the predictor's own launch on the side
+            # stream (the same plan: the steps differ in the predictor's placement only).
+            step_side = DecodeStep("quest", k, n_pred, 1, 1, a.page, 0, exact=True, serial=False,
+                                   device=dev, fuse_predictor=False)
             # The per-forward values (block table, block counts), shared by every layer.
             b_ser = serial.plan(env["req_to_token"], env["rows"], env["seq"])
             b = step.plan(env["req_to_token"], env["rows"], env["seq"])
@@ -353,7 +361,10 @@ def main(argv=None):
                 lambda q: serial.run(q, *kv, b_ser, None, None, scale, dtype),
                 q_buf, qs, dev, a.iters, p_copy=spare)
             stats = torch.zeros(4, dtype=torch.int64, device=dev)  # sum |A|, |M|, |P|, rows
-            for name, plant in (plants.items() if plants else [("PRR (exact)", None)]):
+            variants = [(name, plant, step) for name, plant in
+                        (plants.items() if plants else [("PRR (exact)", None)])]
+            variants.append((SIDE, plants.get("PRR (exact)"), step_side))
+            for name, plant, stp in variants:
                 st = pool_state(batch + 1, hk, nb, width, dev)
                 # P(t) is read at rows b.p_cur of P's double buffer (the predictor writes P(t+1)
                 # at b.p_nxt): a planted P stays put; without one (drift), every call plans
@@ -361,9 +372,9 @@ def main(argv=None):
                 copy = (copier(st.p_idx, st.p_cnt, plant[0], plant[1], rows=b.p_cur)
                         if plant else None)
 
-                def prr(q, count_hits=False, st=st, planted=plant is not None):
-                    bb = b if planted else step.plan(env["req_to_token"], env["rows"], env["seq"])
-                    return step.run(q, *kv, bb, st, stats if count_hits else None, scale, dtype)
+                def prr(q, count_hits=False, st=st, planted=plant is not None, stp=stp):
+                    bb = b if planted else stp.plan(env["req_to_token"], env["rows"], env["seq"])
+                    return stp.run(q, *kv, bb, st, stats if count_hits else None, scale, dtype)
 
                 res[name] = time_graph(prr, q_buf, qs, dev, a.iters, p_copy=copy)
                 # The hit rate, from untimed steps over the pool (its bookkeeping is not part

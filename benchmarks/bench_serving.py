@@ -62,10 +62,11 @@ does not).
 
 The CSV is rewritten after every point (a stopped run keeps its rows) and progress lines are
 printed per phase; ``--only`` and ``--variants`` select a subset, ``--append`` merges into an
-existing CSV (a new row replaces the row of the same variant, method, model, kind, ctx, batch
-and launch). ``SGLANG_PRR_PDL=1`` in the environment (the servers inherit it) launches PRR's
-kernels with programmatic dependent launch; those rows have ``launch`` = ``pdl`` and sit beside
-the others.
+existing CSV (a new row replaces the row of the same variant, method, model, kind, ctx, batch,
+launch and predictor). ``SGLANG_PRR_PDL=1`` in the environment (the servers inherit it) launches
+PRR's kernels with programmatic dependent launch; those rows have ``launch`` = ``pdl`` and sit
+beside the others. ``--predictor side`` starts the PRR and auto servers with ``--prr-predictor
+side``; their rows have ``predictor`` = ``side``.
 
     python benchmarks/bench_serving.py --profile --csv benchmarks/results/serving_h200.csv
     python benchmarks/bench_serving.py --only throughput --append --csv ...   # one kind
@@ -82,7 +83,7 @@ wall_s, then method (quest / infllm_v2 / dense), model, kind, decode_batch, deco
 decode_steps, steady, arrival, profile_bs (``bs:steps;...``), prefill_cached_frac (cached
 share of the measured prefill's tokens), median_warm_ttft_ms, delta, mean_repair_blocks,
 mean_selected_blocks, logprob_max_abs_diff, first_diff_token, prompt, launch (``pdl`` or
-empty).
+empty), predictor (``side`` or empty).
 
 Random weights give random attention, so the hit rate of the Llama-shape rows is not a real
 model's; what they measure is the cost of each decode path at a real shape.
@@ -149,7 +150,7 @@ COLUMNS = ["variant", "label", "ctx", "batch", "out", "median_itl_ms", "p90_itl_
            "wall_s", "method", "model", "kind", "decode_batch", "decode_batch_min",
            "decode_steps", "steady", "arrival", "profile_bs", "prefill_cached_frac",
            "median_warm_ttft_ms", "delta", "mean_repair_blocks", "mean_selected_blocks",
-           "logprob_max_abs_diff", "first_diff_token", "prompt", "launch"]
+           "logprob_max_abs_diff", "first_diff_token", "prompt", "launch", "predictor"]
 
 
 @dataclass(frozen=True, order=True)
@@ -273,7 +274,8 @@ def server_args(model: str, srv: Server, points: Sequence[Point], a) -> list:
             "--decode-log-interval", str(a.decode_log_interval), "--page-size", str(a.page),
             "--prr-block-size", str(a.page), "--prr-top-k", str(a.top_k),
             "--prr-top-k-unit", "tokens", "--prr-min-context", str(a.min_context)] + dev + \
-        budget + VARIANTS[srv.variant] + method
+        budget + VARIANTS[srv.variant] + method + \
+        (["--prr-predictor", "side"] if _predictor(srv, a) else [])
 
 
 def prr_stats(url: str) -> dict:
@@ -622,12 +624,21 @@ def _launch() -> str:
     return "pdl" if os.environ.get("SGLANG_PRR_PDL") == "1" else ""
 
 
+def _predictor(srv: Server, a) -> str:
+    """``side`` when this server runs PRR's predictor as its own launch on the side stream
+    (``--predictor side``: ``--prr-predictor side`` for the variants that speculate), else
+    ``""`` (the selection's epilogue, the default)."""
+    return "side" if getattr(a, "predictor", "fused") == "side" and \
+        srv.variant in ("prr", "auto") else ""
+
+
 def _label(srv: Server, a) -> str:
     base = LABELS[srv.variant] if a.device == "cuda" or srv.variant != "dense" else \
         "dense (torch_native)"
     extra = [x for x in ("InfLLM-v2" if srv.method == "infllm_v2" else "",
                          "SmolLM2" if srv.model == SMOLLM2 else "",
-                         "PDL" if _launch() and srv.variant != "dense" else "") if x]
+                         "PDL" if _launch() and srv.variant != "dense" else "",
+                         "side predictor" if _predictor(srv, a) else "") if x]
     return base + (f", {', '.join(extra)}" if extra else "")
 
 
@@ -749,6 +760,7 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
                              if new_tok + cached_tok else None),
         median_warm_ttft_ms=round(r["median_ttft_ms"], 1) if cold_ttft is not None else None,
         delta=_delta(srv, after, pt.batch, a), prompt=prompt_desc, launch=_launch(),
+        predictor=_predictor(srv, a),
         **(_prr_numbers(before, after) if srv.variant != "dense" else {}))
     if srv.variant == "serial":
         row["hit_rate"] = None  # serial DSA predicts nothing
@@ -764,8 +776,8 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
             row["logprob_max_abs_diff"] = float(f"{diff:.4g}")
             row["first_diff_token"] = -1 if first is None else first
     if s:
-        md = _profile_path(a.csv, f"_{srv.name}{'-' + _launch() if _launch() else ''}_"
-                                  f"{pt.kind}_{pt.ctx}_{pt.batch}")
+        setup = "".join(f"-{x}" for x in (_launch(), _predictor(srv, a)) if x)
+        md = _profile_path(a.csv, f"_{srv.name}{setup}_{pt.kind}_{pt.ctx}_{pt.batch}")
         md.write_text(profile_trace.markdown(
             s, f"{label}, {pt.kind}, ctx {pt.ctx}, batch {pt.batch} ({Path(s['trace']).name})"))
     row["wall_s"] = round(time.time() - t_point, 1)
@@ -895,12 +907,12 @@ def _read(path) -> list:
 def _key(r: dict) -> tuple:
     r = _fill(r)
     return (str(r["variant"]), r["method"], r["model"], r["kind"], int(r["ctx"]),
-            int(r["batch"]), r.get("launch") or "")
+            int(r["batch"]), r.get("launch") or "", r.get("predictor") or "")
 
 
 def _merge(old: list, new: list) -> list:
     """``old`` rows without those that ``new`` measures again (same variant, method, model,
-    kind, ctx, batch, launch), then ``new``."""
+    kind, ctx, batch, launch, predictor), then ``new``."""
     again = {_key(r) for r in new}
     return [r for r in old if _key(r) not in again] + new
 
@@ -924,7 +936,8 @@ def _write_profile_table(csv_path: str) -> None:
     lines = ["| variant | method | model | kind | ctx | batch | profiled bs | kernels/step | "
              "kernels/layer | GPU-busy ms/step | median ITL ms |",
              "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|"]
-    tag = lambda r: r["variant"] + (f" ({r['launch']})" if r.get("launch") else "")  # noqa: E731
+    tag = lambda r: r["variant"] + "".join(  # noqa: E731
+        f" ({r[c]})" for c in ("launch", "predictor") if r.get(c))
     lines += [f"| {tag(r)} | {r['method']} | {r['model']} | {r['kind']} | {r['ctx']} | "
               f"{r['batch']} | {r.get('profile_bs') or '-'} | {r['kernels_per_step']} | "
               f"{r['kernels_per_layer']} | {r['gpu_busy_ms_per_step']} | "
@@ -938,6 +951,8 @@ def parse_args(argv=None):
     ap.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS), metavar="KIND",
                     help=f"kinds of points to run, of {', '.join(KINDS)} (default: all)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    ap.add_argument("--predictor", choices=["fused", "side"], default="fused",
+                    help="--prr-predictor of the prr and auto servers (rows: predictor column)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--skip", type=_point, nargs="*", default=[(131072, 8)], metavar="CTXxBATCH",

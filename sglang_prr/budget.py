@@ -34,7 +34,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Dict, List, Mapping, Optional, Tuple
 
-from .config import PRRConfig, PRRConfigError
+from .config import PRRConfig, PRRConfigError, logger
 
 PROFILE_VERSION = 2
 # The deltas the profiler measures by default (0 = serial DSA).
@@ -265,6 +265,11 @@ class BudgetPolicy:
             self.profile = BudgetProfile.load(cfg.profile)
             if shape is not None:
                 self.profile.check_shape(shape)
+            measured_with = self.profile.meta.get("predictor", "fused")
+            if measured_with != cfg.predictor:
+                logger.warning("sglang_prr: the profile %s was measured with --prr-predictor %s, "
+                               "this server runs %s: its choices may not be this server's best",
+                               cfg.profile, measured_with, cfg.predictor)
             bound = cfg.max_context_blocks
             self.contexts = self.profile.contexts_upto(
                 None if bound is None else int(bound) * cfg.block_size)

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 METHODS = ("quest", "infllm_v2", "dense")
 MODES = ("exact", "union")
+PREDICTORS = ("fused", "side")
 BLOCK_SIZES = (16, 32, 64, 128)
 TOPK_UNITS = ("tokens", "blocks")
 
@@ -64,6 +65,11 @@ class PRRConfig:
     mode: str = field(default="exact", metadata=_meta(
         "exact: attend exactly the selected set A (serial DSA semantics); union: attend P u A "
         "(the paper's kernel behaviour).", choices=MODES))
+    predictor: str = field(default="fused", metadata=_meta(
+        "Where PRR's predictor step (Holt update, P(t+1)) runs: fused, in the selection's "
+        "epilogue (one launch, on the layer's critical path); side, as its own launch after the "
+        "selection on the side stream (off the critical path). Methods without a fused "
+        "selection (infllm_v2) always run it on the side.", choices=PREDICTORS))
     serial: bool = field(default=False, metadata=_meta(
         "Decode with serial DSA (score -> select -> attend) instead of PRR: the baseline that "
         "--prr-mode exact reproduces."))
@@ -182,6 +188,7 @@ class PRRConfig:
 
         _choice("method", self.method, METHODS)
         _choice("mode", self.mode, MODES)
+        _choice("predictor", self.predictor, PREDICTORS)
         _choice("top_k_unit", self.top_k_unit, TOPK_UNITS)
         self.block_size = _int("block_size", self.block_size)
         _choice("block_size", self.block_size, BLOCK_SIZES)

@@ -13,7 +13,8 @@ main : -fork-> [speculative attention over P(t)] --wait(A, M)-> [repair over M +
 side :    \\-> [select: scores, A, M = A \\ P(t); Holt update, P(t+1)] -/   ascending block id]
 ```
 
-The predictor's step is the selection's epilogue (the scores are on chip there): it writes P(t+1)
+The predictor's step is the selection's epilogue (the scores are on chip there; with
+``--prr-predictor side`` it is its own launch after the selection, as below): it writes P(t+1)
 into the other half of a double buffer of P (``DecodeBatch.p_cur`` / ``p_nxt``: rows ``2 r + par``
 and ``2 r + 1 - par`` of the pool's P, the parity flipped once per speculating forward), so it
 never races the speculative pass or the merge, which read P(t). The main stream's wait for the
@@ -96,14 +97,18 @@ class DecodeStep:
     serial: serial DSA instead of PRR, always;
     budget: batch size -> |P| in blocks (at most ``n_pred``; 0: serial DSA for that batch size),
     ``n_pred`` for every batch size when None; skip_repair: debug negative control (M forced
-    empty, so PRR(exact) != serial DSA).
+    empty, so PRR(exact) != serial DSA); fuse_predictor: the predictor's step in the selection's
+    epilogue where the method has that op (``fuses_predictor``), else its own launch after the
+    selection on the side stream (``--prr-predictor``; the same state and P(t+1) either way).
     """
 
     def __init__(self, method: str, k: int, n_pred: int, sink: int, local: int, page_size: int,
                  min_context: int, exact: bool, serial: bool, device: torch.device,
-                 skip_repair: bool = False, budget: Optional[Callable[[int], int]] = None):
+                 skip_repair: bool = False, budget: Optional[Callable[[int], int]] = None,
+                 fuse_predictor: bool = True):
         self.method, self.k, self.n_pred = method, int(k), int(n_pred)
         self.dsa = methods.get(method)
+        self.fused = bool(fuse_predictor) and self.dsa.fuses_predictor
         self.budget = budget
         self.sink, self.local, self.page = int(sink), int(local), int(page_size)
         self.min_context = int(min_context)
@@ -187,7 +192,7 @@ class DecodeStep:
         if st.p_idx.shape[0] != 2 * st.level.shape[0]:
             raise ValueError(f"state.p_idx has {st.p_idx.shape[0]} rows, expected 2 x "
                              f"{st.level.shape[0]} (P is double-buffered: rows 2r and 2r + 1)")
-        fused = dsa.fuses_predictor
+        fused = self.fused
 
         def select():
             if fused:  # the predictor's step in the selection's epilogue

@@ -399,7 +399,8 @@ def _decode_step(runner, cfg: PRRConfig, device: torch.device, budget: BudgetPol
                           cfg.local_blocks, cfg.block_size, cfg.min_context,
                           exact=cfg.mode == "exact", serial=not speculates,
                           device=device, skip_repair=os.environ.get(ENV_SKIP_REPAIR) == "1",
-                          budget=budget.predicted_blocks if budget.profile else None)
+                          budget=budget.predicted_blocks if budget.profile else None,
+                          fuse_predictor=cfg.predictor == "fused")
         try:
             runner._prr_step = step
         except AttributeError:

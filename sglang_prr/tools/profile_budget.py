@@ -308,7 +308,8 @@ def time_point(a, pt: _Point, delta: float, hit_rate: Optional[float] = None,
     n_pred = 0 if serial else cfg.predicted_blocks_for(delta)
     step = DecodeStep(cfg.method, cfg.top_k_blocks, max(n_pred, cfg.top_k_blocks),
                       cfg.sink_blocks, cfg.local_blocks, pt.page, cfg.min_context,
-                      exact=cfg.mode == "exact", serial=serial, device=dev)
+                      exact=cfg.mode == "exact", serial=serial, device=dev,
+                      fuse_predictor=cfg.predictor == "fused")
     hit = a.hit_rate if hit_rate is None else hit_rate
     states = pt.state(a, a.layers, step.n_pred, step, hit) if not serial else [None] * a.layers
     stats = contracts.new_stats(dev)
@@ -402,7 +403,7 @@ def measure(a) -> BudgetProfile:
                 hit_rate_source=getattr(a, "hit_rate_source", "given"), layers=a.layers,
                 hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, tp=a.tp,
                 dtype=a.dtype, sink_blocks=cfg.sink_blocks, local_blocks=cfg.local_blocks,
-                max_budget=cfg.max_budget, mode=cfg.mode,
+                max_budget=cfg.max_budget, mode=cfg.mode, predictor=cfg.predictor,
                 command="python -m sglang_prr.profile_budget " + " ".join(sys.argv[1:]),
                 measured=time.strftime("%Y-%m-%d %H:%M:%S"), version=PROFILE_VERSION)
     if us_cmp:

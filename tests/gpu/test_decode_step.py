@@ -156,11 +156,13 @@ def test_predict_update_rows_and_quest_decode_update_match_reference(extra_width
 class DecodeGraph:
     """PRR (two streams, state in place) and serial DSA over one paged KV cache, captured in one
     CUDA graph (``DecodeStep``: Quest, K = ``k`` blocks, |P| = ``n_pred``, one sink and one local
-    block, min_context 8 pages + 1). The batch: the ``batch`` requests in reverse slot order, then
+    block, min_context 8 pages + 1; ``fuse_predictor``: ``--prr-predictor fused`` or ``side``; the
+    predictor state is ``state``). The batch: the ``batch`` requests in reverse slot order, then
     one padding row (slot 0). ``replay(lens)`` draws new queries from ``g`` and returns
     ``{"prr", "ser"}`` outputs ``[batch + 1, Hq, D]`` (NaN-filled before each replay)."""
 
-    def __init__(self, g, batch, group, page, dtype, hk=2, ctx=None, k=4, n_pred=6):
+    def __init__(self, g, batch, group, page, dtype, hk=2, ctx=None, k=4, n_pred=6,
+                 fuse_predictor=True):
         dev, d = torch.device("cuda"), 128
         self.g, self.page, self.hk, self.d, self.dtype, self.k = g, page, hk, d, dtype, k
         self.ctx = ctx or 40 * page + 7
@@ -169,9 +171,9 @@ class DecodeGraph:
         R, nb = batch + 1, kv.table.shape[1]
         mk = lambda serial: DecodeStep("quest", k, n_pred, 1, 1, page,  # noqa: E731
                                        min_context=8 * page + 1, exact=True, serial=serial,
-                                       device=dev)
+                                       device=dev, fuse_predictor=fuse_predictor)
         prr, serial = mk(False), mk(True)
-        state = new_layer_state(R, hk, nb, n_pred + 2, (0.6, 0.3, 0.5), dev)
+        self.state = state = new_layer_state(R, hk, nb, n_pred + 2, (0.6, 0.3, 0.5), dev)
         self.rows = torch.cat([kv.rows.flip(0), torch.zeros(1, dtype=torch.long, device=dev)])
         B = batch + 1
         self.qkv = torch.empty(B, (hk * group + 2 * hk) * d, device=dev, dtype=dtype)
@@ -242,3 +244,26 @@ def test_decode_step_graph_replay_equals_serial_dsa(batch, group, page, dtype):
     assert int(stats[3]) == steps * n_long * hk  # host-ok: test readout
     assert int(stats[0]) == steps * n_long * hk * 6  # |A| = K + sink + local
     assert 0 < int(stats[2]) and int(stats[1]) < int(stats[0])  # P and hits were counted
+
+
+@pytest.mark.parametrize("batch,group,page", [(1, 4, 64), (4, 8, 16)])
+def test_side_predictor_equals_fused_in_graphs(batch, group, page):
+    """``--prr-predictor side`` (the selection, then the predictor's own launch on the side
+    stream) against ``fused`` (the selection's epilogue), both in CUDA graphs on the same KV
+    cache and queries: the same output bits (each also serial DSA's) and the same predictor
+    state, P(t+1) included, after every step; the state moved (control)."""
+    seed = seeded(f"side predictor batch={batch} group={group} page={page}")
+    graphs = {f: DecodeGraph(torch.Generator().manual_seed(seed), batch, group, page,
+                             torch.bfloat16, fuse_predictor=f) for f in (True, False)}
+    start = [t.clone() for t in graphs[True].state]
+    for t in range(5):
+        lens = [graphs[True].ctx + t] * batch + [1]
+        outs = {f: {n: o.clone() for n, o in dg.replay(lens).items()} for f, dg in graphs.items()}
+        for f in graphs:
+            assert torch.equal(outs[f]["prr"][:batch], outs[f]["ser"][:batch]), (f, t)
+        assert torch.equal(outs[True]["prr"][:batch], outs[False]["prr"][:batch]), t
+        for name, a, b in zip(type(graphs[True].state)._fields, graphs[True].state,
+                              graphs[False].state):
+            assert torch.equal(a, b), f"step {t}: {name}"
+    assert not torch.equal(graphs[True].state.level, start[2])  # control: the state moved
+    assert not torch.equal(graphs[True].state.p_idx, start[0])

@@ -146,7 +146,8 @@ def test_prr_exact_equals_serial_in_backend(method, hq, hk, batch):
                 calib_queries=6)
     cfgs = {"prr": PRRConfig(**base), "serial": PRRConfig(serial=True, **base),
             "norep": PRRConfig(**base),
-            "full": PRRConfig(**{**base, "top_k": MAX_CTX // PAGE})}
+            "full": PRRConfig(**{**base, "top_k": MAX_CTX // PAGE}),
+            "side": PRRConfig(predictor="side", **base)}  # --prr-predictor side
     rows = list(range(1, batch + 1))
     prompt = [rng.randrange(90, 250) for _ in rows]
     diffs = {name: 0.0 for name in cfgs}
@@ -171,6 +172,10 @@ def test_prr_exact_equals_serial_in_backend(method, hq, hk, batch):
             dense_vs_serial = (outs["dense"] - ref).abs().max().item()
     st = backs["prr"].stats.snapshot()
     assert st["mean_repair_blocks"] > 0, st  # predictions missed: the repair had work to do
+    # The flag reaches the step: Quest fuses its predictor unless told otherwise.
+    assert backs["prr"].step.fused == (method == "quest") and not backs["side"].step.fused
+    assert diffs["side"] < 1e-5, f"PRR(exact), side predictor vs serial DSA: {diffs['side']}"
+    assert backs["side"].stats.snapshot()["hit_rate"] == st["hit_rate"]  # the same predictions
     assert backs["prr"].stats.calibrations >= 2 * batch  # both chunks calibrated (layer 0, 1)
     assert diffs["prr"] < 1e-5, f"PRR(exact) vs serial DSA: {diffs['prr']} (seed {seed})"
     assert dense_gap < 1e-5, f"PRR(K=all) vs dense: {dense_gap} (seed {seed})"

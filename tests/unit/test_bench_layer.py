@@ -57,6 +57,10 @@ def test_bench_layer_quick_cpu_real_hit_rate(mod, tmp_path, one_trace):
         assert r["hit_rate"] == pytest.approx(1 - r["mean_repair_blocks"] / (k + 2), abs=1e-3)
     assert low["mean_repair_blocks"] > prr["mean_repair_blocks"]
     assert by["serial DSA"]["hit_rate"] == prr["hit_rate"]  # the case's PRR numbers
+    # --prr-predictor side: the same planted P, so the same hits and repairs as PRR's row
+    side = by[mod.SIDE]
+    assert side["hit_source"] == prr["hit_source"] and side["median_us"] > 0
+    assert side["hit_rate"] == prr["hit_rate"] and side["mean_repair_blocks"] == prr["mean_repair_blocks"]
     assert (tmp_path / "layer.csv").read_text().count("\n") == len(rows) + 1
 
 

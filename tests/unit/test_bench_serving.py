@@ -87,6 +87,21 @@ def test_server_commands(bench, tmp_path, capsys):
         assert "--load-format" not in c and opt(c, "--dtype") == "bfloat16"
         assert int(opt(c, "--context-length")) <= 8192
     assert opt(sm_d, "--prr-method") == "dense" and "--prr-serial" in sm_s
+    assert not any("--prr-predictor" in c for c in cmds)  # the default: fused
+
+
+def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, capsys):
+    bench.main(["--dry-run", "--workdir", str(tmp_path), "--predictor", "side", "--only",
+                "grid", "infllm"])
+    cmds = [ln.split() for ln in capsys.readouterr().out.splitlines() if "launch_server" in ln]
+    side = lambda c: c[c.index("--prr-predictor") + 1] if "--prr-predictor" in c else None
+    got = [("--prr-serial" in c, c[c.index("--prr-budget") + 1] if "--prr-budget" in c else None,
+            side(c)) for c in cmds]
+    # dense, serial, prr, auto; InfLLM-v2 serial, prr
+    assert [g[2] for g in got] == [None, None, "side", "side", None, "side"], got
+    _, a = bench.parse_args(["--predictor", "side"])
+    assert bench._label(bench.Server("prr", "quest", "m"), a) == "PRR (exact), side predictor"
+    assert bench._label(bench.Server("serial", "quest", "m"), a) == "serial DSA"
 
 
 LOG = """\
@@ -249,7 +264,14 @@ def test_csv_merge_old_rows_and_plot(bench, tmp_path):
     same = [(r["median_itl_ms"], r["launch"]) for r in back
             if (r["variant"], r["kind"], r["ctx"], r["batch"]) == ("prr", "grid", "32768", "8")]
     assert same == [("8.0", ""), ("7.5", "pdl")]
-    back = [r for r in back if r["launch"] != "pdl"]
+    # so does a side-predictor row (its own key), and the profile table tags both
+    side = dict(row("prr", "grid", 32768, 8, 7.0, 950.0), predictor="side")
+    bench._write(bench._merge(bench._read(path), [side]), path)
+    back = bench._read(path)
+    same = [(r["median_itl_ms"], r["launch"], r["predictor"]) for r in back
+            if (r["variant"], r["kind"], r["ctx"], r["batch"]) == ("prr", "grid", "32768", "8")]
+    assert same == [("8.0", "", ""), ("7.5", "pdl", ""), ("7.0", "", "side")]
+    back = [r for r in back if r["launch"] != "pdl" and r["predictor"] != "side"]
     bench._write(back, path)
     # the throughput panel's rate: batch / median ITL, not output_tok_s
     assert bench._decode_rate(dict(batch="16", median_itl_ms="8.0")) == pytest.approx(2000.0)

@@ -4,6 +4,7 @@ step that follows it (serial DSA where speculation does not pay, the best delta 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 
@@ -238,6 +239,7 @@ def test_profiler_plumbing_on_cpu(tmp_path, capsys):
     assert pol.delta(1) in (0.0, 1.0, 2.0)
     # the compare hit rate: its own speculative times, serial DSA's shared
     assert prof.meta["hit_rate"] == 0.9 and prof.meta["compare"]["hit_rate"] == 0.5
+    assert prof.meta["predictor"] == "fused"  # --prr-predictor, which the server compares
     cmp = prof.compared()
     assert cmp.meta["hit_rate"] == 0.5 and set(cmp.layer_us) == set(prof.layer_us)
     assert all(cmp.layer_us[k] == prof.layer_us[k] for k in prof.layer_us if k[2] == 0.0)
@@ -409,3 +411,20 @@ def test_dense_timings_survive_save_and_load(tmp_path):
     assert again.dense_us == {k: round(t, 3) for k, t in prof.dense_us.items()}
     assert len(again.dense_us) == 2
     assert "dense_us" not in again.meta
+
+
+def test_profile_of_the_other_predictor_placement_is_named(tmp_path, caplog):
+    """A server whose --prr-predictor differs from the profile's says so (and still decides);
+    a profile without the field was measured fused (the placement before the flag)."""
+    prof = _profile({1: {1.0: 1.05}})
+    legacy = _write(tmp_path, prof, "legacy.json")
+    side = _write(tmp_path, {**prof, "predictor": "side"}, "side.json")
+    with caplog.at_level(logging.WARNING, logger="sglang_prr"):
+        BudgetPolicy(_cfg(legacy), SHAPE)  # control: the same placement, no warning
+        BudgetPolicy(_cfg(side, predictor="side"), SHAPE)
+        assert not [r for r in caplog.records if "--prr-predictor" in r.getMessage()]
+        pol = BudgetPolicy(_cfg(legacy, predictor="side"), SHAPE)
+    msgs = [r.getMessage() for r in caplog.records if "--prr-predictor" in r.getMessage()]
+    assert len(msgs) == 1 and "measured with --prr-predictor fused" in msgs[0] and \
+        "runs side" in msgs[0], msgs
+    assert pol.delta(1) == 0.0

@@ -48,8 +48,19 @@ def _clone(st):
     return LayerState(*(t.clone() for t in st))
 
 
-@pytest.mark.parametrize("method", ["quest", "infllm_v2"])
-def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method):
+@pytest.mark.parametrize("method,fuse", [("quest", True), ("quest", False), ("infllm_v2", True)])
+def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method, fuse, monkeypatch):
+    """``fuse``: ``--prr-predictor fused`` (Quest: the selection's epilogue) or ``side`` (its own
+    op after the selection); the path not taken raises, so each case runs the one it names."""
+    if method == "quest":
+        from sglang_prr.methods.quest import Quest
+
+        def taken_instead(*a, **k):
+            raise AssertionError(f"--prr-predictor {'fused' if fuse else 'side'} ran the other path")
+        if fuse:
+            monkeypatch.setattr("sglang_prr.step.ops.predict_update_rows", taken_instead)
+        else:
+            monkeypatch.setattr(Quest, "select_predict", taken_instead)
     seed = random.randrange(1 << 30)
     print("seed", seed)
     lens = [200, 97, 150, 181]  # not multiples of the page
@@ -61,7 +72,8 @@ def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method):
 
     def mk(serial, skip_repair=False):
         return DecodeStep(method, K, N_PRED, SINK, LOCAL, PAGE, 0, exact=True, serial=serial,
-                          device=torch.device("cpu"), skip_repair=skip_repair)
+                          device=torch.device("cpu"), skip_repair=skip_repair,
+                          fuse_predictor=fuse)
 
     prr, serial, norep = mk(False), mk(True), mk(False, skip_repair=True)
     st = _garbage_state(R, hk, nb, g)
