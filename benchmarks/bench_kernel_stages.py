@@ -44,10 +44,13 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402  (the benchmarks' one graph timer)
 from sglang_prr import ops  # noqa: E402
+from sglang_prr.kernels import build  # noqa: E402
 
 HQ, HK, D = 32, 8, 128
 COLUMNS = ["part", "case", "batch", "ctx", "tokens", "m_blocks", "cold_us", "warm_us",
-           "bytes", "cold_GBps", "pct_copy", "copy_GBps", "select_kernel", "debug_stop"]
+           "bytes", "cold_GBps", "pct_copy", "copy_GBps", "select_kernel", "debug_stop",
+           "library"]
+
 
 
 def copy_gbps(dev) -> float:
@@ -197,7 +200,8 @@ def _timed_row(part, case, B, ctx, tokens, m, nbytes, calls, a, dev, bw):
                cold_GBps=round(gbps, 1), pct_copy=round(100 * gbps / bw, 1) if bw else None,
                copy_GBps=round(bw, 1), select_kernel=os.environ.get("SGLANG_PRR_SELECT_KERNEL",
                                                                     "auto"),
-               debug_stop=int(os.environ.get("SGLANG_PRR_SELECT_DEBUG_STOP", "0")))
+               debug_stop=int(os.environ.get("SGLANG_PRR_SELECT_DEBUG_STOP", "0")),
+               library=build.library_tag())
     print(f"{part:10s} {case:30s} B={B:<3d} ctx={ctx:<7d} tok={tokens:<5d} cold {cold:9.2f} us"
           f"  warm {warm:9.2f} us  {gbps:7.0f} GB/s", flush=True)
     return row
@@ -216,9 +220,10 @@ def plot(rows, png: str) -> None:
     fig, axes = plt.subplots(len(parts), 1, figsize=(10, 3.2 * len(parts)), squeeze=False)
     for ax, part in zip(axes[:, 0], parts):
         rs = [r for r in rows if r["part"] == part]
+        libs = len({r.get("library") for r in rs}) > 1  # two libraries: say which bar is which
         labels = [f"{r['case']}\nB={r['batch']} " + (f"{r['tokens']} tok" if part == "attention"
                                                     else f"{int(r['ctx']) // 1024}K")
-                  for r in rs]
+                  + (f" [{r['library'][:8]}]" if libs else "") for r in rs]
         ax.barh(range(len(rs)), [float(r["cold_us"]) for r in rs], color="tab:blue",
                 label="cold L2")
         ax.barh(range(len(rs)), [float(r["warm_us"]) for r in rs], color="tab:orange",

@@ -63,10 +63,12 @@ does not).
 The CSV is rewritten after every point (a stopped run keeps its rows) and progress lines are
 printed per phase; ``--only`` and ``--variants`` select a subset, ``--append`` merges into an
 existing CSV (a new row replaces the row of the same variant, method, model, kind, ctx, batch,
-launch and predictor). ``SGLANG_PRR_PDL=1`` in the environment (the servers inherit it) launches
+launch, predictor and library). ``SGLANG_PRR_PDL=1`` in the environment (the servers inherit it) launches
 PRR's kernels with programmatic dependent launch; those rows have ``launch`` = ``pdl`` and sit
 beside the others. ``--predictor side`` starts the PRR and auto servers with ``--prr-predictor
-side``; their rows have ``predictor`` = ``side``.
+side``; their rows have ``predictor`` = ``side``. Rows of servers that load a kernel library
+built from other sources than this tree's (``SGLANG_PRR_KERNEL_LIB``) carry its source hash in
+``library``.
 
     python benchmarks/bench_serving.py --profile --csv benchmarks/results/serving_h200.csv
     python benchmarks/bench_serving.py --only throughput --append --csv ...   # one kind
@@ -83,7 +85,7 @@ wall_s, then method (quest / infllm_v2 / dense), model, kind, decode_batch, deco
 decode_steps, steady, arrival, profile_bs (``bs:steps;...``), prefill_cached_frac (cached
 share of the measured prefill's tokens), median_warm_ttft_ms, delta, mean_repair_blocks,
 mean_selected_blocks, logprob_max_abs_diff, first_diff_token, prompt, launch (``pdl`` or
-empty), predictor (``side`` or empty).
+empty), predictor (``side`` or empty), library (a source hash or empty).
 
 Random weights give random attention, so the hit rate of the Llama-shape rows is not a real
 model's; what they measure is the cost of each decode path at a real shape.
@@ -150,7 +152,8 @@ COLUMNS = ["variant", "label", "ctx", "batch", "out", "median_itl_ms", "p90_itl_
            "wall_s", "method", "model", "kind", "decode_batch", "decode_batch_min",
            "decode_steps", "steady", "arrival", "profile_bs", "prefill_cached_frac",
            "median_warm_ttft_ms", "delta", "mean_repair_blocks", "mean_selected_blocks",
-           "logprob_max_abs_diff", "first_diff_token", "prompt", "launch", "predictor"]
+           "logprob_max_abs_diff", "first_diff_token", "prompt", "launch", "predictor",
+           "library"]
 
 
 @dataclass(frozen=True, order=True)
@@ -632,13 +635,25 @@ def _predictor(srv: Server, a) -> str:
         srv.variant in ("prr", "auto") else ""
 
 
+def _library(srv: Server) -> str:
+    """The kernel library's source hash when the servers load one built from other sources than
+    this tree's (``SGLANG_PRR_KERNEL_LIB``, which they inherit: e.g. the previous kernels beside
+    the new ones), else ``""``; ``""`` for dense."""
+    if srv.variant == "dense":
+        return ""
+    from sglang_prr.kernels import build
+    tag = build.library_tag()
+    return "" if tag == build.source_hash() else tag
+
+
 def _label(srv: Server, a) -> str:
     base = LABELS[srv.variant] if a.device == "cuda" or srv.variant != "dense" else \
         "dense (torch_native)"
     extra = [x for x in ("InfLLM-v2" if srv.method == "infllm_v2" else "",
                          "SmolLM2" if srv.model == SMOLLM2 else "",
                          "PDL" if _launch() and srv.variant != "dense" else "",
-                         "side predictor" if _predictor(srv, a) else "") if x]
+                         "side predictor" if _predictor(srv, a) else "",
+                         f"library {_library(srv)[:8]}" if _library(srv) else "") if x]
     return base + (f", {', '.join(extra)}" if extra else "")
 
 
@@ -760,7 +775,7 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
                              if new_tok + cached_tok else None),
         median_warm_ttft_ms=round(r["median_ttft_ms"], 1) if cold_ttft is not None else None,
         delta=_delta(srv, after, pt.batch, a), prompt=prompt_desc, launch=_launch(),
-        predictor=_predictor(srv, a),
+        predictor=_predictor(srv, a), library=_library(srv),
         **(_prr_numbers(before, after) if srv.variant != "dense" else {}))
     if srv.variant == "serial":
         row["hit_rate"] = None  # serial DSA predicts nothing
@@ -776,7 +791,7 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
             row["logprob_max_abs_diff"] = float(f"{diff:.4g}")
             row["first_diff_token"] = -1 if first is None else first
     if s:
-        setup = "".join(f"-{x}" for x in (_launch(), _predictor(srv, a)) if x)
+        setup = "".join(f"-{x}" for x in (_launch(), _predictor(srv, a), _library(srv)[:8]) if x)
         md = _profile_path(a.csv, f"_{srv.name}{setup}_{pt.kind}_{pt.ctx}_{pt.batch}")
         md.write_text(profile_trace.markdown(
             s, f"{label}, {pt.kind}, ctx {pt.ctx}, batch {pt.batch} ({Path(s['trace']).name})"))
@@ -907,12 +922,13 @@ def _read(path) -> list:
 def _key(r: dict) -> tuple:
     r = _fill(r)
     return (str(r["variant"]), r["method"], r["model"], r["kind"], int(r["ctx"]),
-            int(r["batch"]), r.get("launch") or "", r.get("predictor") or "")
+            int(r["batch"]), r.get("launch") or "", r.get("predictor") or "",
+            r.get("library") or "")
 
 
 def _merge(old: list, new: list) -> list:
     """``old`` rows without those that ``new`` measures again (same variant, method, model,
-    kind, ctx, batch, launch, predictor), then ``new``."""
+    kind, ctx, batch, launch, predictor, library), then ``new``."""
     again = {_key(r) for r in new}
     return [r for r in old if _key(r) not in again] + new
 
@@ -937,7 +953,7 @@ def _write_profile_table(csv_path: str) -> None:
              "kernels/layer | GPU-busy ms/step | median ITL ms |",
              "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|"]
     tag = lambda r: r["variant"] + "".join(  # noqa: E731
-        f" ({r[c]})" for c in ("launch", "predictor") if r.get(c))
+        f" ({r[c][:8]})" for c in ("launch", "predictor", "library") if r.get(c))
     lines += [f"| {tag(r)} | {r['method']} | {r['model']} | {r['kind']} | {r['ctx']} | "
               f"{r['batch']} | {r.get('profile_bs') or '-'} | {r['kernels_per_step']} | "
               f"{r['kernels_per_layer']} | {r['gpu_busy_ms_per_step']} | "

@@ -134,6 +134,17 @@ def source_hash() -> str:
     return h.hexdigest()[:16]
 
 
+def library_tag() -> str:
+    """Which library a process loads, for benchmark rows: the source hash stamped beside the
+    library ``SGLANG_PRR_KERNEL_LIB`` names (one built into a named folder; its folder's name
+    when unstamped), else the hash of these sources (the cached build)."""
+    lib = os.environ.get("SGLANG_PRR_KERNEL_LIB")
+    if lib:
+        stamp = Path(lib).parent / STAMP_NAME
+        return stamp.read_text().strip() if stamp.exists() else Path(lib).parent.name
+    return source_hash()
+
+
 def cache_dir(key: Optional[str] = None) -> Path:
     """The cache folder of the library built from these sources (``key``: their hash, if known)."""
     root = os.environ.get("SGLANG_PRR_CACHE_DIR") or os.path.join(

@@ -47,8 +47,11 @@ def _dev(*ts):
     return [t.to(DEV) if t is not None else None for t in ts]
 
 
-def _attn_case(B, Hq, Hk, D, page, dtype):
-    seq_lens = [random.randint(1, 9 * page) + random.randint(0, page - 1) for _ in range(B)]
+def _attn_case(B, Hq, Hk, D, page, dtype, pages=9):
+    """``pages``: the longest request in pages; above 9, every request has at least half of it
+    (lists of A, P and M wider than a CTA's 128 threads)."""
+    lo = 1 if pages <= 9 else pages * page // 2
+    seq_lens = [random.randint(lo, pages * page) + random.randint(0, page - 1) for _ in range(B)]
     seq_lens[0] = max(seq_lens[0], 3 * page + page // 2 + 1)  # a partial last block
     k_buf, v_buf, table, sl, NB = make_pool(B, Hk, D, page, seq_lens, dtype, table64=(B % 2 == 1))
     nblk = [(s + page - 1) // page for s in seq_lens]
@@ -98,16 +101,17 @@ def test_sparse_attn_merge_is_attend_set(B, Hq, Hk, D, page, dtype):
         assert rel_err(o.cpu()[b, :Hq // Hk], o_bad[b, :Hq // Hk]) > 1e-4
 
 
-@pytest.mark.parametrize("B,Hq,Hk,D,page,dtype", [
-    (1, 32, 8, 128, 64, torch.bfloat16), (3, 8, 8, 128, 16, torch.bfloat16),
-    (17, 32, 8, 128, 32, torch.float16), (3, 64, 8, 128, 128, torch.bfloat16),
-    (3, 16, 4, 64, 64, torch.bfloat16)])
+@pytest.mark.parametrize("B,Hq,Hk,D,page,dtype,pages", [
+    (1, 32, 8, 128, 64, torch.bfloat16, 9), (3, 8, 8, 128, 16, torch.bfloat16, 9),
+    (17, 32, 8, 128, 32, torch.float16, 9), (3, 64, 8, 128, 128, torch.bfloat16, 9),
+    (3, 16, 4, 64, 64, torch.bfloat16, 9),
+    (2, 16, 4, 128, 16, torch.bfloat16, 600)])  # lists of 150-300 entries: wider than a CTA
 @pytest.mark.parametrize("exact", [True, False])
-def test_repair_merge_with_arbitrary_prediction(B, Hq, Hk, D, page, dtype, exact):
+def test_repair_merge_with_arbitrary_prediction(B, Hq, Hk, D, page, dtype, pages, exact):
     """PRR's repair + merge in one launch, for arbitrary P: exact == attention over A whatever P
     was; union == attention over P u A."""
-    seeded(f"repair_merge B={B} GQA={Hq // Hk} page={page} exact={exact}")
-    q, k_buf, v_buf, table, sl, NB, nblk = _attn_case(B, Hq, Hk, D, page, dtype)
+    seeded(f"repair_merge B={B} GQA={Hq // Hk} page={page} pages={pages} exact={exact}")
+    q, k_buf, v_buf, table, sl, NB, nblk = _attn_case(B, Hq, Hk, D, page, dtype, pages)
     Na = min(nblk) // 2 + 2
     Np = Na + 3
     a_idx, a_cnt = random_lists(B, Hk, Na, nblk)
@@ -337,6 +341,7 @@ def _bf16_bounds(kmin, kmax):
 
 @pytest.mark.parametrize("B,Hq,Hk,D,NB,k,n_pred,sink,local,sdt", [
     (1, 32, 8, 128, 2048, 32, 48, 1, 1, torch.bfloat16),   # the serving shape
+    (2, 32, 8, 128, 2048, 200, 300, 1, 1, torch.bfloat16),  # P(t) wider than the CTA
     (3, 8, 8, 64, 77, 5, 9, 1, 1, torch.float32),          # GQA 1, head dim 64
     (5, 64, 8, 128, 300, 64, 96, 0, 2, torch.bfloat16),    # GQA 8, K >= the chunk
     (2, 16, 2, 256, 130, 7, 3, 2, 0, torch.float32),       # head dim 256, no local block

@@ -313,3 +313,24 @@ def test_cpu_server_steady_batch_and_staggered_control(bench, tmp_path):
     assert staggered["steady"] == 0, staggered
     assert staggered["decode_batch_min"] == 1
     assert staggered["prefill_cached_frac"] == 0.0  # cold: the cache was flushed
+
+
+def test_rows_of_another_kernel_library_say_which(bench, tmp_path, monkeypatch):
+    from sglang_prr.kernels import build
+    lib = tmp_path / "old" / build.LIB_NAME
+    lib.parent.mkdir()
+    (lib.parent / build.STAMP_NAME).write_text("0123456789abcdef\n")
+    prr, dense = bench.Server("prr", "quest", "m"), bench.Server("dense", "dense", "m")
+    monkeypatch.delenv("SGLANG_PRR_KERNEL_LIB", raising=False)
+    assert bench._library(prr) == ""  # the tree's own sources (control)
+    monkeypatch.setenv("SGLANG_PRR_KERNEL_LIB", str(lib))
+    assert bench._library(prr) == "0123456789abcdef" and bench._library(dense) == ""
+    _, a = bench.parse_args([])
+    assert bench._label(prr, a) == "PRR (exact), library 01234567"
+    (lib.parent / build.STAMP_NAME).write_text(build.source_hash())  # built from this tree
+    assert bench._library(prr) == ""
+    # the library is part of a row's key: both libraries' rows of a point stay
+    rows = [dict(variant="prr", method="quest", model="m", kind="grid", ctx="1", batch="1",
+                 library=x) for x in ("", "0123456789abcdef")]
+    assert len(bench._merge(rows[:1], rows[1:])) == 2
+    assert len(bench._merge(rows[:1], rows[:1])) == 1
