@@ -19,9 +19,10 @@ K = 2048 tokens, delta 1.5, and measures points of five kinds (``--only`` picks 
   with ``benchmarks/stage_model.py`` where no registry is reachable) at ``--smollm2`` (7680
   tokens / batch 1, its longest context) on real text: Python standard-library sources of the
   running interpreter (``Lib/*.py`` in sorted order, tokenized with the model's tokenizer),
-  dense / serial DSA / PRR. The one point with real attention: its hit rate and |M| are a real
-  model's, and PRR's greedy continuation is compared with serial DSA's (``logprob_max_abs_diff``
-  over the tokens both chose alike, ``first_diff_token``; reported, not asserted).
+  dense / serial DSA / PRR / auto (with SmolLM2's own budget profile, ``--smollm2-profile``).
+  The one point with real attention: its hit rate and |M| are a real model's, and PRR's (and
+  auto's) greedy continuation is compared with serial DSA's (``logprob_max_abs_diff`` over the
+  tokens both chose alike, ``first_diff_token``; reported, not asserted).
 
 **Steady batch decode.** Every point first flushes the radix cache and sends its B prompts
 together with one output token each: that cold prefill is the point's TTFT (B concurrent cold
@@ -138,7 +139,7 @@ KINDS = ("grid", "reference", "throughput", "infllm", "smollm2")
 # Which variants each kind runs (``--variants`` narrows them).
 KIND_VARIANTS = {"grid": tuple(VARIANTS), "reference": ("dense",),
                  "throughput": tuple(VARIANTS), "infllm": ("serial", "prr"),
-                 "smollm2": ("dense", "serial", "prr")}
+                 "smollm2": ("dense", "serial", "prr", "auto")}
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_MAX_POSITIONS = 8192
 WARMUP_OUT = 4  # output tokens of the warm-up request: prefill plus a few decode graph replays
@@ -247,6 +248,12 @@ def server_cmd(model: str, port: int, srv: Server, points: Sequence[Point], a) -
     return harness.launch_command(server_args(model, srv, points, a), port)
 
 
+def _profile_of(srv: Server, a) -> str:
+    """The budget profile of an auto server: its model's layer shape (the server refuses
+    another's)."""
+    return a.smollm2_profile if srv.model == SMOLLM2 else a.budget_profile
+
+
 def server_args(model: str, srv: Server, points: Sequence[Point], a) -> list:
     """The launcher's flags for one server (the harness adds ``--host``/``--port``)."""
     ctx_len = max(p.ctx for p in points) + a.out + 64
@@ -264,7 +271,7 @@ def server_args(model: str, srv: Server, points: Sequence[Point], a) -> list:
             dev += ["--dtype", "bfloat16"]  # the checkpoint folder holds float32 weights
     weights = [] if srv.model == SMOLLM2 else ["--load-format", "dummy"]
     method = ["--prr-method", srv.method] if srv.method not in ("quest", "dense") else []
-    budget = (["--prr-budget", "auto", "--prr-profile", a.budget_profile]
+    budget = (["--prr-budget", "auto", "--prr-profile", _profile_of(srv, a)]
               if srv.variant == "auto" else ["--prr-budget", str(a.budget)])
     # --page-size for every variant: the launcher derives it from the block size only with PRR
     # on, and the dense baseline should read the same paged KV layout. Scheduler logs at info
@@ -779,14 +786,16 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
         **(_prr_numbers(before, after) if srv.variant != "dense" else {}))
     if srv.variant == "serial":
         row["hit_rate"] = None  # serial DSA predicts nothing
-    if pt.kind == "smollm2" and srv.variant in ("serial", "prr"):
+    # SmolLM2: greedy logprobs of serial DSA, PRR and auto; PRR's and auto's against serial DSA's
+    # (auto equals it where it runs serial DSA or PRR, not where it runs dense: see delta).
+    if pt.kind == "smollm2" and srv.variant in ("serial", "prr", "auto"):
         lp = greedy_logprobs(url, prompts[0], a.out)
         path = _logprob_path(a.csv)
         saved = json.loads(path.read_text()) if path.exists() else {}
         saved[_logprob_key(srv, pt)] = lp
         path.write_text(json.dumps(saved))
         ref = saved.get(_logprob_key(Server("serial", srv.method, srv.model), pt))
-        if srv.variant == "prr" and ref:
+        if srv.variant in ("prr", "auto") and ref:
             diff, first = compare_logprobs(ref, lp)
             row["logprob_max_abs_diff"] = float(f"{diff:.4g}")
             row["first_diff_token"] = -1 if first is None else first
@@ -1004,6 +1013,9 @@ def parse_args(argv=None):
                                                     "budget_profile_h200.json"),
                     help="--prr-profile of the auto variant (python -m "
                          "sglang_prr.profile_budget)")
+    ap.add_argument("--smollm2-profile", default=str(ROOT / "benchmarks" / "results" /
+                                                     "budget_profile_h200_smollm2.json"),
+                    help="--prr-profile of the auto variant on SmolLM2 (its layer shape)")
     ap.add_argument("--min-context", type=int, default=4096, help="--prr-min-context")
     ap.add_argument("--layers", type=int, default=LLAMA3_8B["num_hidden_layers"])
     ap.add_argument("--shape", choices=["llama3-8b", "demo"], default="llama3-8b",
@@ -1042,9 +1054,11 @@ def main(argv=None):
         plot(a.plot_only, os.path.splitext(a.plot_only)[0] + ".png")
         return []
     servers = plan(a)
-    if any(s.variant == "auto" for s, _ in servers) and not os.path.exists(a.budget_profile):
-        ap.error(f"the auto variant needs its budget profile {a.budget_profile!r}: make it with "
-                 f"python -m sglang_prr.profile_budget (or leave auto out of --variants)")
+    for path in sorted({_profile_of(s, a) for s, _ in servers if s.variant == "auto"}):
+        if not os.path.exists(path) and not a.dry_run:
+            ap.error(f"the auto variant needs its budget profile {path!r}: make it with "
+                     f"python -m sglang_prr.profile_budget (benchmarks/README-serving.md; or "
+                     f"leave auto out of --variants)")
     smollm2_path = None
     if any(s.model == SMOLLM2 for s, _ in servers):
         from sglang_prr.tools import models

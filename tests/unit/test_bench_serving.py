@@ -37,12 +37,12 @@ def test_default_plan_has_every_kind(bench):
     grid = [("grid", 32768, 1), ("grid", 32768, 8), ("throughput", 32768, 16),
             ("grid", 131072, 1)]
     assert list(plan) == ["dense", "serial", "prr", "auto", "serial-infllm_v2", "prr-infllm_v2",
-                          "dense-smollm2", "serial-smollm2", "prr-smollm2"]
+                          "dense-smollm2", "serial-smollm2", "prr-smollm2", "auto-smollm2"]
     assert plan["dense"] == [("reference", 4096, 1)] + grid  # the reference row: dense only
     assert plan["serial"] == plan["prr"] == plan["auto"] == grid
     assert plan["serial-infllm_v2"] == plan["prr-infllm_v2"] == [("infllm", 32768, 1),
                                                                  ("infllm", 131072, 1)]
-    assert plan["prr-smollm2"] == [("smollm2", 7680, 1)]
+    assert plan["prr-smollm2"] == plan["auto-smollm2"] == [("smollm2", 7680, 1)]
 
 
 def test_plan_selection(bench):
@@ -70,12 +70,12 @@ def test_bad_options_are_named(bench, capsys):
 def test_server_commands(bench, tmp_path, capsys):
     bench.main(["--dry-run", "--workdir", str(tmp_path)])
     cmds = [ln.split() for ln in capsys.readouterr().out.splitlines() if "launch_server" in ln]
-    assert len(cmds) == 9
+    assert len(cmds) == 10
     opt = lambda c, k: c[c.index(k) + 1] if k in c else None
     for c in cmds:  # the decode batch of every step comes from SGLang's own log
         assert (opt(c, "--log-level"), opt(c, "--decode-log-interval")) == ("info", "1")
         assert opt(c, "--attention-backend") == "flashinfer" and "--disable-cuda-graph" not in c
-    dense, serial, prr, auto, inf_s, inf_p, sm_d, sm_s, sm_p = cmds
+    dense, serial, prr, auto, inf_s, inf_p, sm_d, sm_s, sm_p, sm_a = cmds
     assert opt(dense, "--max-running-requests") == opt(dense, "--cuda-graph-max-bs") == "16"
     assert opt(dense, "--prr-method") == "dense" and "--prr-serial" in serial
     assert opt(auto, "--prr-budget") == "auto" and opt(prr, "--prr-budget") == "1.5"
@@ -83,10 +83,14 @@ def test_server_commands(bench, tmp_path, capsys):
     assert "--prr-serial" in inf_s and "--prr-serial" not in inf_p
     for c in cmds[:6]:
         assert opt(c, "--load-format") == "dummy" and "--dtype" not in c
-    for c in (sm_d, sm_s, sm_p):  # real weights, bf16, within SmolLM2's 8192 positions
+    for c in (sm_d, sm_s, sm_p, sm_a):  # real weights, bf16, within SmolLM2's 8192 positions
         assert "--load-format" not in c and opt(c, "--dtype") == "bfloat16"
         assert int(opt(c, "--context-length")) <= 8192
     assert opt(sm_d, "--prr-method") == "dense" and "--prr-serial" in sm_s
+    # auto reads the profile of its model's layer shape
+    assert opt(auto, "--prr-profile").endswith("budget_profile_h200.json")
+    assert opt(sm_a, "--prr-budget") == "auto"
+    assert opt(sm_a, "--prr-profile").endswith("budget_profile_h200_smollm2.json")
     assert not any("--prr-predictor" in c for c in cmds)  # the default: fused
 
 
@@ -334,3 +338,17 @@ def test_rows_of_another_kernel_library_say_which(bench, tmp_path, monkeypatch):
                  library=x) for x in ("", "0123456789abcdef")]
     assert len(bench._merge(rows[:1], rows[1:])) == 2
     assert len(bench._merge(rows[:1], rows[:1])) == 1
+
+
+def test_auto_needs_the_profile_of_its_model(bench, tmp_path, capsys):
+    """SmolLM2's auto server reads SmolLM2's profile: a missing one is named before any server
+    starts (a dry run only prints the command); the Llama-shape profile is not asked for."""
+    missing = str(tmp_path / "smol.json")
+    with pytest.raises(SystemExit):
+        bench.main(["--only", "smollm2", "--variants", "auto", "--smollm2-profile", missing,
+                    "--budget-profile", str(tmp_path / "llama.json"), "--workdir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert missing in err and "llama.json" not in err
+    bench.main(["--only", "smollm2", "--variants", "auto", "--smollm2-profile", missing,
+                "--dry-run", "--workdir", str(tmp_path)])  # control: the dry run goes through
+    assert missing in capsys.readouterr().out
