@@ -18,13 +18,16 @@ in a CUDA graph; ``delta`` 0 is serial DSA. The optional ``dense_us`` (``[{"batc
 "us"}]``) times the same layer with dense attention (FlashInfer's decode, as SGLang runs it).
 SGLang captures one decode graph per batch size, so the choice is made per batch size and stays
 static inside each graph: for batch ``b`` the policy takes the profiled batch size nearest to
-``b`` (in log2, ties to the larger), averages over the profiled contexts the server can serve
-(those up to its context length; the smallest when none is) each delta's time relative to serial
-DSA, and picks the fastest delta, or serial DSA when no delta saves at least
-``1 - SPECULATE_MARGIN`` of the layer. When dense attention saves that much against the sparse
-choice, the batch size runs dense (``DENSE``): below some context the sparse module's fixed cost
-exceeds dense attention, and the product is then never slower than dense. The choice is made on
-the host when a forward is planned, never inside a graph.
+``b`` (in log2, ties to the larger) and the profiled contexts the server can serve (those up to
+its context length; the smallest when none is). A batch size's graph serves every one of those
+contexts, so a choice must not lose at any of them: a delta qualifies when it saves at least
+``1 - SPECULATE_MARGIN`` of the layer against serial DSA at every context, and the qualifying delta
+with the lowest mean time relative to serial DSA is chosen (serial DSA when none qualifies).
+Dense attention (``DENSE``) is chosen when it saves that much against the sparse choice at every
+context: below some context the sparse module's fixed cost exceeds dense attention. So ``auto`` is
+never slower than serial DSA, nor than dense attention where dense is profiled, at any profiled
+point (up to the margin and the profile's noise). The choice is made on the host when a forward is
+planned, never inside a graph.
 """
 
 from __future__ import annotations
@@ -175,51 +178,45 @@ class BudgetProfile:
             return self.contexts
         return [c for c in self.contexts if c <= max_context] or self.contexts[:1]
 
-    def relative(self, batch: int, contexts: Optional[List[int]] = None) -> Dict[float, float]:
-        """delta -> mean over ``contexts`` (default: every profiled one) of its layer time
-        relative to serial DSA, at the profiled batch size nearest to ``batch`` (deltas measured
-        at every one of those contexts)."""
+    def ratios(self, batch: int, contexts: Optional[List[int]] = None
+               ) -> Dict[float, Dict[int, float]]:
+        """delta -> {context: its layer time relative to serial DSA} over ``contexts`` (default:
+        every profiled one), at the profiled batch size nearest to ``batch`` (deltas measured at
+        every one of those contexts; serial DSA, delta 0, is 1.0 everywhere)."""
         b = self.nearest_batch(batch)
         ctxs = contexts or self.contexts
         deltas = sorted({dl for bb, _, dl in self.layer_us if bb == b})
-        out = {}
-        for dl in deltas:
-            if all((b, c, dl) in self.layer_us for c in ctxs):
-                out[dl] = sum(self.layer_us[(b, c, dl)] / self.layer_us[(b, c, 0.0)]
-                              for c in ctxs) / len(ctxs)
-        return out
+        return {dl: {c: self.layer_us[(b, c, dl)] / self.layer_us[(b, c, 0.0)] for c in ctxs}
+                for dl in deltas if all((b, c, dl) in self.layer_us for c in ctxs)}
 
     def choose(self, batch: int, max_budget: float,
                contexts: Optional[List[int]] = None) -> float:
-        """The delta for batch size ``batch`` (0.0: serial DSA), at most ``max_budget``."""
-        rel = {dl: r for dl, r in self.relative(batch, contexts).items()
-               if dl <= max_budget + 1e-9}
-        spec = {dl: r for dl, r in rel.items() if dl > 0}
-        if not spec:
-            return 0.0
-        best = min(spec, key=lambda dl: (spec[dl], dl))
-        return best if spec[best] <= SPECULATE_MARGIN else 0.0
+        """The delta for batch size ``batch`` (0.0: serial DSA), at most ``max_budget``: of the
+        deltas within the margin of serial DSA at every one of ``contexts``, the one of the
+        lowest mean time."""
+        ok = {dl: sum(r.values()) / len(r) for dl, r in self.ratios(batch, contexts).items()
+              if 0 < dl <= max_budget + 1e-9 and max(r.values()) <= SPECULATE_MARGIN}
+        return min(ok, key=lambda dl: (ok[dl], dl)) if ok else 0.0
 
-    def dense_relative(self, batch: int, contexts: Optional[List[int]] = None
-                       ) -> Optional[float]:
-        """Dense attention's layer time relative to serial DSA, mean over ``contexts``, at the
-        profiled batch size nearest to ``batch``; None when the profile has no dense timing
-        there."""
+    def dense_ratios(self, batch: int, contexts: Optional[List[int]] = None
+                     ) -> Optional[Dict[int, float]]:
+        """{context: dense attention's layer time relative to serial DSA} over ``contexts``, at
+        the profiled batch size nearest to ``batch``; None when the profile has no dense timing
+        at one of them."""
         b, ctxs = self.nearest_batch(batch), contexts or self.contexts
         if not all((b, c) in self.dense_us for c in ctxs):
             return None
-        return sum(self.dense_us[(b, c)] / self.layer_us[(b, c, 0.0)] for c in ctxs) / len(ctxs)
+        return {c: self.dense_us[(b, c)] / self.layer_us[(b, c, 0.0)] for c in ctxs}
 
     def dense_wins(self, batch: int, max_budget: float,
                    contexts: Optional[List[int]] = None) -> bool:
         """Whether dense attention saves at least ``1 - SPECULATE_MARGIN`` of the layer against
-        the sparse choice (``choose``) at batch size ``batch``."""
-        dense = self.dense_relative(batch, contexts)
+        the sparse choice (``choose``) at batch size ``batch``, at every one of ``contexts``."""
+        dense = self.dense_ratios(batch, contexts)
         if dense is None:
             return False
-        dl = self.choose(batch, max_budget, contexts)
-        sparse = self.relative(batch, contexts)[dl] if dl > 0 else 1.0
-        return dense <= SPECULATE_MARGIN * sparse
+        sparse = self.ratios(batch, contexts)[self.choose(batch, max_budget, contexts)]
+        return all(dense[c] <= SPECULATE_MARGIN * sparse[c] for c in dense)
 
     def compared(self) -> Optional["BudgetProfile"]:
         """The profile at its ``compare`` entry's hit rate (``profile_budget
@@ -242,6 +239,13 @@ class BudgetProfile:
             raise PRRConfigError(
                 f"invalid PRR option --prr-profile: measured for another layer shape ({detail}); "
                 f"make one for this model with python -m sglang_prr.profile_budget")
+
+
+def _span(xs) -> str:
+    """``0.500-0.900x``, or ``0.600x`` for one value (or equal ones)."""
+    xs = sorted(xs)
+    lo, hi = f"{xs[0]:.3f}", f"{xs[-1]:.3f}"
+    return f"{lo}x" if lo == hi else f"{lo}-{hi}x"
 
 
 class BudgetPolicy:
@@ -311,10 +315,10 @@ class BudgetPolicy:
         return any(self.delta(b) > 0 for b in self.profile.batch_sizes)
 
     def reasons(self) -> Dict[str, str]:
-        """Why each profiled batch size runs what it runs (``describe``), in words: the
-        fastest speculative delta's and dense attention's layer times relative to serial DSA
-        (mean over the contexts the server serves) against the margin; a fixed budget says so
-        under ``"*"``."""
+        """Why each profiled batch size runs what it runs (``describe``), in words: the best
+        speculative delta's layer time relative to serial DSA (mean, and worst over the contexts
+        the server serves) and dense attention's (its range), against the margin; a fixed budget
+        says so under ``"*"``."""
         if self.cfg.serial or not self.cfg.enabled:
             return {"*": "serial DSA (--prr-serial)"}
         if self.profile is None:
@@ -322,19 +326,21 @@ class BudgetPolicy:
         prof, out, ctxs = self.profile, {}, self.contexts
         over = ", ".join(f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in ctxs)
         for b in prof.batch_sizes:
-            rel = {dl: r for dl, r in prof.relative(b, ctxs).items()
+            rat = {dl: r for dl, r in prof.ratios(b, ctxs).items()
                    if 0 < dl <= self.cfg.max_budget + 1e-9}
             dense, chosen = self._choice(b)
-            dr = prof.dense_relative(b, ctxs)
-            dense_says = "" if dr is None else f"; dense attention {dr:.3f}x"
-            if not rel:
+            dr = prof.dense_ratios(b, ctxs)
+            dense_says = "" if dr is None else f"; dense attention {_span(dr.values())}"
+            if not rat:
                 why = "no speculative delta <= --prr-max-budget profiled"
-            else:
-                best = min(rel, key=lambda dl: (rel[dl], dl))
-                why = f"the fastest delta {best:g} costs {rel[best]:.3f}x serial DSA per layer"
+            else:  # the chosen delta, or the one closest to qualifying (lowest worst case)
+                stat = {dl: (max(r.values()), sum(r.values()) / len(r)) for dl, r in rat.items()}
+                best = chosen if chosen > 0 else min(stat, key=lambda dl: (*stat[dl], dl))
+                why = (f"the best delta {best:g} costs {stat[best][1]:.3f}x serial DSA per layer, "
+                       f"up to {stat[best][0]:.3f}x")
             what = DENSE if dense else (f"PRR delta {chosen:g}" if chosen > 0 else "serial DSA")
-            out[str(b)] = (f"{what}: {why}{dense_says} (mean over {over}; margin "
-                           f"{SPECULATE_MARGIN:g})")
+            out[str(b)] = (f"{what}: {why}{dense_says} (over {over}; margin "
+                           f"{SPECULATE_MARGIN:g} at every context)")
         return out
 
     def describe(self) -> Dict[str, object]:
