@@ -25,9 +25,9 @@ contexts, so a choice must not lose at any of them: a delta qualifies when it sa
 with the lowest mean time relative to serial DSA is chosen (serial DSA when none qualifies).
 Dense attention (``DENSE``) is chosen when it saves that much against the sparse choice at every
 context: below some context the sparse module's fixed cost exceeds dense attention. So ``auto`` is
-never slower than serial DSA, nor than dense attention where dense is profiled, at any profiled
-point (up to the margin and the profile's noise). The choice is made on the host when a forward is
-planned, never inside a graph.
+never slower than serial DSA at a profiled point (up to the margin and the profile's noise), and
+runs dense only where dense is faster at every context it serves. The choice is made on the host
+when a forward is planned, never inside a graph.
 """
 
 from __future__ import annotations
