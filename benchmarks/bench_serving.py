@@ -64,12 +64,12 @@ does not).
 The CSV is rewritten after every point (a stopped run keeps its rows) and progress lines are
 printed per phase; ``--only`` and ``--variants`` select a subset, ``--append`` merges into an
 existing CSV (a new row replaces the row of the same variant, method, model, kind, ctx, batch,
-launch, predictor and library). ``SGLANG_PRR_PDL=1`` in the environment (the servers inherit it) launches
-PRR's kernels with programmatic dependent launch; those rows have ``launch`` = ``pdl`` and sit
-beside the others. ``--predictor side`` starts the PRR and auto servers with ``--prr-predictor
-side``; their rows have ``predictor`` = ``side``. Rows of servers that load a kernel library
-built from other sources than this tree's (``SGLANG_PRR_KERNEL_LIB``) carry its source hash in
-``library``.
+launch, predictor and library). ``SGLANG_PRR_PDL=1`` in the environment (the servers inherit
+it) launches PRR's kernels with programmatic dependent launch; those rows have ``launch`` =
+``pdl`` and sit beside the others. ``--predictor side`` starts the PRR and auto servers with
+``--prr-predictor side``; their rows have ``predictor`` = ``side``. Rows of servers that load a
+kernel library built from other sources than this tree's (``SGLANG_PRR_KERNEL_LIB``) carry its
+source hash in ``library``.
 
     python benchmarks/bench_serving.py --profile --csv benchmarks/results/serving_h200.csv
     python benchmarks/bench_serving.py --only throughput --append --csv ...   # one kind
@@ -86,7 +86,9 @@ wall_s, then method (quest / infllm_v2 / dense), model, kind, decode_batch, deco
 decode_steps, steady, arrival, profile_bs (``bs:steps;...``), prefill_cached_frac (cached
 share of the measured prefill's tokens), median_warm_ttft_ms, delta, mean_repair_blocks,
 mean_selected_blocks, logprob_max_abs_diff, first_diff_token, prompt, launch (``pdl`` or
-empty), predictor (``side`` or empty), library (a source hash or empty).
+empty), predictor (``side`` or empty), library (a source hash or empty),
+sparse_wall_us_per_layer (the wall time PRR's kernels hold the GPU per layer, overlap counted
+once: ``profile_trace.sparse_spans``).
 
 Random weights give random attention, so the hit rate of the Llama-shape rows is not a real
 model's; what they measure is the cost of each decode path at a real shape.
@@ -154,7 +156,7 @@ COLUMNS = ["variant", "label", "ctx", "batch", "out", "median_itl_ms", "p90_itl_
            "decode_steps", "steady", "arrival", "profile_bs", "prefill_cached_frac",
            "median_warm_ttft_ms", "delta", "mean_repair_blocks", "mean_selected_blocks",
            "logprob_max_abs_diff", "first_diff_token", "prompt", "launch", "predictor",
-           "library"]
+           "library", "sparse_wall_us_per_layer"]
 
 
 @dataclass(frozen=True, order=True)
@@ -770,6 +772,7 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
         kernels_per_step=round(s["kernels_per_step"], 2) if s else None,
         gpu_busy_ms_per_step=round(s["gpu_busy_ms_per_step"], 4) if s else None,
         kernels_per_layer=round(s["kernels_per_layer"], 3) if s else None,
+        sparse_wall_us_per_layer=round(s["sparse_wall_us_per_layer"], 2) if s else None,
         reference=int(pt.kind == "reference"),
         method=srv.method, model=srv.model, kind=pt.kind,
         decode_batch=statistics.median(logged) if logged else None,
@@ -959,14 +962,14 @@ def _write_profile_table(csv_path: str) -> None:
     """``<csv stem>_profile.md``: the profiled rows of the whole CSV (appended runs too)."""
     rows = [_fill(r) for r in _read(csv_path) if r.get("kernels_per_step")]
     lines = ["| variant | method | model | kind | ctx | batch | profiled bs | kernels/step | "
-             "kernels/layer | GPU-busy ms/step | median ITL ms |",
-             "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|"]
+             "kernels/layer | GPU-busy ms/step | PRR wall µs/layer | median ITL ms |",
+             "|---|---|---|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     tag = lambda r: r["variant"] + "".join(  # noqa: E731
         f" ({r[c][:8]})" for c in ("launch", "predictor", "library") if r.get(c))
     lines += [f"| {tag(r)} | {r['method']} | {r['model']} | {r['kind']} | {r['ctx']} | "
               f"{r['batch']} | {r.get('profile_bs') or '-'} | {r['kernels_per_step']} | "
               f"{r['kernels_per_layer']} | {r['gpu_busy_ms_per_step']} | "
-              f"{r['median_itl_ms']} |" for r in rows]
+              f"{r.get('sparse_wall_us_per_layer') or '-'} | {r['median_itl_ms']} |" for r in rows]
     _profile_path(csv_path).write_text("\n".join(lines) + "\n")
 
 

@@ -8,6 +8,14 @@ step are the totals of those events over N. Everything else in the trace (``cuda
 left out. Busy time is the sum of kernel durations: kernels that overlap on two streams count
 twice, which is what "GPU work per step" means here, not wall time.
 
+Beside the busy time, the wall time of PRR's own work: the kernels of the ``prr::`` namespace
+(selection, predictor, attention, repair, summaries) form clusters on the timeline, each running
+until a kernel of another namespace starts after all of its kernels ended (the layer's GEMMs);
+the clusters' spans from first start to last end are the time a layer's sparse path holds the
+GPU, so two streams that overlap count once (``sparse_wall_us_per_layer``: their sum per step and
+layer). Serial DSA's and PRR's critical paths compare through it, where summed kernel times
+double-count the overlap.
+
 The per-step numbers divide by the caller's step count (the N the profiler was asked for).
 SGLang also marks each forward step with a span ``step[DECODE bs=8]`` (``user_annotation``);
 those spans are counted beside it, to check that the recorded steps were N decode steps of the
@@ -26,6 +34,7 @@ from collections import defaultdict
 from pathlib import Path
 
 TOP = 15
+OWN = "prr::"  # PRR's kernels live in this C++ namespace (their demangled names start with it)
 NAME_WIDTH = 110  # kernel names are long C++ template instantiations; the table shows their head
 
 
@@ -49,11 +58,14 @@ def summarize(path, num_layers: int, steps: int, top: int = TOP) -> dict:
     if steps < 1 or num_layers < 1:
         raise ValueError(f"steps ({steps}) and num_layers ({num_layers}) must be >= 1")
     count, us, spans = defaultdict(int), defaultdict(float), defaultdict(int)
+    kernels_at = []  # (start, end, PRR's own) of every kernel, for the sparse path's wall time
     for e in load_events(path):
         cat, name = str(e.get("cat", "")).lower(), e.get("name", "?")
         if cat == "kernel":
             count[name] += 1
             us[name] += float(e.get("dur", 0.0))
+            t0 = float(e.get("ts", 0.0))
+            kernels_at.append((t0, t0 + float(e.get("dur", 0.0)), OWN in name))
         elif cat == "user_annotation" and name.startswith("step["):
             spans[name] += 1  # the CPU span only: its gpu_user_annotation twin is the same step
     kernels = sum(count.values())
@@ -64,7 +76,25 @@ def summarize(path, num_layers: int, steps: int, top: int = TOP) -> dict:
         gpu_busy_ms_per_step=sum(us.values()) / 1e3 / steps,
         kernels_per_layer=kernels / steps / num_layers,
         top=[(n, count[n] / steps, us[n] / steps) for n in ranked],
-        step_spans=dict(sorted(spans.items())))
+        step_spans=dict(sorted(spans.items())),
+        sparse_wall_us_per_layer=sum(sparse_spans(kernels_at)) / steps / num_layers)
+
+
+def sparse_spans(kernels_at) -> list:
+    """Wall spans (µs) of the clusters of PRR's own kernels: ``kernels_at`` holds ``(start, end,
+    own)`` per kernel; a cluster starts at an own kernel and ends when a kernel of another kind
+    starts after every kernel of the cluster has ended (kernels of another kind that overlap it,
+    on another stream, do not end it)."""
+    out, cur = [], None
+    for t0, t1, own in sorted(kernels_at):
+        if own:
+            cur = [t0, t1] if cur is None else [cur[0], max(cur[1], t1)]
+        elif cur is not None and t0 >= cur[1]:
+            out.append(cur[1] - cur[0])
+            cur = None
+    if cur is not None:
+        out.append(cur[1] - cur[0])
+    return out
 
 
 STEP_RE = re.compile(r"step\[(\w+) bs=(\d+)\]")
@@ -95,7 +125,9 @@ def markdown(s: dict, title: str = "") -> str:
     lines = [f"## {title}", ""] if title else []
     lines += [f"{s['steps']} profiled steps, {s['num_layers']} layers: "
               f"{s['kernels_per_step']:.1f} kernels/step, {s['kernels_per_layer']:.2f} "
-              f"kernels/layer, {s['gpu_busy_ms_per_step']:.3f} ms GPU-busy/step", ""]
+              f"kernels/layer, {s['gpu_busy_ms_per_step']:.3f} ms GPU-busy/step"
+              + (f", PRR's kernels {s['sparse_wall_us_per_layer']:.1f} µs wall/layer"
+                 if s.get("sparse_wall_us_per_layer") else ""), ""]
     if s["step_spans"]:
         lines += ["recorded steps: " + ", ".join(f"{n} x {k}" for k, n in s["step_spans"].items()),
                   ""]

@@ -111,3 +111,33 @@ def test_step_batches_split_decode_from_other_steps():
     # negative control: no decode step at all
     assert mod.step_batches({"step[EXTEND bs=8 toks=64]": 3}) == (
         {}, {"step[EXTEND bs=8 toks=64]": 3})
+
+
+def _at(name, ts, dur, tid):
+    return {"ph": "X", "cat": "kernel", "name": name, "pid": 0, "tid": tid, "ts": ts, "dur": dur}
+
+
+def test_prr_wall_time_counts_two_streams_once(tmp_path):
+    """PRR's kernels (the ``prr::`` namespace) hold the GPU from the first one's start to the
+    last one's end of each cluster; a cluster ends when another kernel starts after it (the
+    layer's GEMM), not when one overlaps it on another stream."""
+    pt = _load()
+    sel, spec = "void prr::(anonymous namespace)::select(prr::A)", "void prr::attn(prr::B)"
+    ev = []
+    for layer in range(2):  # update | rope | select || spec (a copy beside) | repair | gemm
+        t = 1000 * layer
+        ev += [_at("void prr::update(prr::C)", t, 3, 7), _at("rope", t + 4, 2, 7),
+               _at(sel, t + 7, 18, 9), _at(spec, t + 7, 13, 7), _at("copy_kernel", t + 10, 2, 11),
+               _at(spec, t + 26, 14, 7), _at("gemm", t + 41, 59, 7)]
+    s = pt.summarize(_write(tmp_path, ev), num_layers=2, steps=1)
+    # clusters [t, t + 3] and [t + 7, t + 40] per layer: 3 + 33 µs
+    assert s["sparse_wall_us_per_layer"] == pytest.approx(36.0)
+    # the kernels' sum counts the overlap twice (control)
+    own = sum(e["dur"] for e in ev if "prr::" in e["name"]) / 2
+    assert own == pytest.approx(48.0) and own > s["sparse_wall_us_per_layer"]
+    assert pt.sparse_spans([]) == [] and pt.sparse_spans([(0, 5, False)]) == []
+    assert pt.sparse_spans([(0, 5, True)]) == [5]  # a trace that ends inside a cluster
+    assert "36.0 µs wall/layer" in pt.markdown(s)
+    # a trace without PRR's kernels (dense) says nothing of it
+    dense = pt.summarize(_write(tmp_path, [_at("gemm", 0, 10, 7)], "d.json.gz"), 1, 1)
+    assert dense["sparse_wall_us_per_layer"] == 0 and "wall/layer" not in pt.markdown(dense)
