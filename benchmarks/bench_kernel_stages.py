@@ -52,7 +52,6 @@ COLUMNS = ["part", "case", "batch", "ctx", "tokens", "m_blocks", "cold_us", "war
            "library"]
 
 
-
 def copy_gbps(dev) -> float:
     """Device-to-device copy bandwidth, read + write bytes (0 on a CPU)."""
     if dev.type != "cuda":

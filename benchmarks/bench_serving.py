@@ -98,6 +98,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import hashlib
 import json
 import math
@@ -652,7 +653,15 @@ def _library(srv: Server) -> str:
         return ""
     from sglang_prr.kernels import build
     tag = build.library_tag()
-    return "" if tag == build.source_hash() else tag
+    return "" if tag == _tree_hash() else tag
+
+
+@functools.lru_cache(maxsize=None)
+def _tree_hash() -> str:
+    """The hash of this tree's kernel sources, once per process (it reads every source; a row
+    asks for it several times)."""
+    from sglang_prr.kernels import build
+    return build.source_hash()
 
 
 def _label(srv: Server, a) -> str:
@@ -762,6 +771,7 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
     time.sleep(1.5)  # /prr/stats refreshes at most once a second on GPU
     stream_batch(url, random_prompts(64, 1, 2), 2)  # a forward, so that the stats flush
     after = prr_stats(url)
+    setup = dict(launch=_launch(), predictor=_predictor(srv, a), library=_library(srv))
     row = dict(
         variant=srv.variant, label=label, ctx=pt.ctx, batch=pt.batch, out=a.out,
         median_itl_ms=round(r["median_itl_ms"], 3), p90_itl_ms=round(r["p90_itl_ms"], 3),
@@ -784,8 +794,7 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
         prefill_cached_frac=(round(cached_tok / (new_tok + cached_tok), 4)
                              if new_tok + cached_tok else None),
         median_warm_ttft_ms=round(r["median_ttft_ms"], 1) if cold_ttft is not None else None,
-        delta=_delta(srv, after, pt.batch, a), prompt=prompt_desc, launch=_launch(),
-        predictor=_predictor(srv, a), library=_library(srv),
+        delta=_delta(srv, after, pt.batch, a), prompt=prompt_desc, **setup,
         **(_prr_numbers(before, after) if srv.variant != "dense" else {}))
     if srv.variant == "serial":
         row["hit_rate"] = None  # serial DSA predicts nothing
@@ -803,8 +812,8 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
             row["logprob_max_abs_diff"] = float(f"{diff:.4g}")
             row["first_diff_token"] = -1 if first is None else first
     if s:
-        setup = "".join(f"-{x}" for x in (_launch(), _predictor(srv, a), _library(srv)[:8]) if x)
-        md = _profile_path(a.csv, f"_{srv.name}{setup}_{pt.kind}_{pt.ctx}_{pt.batch}")
+        suffix = "".join(f"-{x[:8]}" for x in setup.values() if x)
+        md = _profile_path(a.csv, f"_{srv.name}{suffix}_{pt.kind}_{pt.ctx}_{pt.batch}")
         md.write_text(profile_trace.markdown(
             s, f"{label}, {pt.kind}, ctx {pt.ctx}, batch {pt.batch} ({Path(s['trace']).name})"))
     row["wall_s"] = round(time.time() - t_point, 1)
