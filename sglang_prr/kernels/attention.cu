@@ -96,16 +96,28 @@ __device__ __forceinline__ int clampi(int64_t x, int hi) {
 __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem, int group,
                            int D) {
   const int64_t row = (int64_t)b * a.Hk + hk;
-  if (!last_of_group(a.sem + row, group)) return;
-  using Scan = cub::BlockScan<int, kAttnThreads>;
-  __shared__ typename Scan::TempStorage s_scan;
-  __shared__ float s_msafe[kHeadsN], s_lsum[kHeadsN];
   const int tid = threadIdx.x;
   const int G = a.Hq / a.Hk, N = a.N;
   const int N1 = a.o1 ? a.N1 : 0;
   const bool filt = N1 > 0 && a.p_idx != nullptr;
   const int Na = (filt && a.p_exact) ? a.Na : 0;
   const int E = N1 + N;
+  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
+  const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
+  // The counts and lists are the launch's inputs, not the group's results: every CTA issues
+  // their loads (a list entry per thread) before its ticket, so the last CTA's copies arrive with
+  // the ticket instead of one round trip after it (a few hundred bytes of L2 hits per CTA).
+  const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
+  const int c2_raw = a.cnt[lrow];
+  const int pc_raw = filt ? a.p_cnt[prow] : N1;
+  const int ca_raw = Na ? a.a_cnt[row] : 0;
+  const int x_list = tid < N ? a.idx[lrow * N + tid] : 0;
+  const int x_p = (filt && tid < N1) ? a.p_idx[prow * N1 + tid] : 0;
+  const int x_a = tid < Na ? a.a_idx[row * Na + tid] : 0;
+  if (!last_of_group(a.sem + row, group)) return;
+  using Scan = cub::BlockScan<int, kAttnThreads>;
+  __shared__ typename Scan::TempStorage s_scan;
+  __shared__ float s_msafe[kHeadsN], s_lsum[kHeadsN];
   int* s_list = reinterpret_cast<int*>(smem);  // [N]   this launch's ids
   int* s_p = s_list + N;                       // [N1]  P's ids
   int* s_a = s_p + N1;                         // [Na]  A's ids
@@ -113,17 +125,22 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
   int* s_ent = s_key + E;                      // [E]   kept entries: position << 1 | source
   int* s_srt = s_ent + E;                      // [E]   the same, sorted by key
 
-  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
-  const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
-  // Every list load goes out at once (one round trip); the counts mask them afterwards.
-  const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
-  const int c2 = clampi(a.cnt[lrow], N);
-  const int pc = filt ? clampi(a.p_cnt[prow], N1) : N1;
-  const int ca = Na ? clampi(a.a_cnt[row], Na) : 0;
-  for (int i = tid; i < N; i += kAttnThreads) s_list[i] = a.idx[lrow * N + i];
-  if (filt)
-    for (int i = tid; i < N1; i += kAttnThreads) s_p[i] = a.p_idx[prow * N1 + i];
-  for (int i = tid; i < Na; i += kAttnThreads) s_a[i] = a.a_idx[row * Na + i];
+  const int c2 = clampi(c2_raw, N);
+  const int pc = filt ? clampi(pc_raw, N1) : N1;
+  const int ca = Na ? clampi(ca_raw, Na) : 0;
+  if (tid < N) s_list[tid] = x_list;
+  if (filt && tid < N1) s_p[tid] = x_p;
+  if (tid < Na) s_a[tid] = x_a;
+  // Entries past the first kAttnThreads (rows that select every block of a long context): the
+  // three lists' loads of a round go out together, then their stores.
+  for (int i = tid + kAttnThreads; i < N || (filt && i < N1) || i < Na; i += kAttnThreads) {
+    const int y0 = i < N ? a.idx[lrow * N + i] : 0;
+    const int y1 = (filt && i < N1) ? a.p_idx[prow * N1 + i] : 0;
+    const int y2 = i < Na ? a.a_idx[row * Na + i] : 0;
+    if (i < N) s_list[i] = y0;
+    if (filt && i < N1) s_p[i] = y1;
+    if (i < Na) s_a[i] = y2;
+  }
   __syncthreads();
   // A block is kept only if it holds tokens of the request; others have the state (0, -inf),
   // which would add exact zeros.
@@ -178,9 +195,42 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
   // thread per (query head, 4 dims) sums its weighted rows, kLoads in flight at a time.
   float* s_w = reinterpret_cast<float*>(s_srt + E);  // [G, nk]
   const int64_t r0 = (int64_t)b * a.Hq + (int64_t)hk * G;  // first query head of the group
-  for (int e = tid; e < G * nk; e += kAttnThreads) {
-    const int g = e / nk, i = e % nk, ent = s_srt[i], pos = ent >> 1;
-    s_w[e] = (ent & 1) ? __ldcg(a.lse + (r0 + g) * N + pos) : __ldcg(a.lse1 + (r0 + g) * N1 + pos);
+  // Partial rows: a thread per (query head, 4 dims) item sums its weighted rows, kLoads loads in
+  // flight. They depend on the sorted entries only, so the first item's first kLoads rows go out
+  // here, beside the lse loads, and the two round trips overlap.
+  constexpr int kLoads = 8;
+  const int D4 = D / 4, items = G * D4;
+  float4 x[kLoads];
+  auto issue_rows = [&](int e, int i0) {
+    const int64_t r = r0 + e / D4;
+    const float4* src2 = reinterpret_cast<const float4*>(a.o + r * N * D) + e % D4;
+    const float4* src1 = reinterpret_cast<const float4*>(a.o1 + r * N1 * D) + e % D4;
+#pragma unroll
+    for (int u = 0; u < kLoads; ++u) {
+      if (i0 + u < nk) {
+        const int ent = s_srt[i0 + u];
+        x[u] = __ldcg(((ent & 1) ? src2 : src1) + (ent >> 1) * D4);
+      }
+    }
+  };
+  if (tid < items) issue_rows(tid, 0);
+  constexpr int kLse = 4;  // lse loads in flight per thread (G * nk of them)
+  for (int e0 = tid; e0 < G * nk; e0 += kLse * kAttnThreads) {
+    float v[kLse];
+#pragma unroll
+    for (int u = 0; u < kLse; ++u) {
+      const int e = e0 + u * kAttnThreads;
+      if (e < G * nk) {
+        const int g = e / nk, ent = s_srt[e % nk], pos = ent >> 1;
+        v[u] = (ent & 1) ? __ldcg(a.lse + (r0 + g) * N + pos)
+                         : __ldcg(a.lse1 + (r0 + g) * N1 + pos);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kLse; ++u) {
+      const int e = e0 + u * kAttnThreads;
+      if (e < G * nk) s_w[e] = v[u];
+    }
   }
   __syncthreads();
   const int warp = tid / 32, lane = tid % 32;
@@ -193,33 +243,22 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
     const float m_safe = (mx == -INFINITY || mx == INFINITY || mx != mx) ? 0.f : mx;
     float ls = 0.f;
     for (int i = lane; i < nk; i += 32) {
-      const float x = expf(w[i] - m_safe);  // an empty state: exp(-inf) = 0
-      w[i] = x;
-      ls += x;
+      const float ex = expf(w[i] - m_safe);  // an empty state: exp(-inf) = 0
+      w[i] = ex;
+      ls += ex;
     }
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) ls += __shfl_xor_sync(0xffffffffu, ls, off);
     if (lane == 0) { s_msafe[g] = m_safe; s_lsum[g] = ls; }
   }
   __syncthreads();
-  constexpr int kLoads = 8;
-  const int D4 = D / 4;
-  for (int e = tid; e < G * D4; e += kAttnThreads) {
+  for (int e = tid; e < items; e += kAttnThreads) {
     const int g = e / D4, c = e % D4;
     const int64_t r = r0 + g;
     const float* w = s_w + g * nk;
-    const float4* src2 = reinterpret_cast<const float4*>(a.o + r * N * D) + c;
-    const float4* src1 = reinterpret_cast<const float4*>(a.o1 + r * N1 * D) + c;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
     for (int i0 = 0; i0 < nk; i0 += kLoads) {
-      float4 x[kLoads];
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        if (i0 + u < nk) {
-          const int ent = s_srt[i0 + u];
-          x[u] = __ldcg(((ent & 1) ? src2 : src1) + (ent >> 1) * D4);
-        }
-      }
+      if (e != tid || i0 != 0) issue_rows(e, i0);  // (the first batch went out above)
 #pragma unroll
       for (int u = 0; u < kLoads; ++u) {
         if (i0 + u >= nk) break;
@@ -238,11 +277,11 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
   }
 }
 
-// The loads of the earlier entries do not wait for the count (entries before a listed one are
-// listed too), so they go out beside the loads of the count and of the entry's own id.
-__device__ __forceinline__ bool repeats_earlier(const int32_t* list, int n, int blk) {
-  int dup = 0;
-  for (int j = threadIdx.x; j < n; j += blockDim.x) dup |= list[j] == blk;
+// Whether entry n of `list` repeats an earlier one (counted once). `first` is list[threadIdx.x],
+// loaded by the caller beside the count (entries before a listed one are listed too).
+__device__ __forceinline__ bool repeats_earlier(const int32_t* list, int n, int blk, int first) {
+  int dup = (int)threadIdx.x < n && first == blk;
+  for (int j = threadIdx.x + blockDim.x; j < n; j += blockDim.x) dup |= list[j] == blk;
   return __syncthreads_or(dup) != 0;
 }
 
@@ -264,14 +303,19 @@ block_attn_kernel(AttnArgs a, int nq) {
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;
   const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
+  // Every load that needs only the list's row goes out at once (one round trip, not three): the
+  // count, this CTA's entry, the request's length and the first earlier entries (the repeat
+  // check). The list is as wide as the grid, so entry n exists whatever the count.
+  const int32_t* list = a.idx + lrow * a.N;
   const int c = a.cnt[lrow];
+  const int blk = list[n];
+  const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
+  const int earlier = tid < n ? list[tid] : 0;
   // Fused merge: only the listed entries take part (entry 0 alone for an empty list, so the
   // first source is still merged); the CTAs of padding entries exit at once.
   const int parts = max(min(c, a.N), 1);
   if (a.sem && n >= parts) return;
-  const int blk = a.idx[lrow * a.N + n];
-  const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
-  const bool repeat = repeats_earlier(a.idx + lrow * a.N, n, blk);
+  const bool repeat = repeats_earlier(list, n, blk, earlier);
   int ntok = 0;
   int64_t page = 0;
   if (n < c && !repeat && blk >= 0 && blk < a.NB) {  // ids outside the table are padding

@@ -120,7 +120,10 @@ __device__ __forceinline__ int64_t slot_of(const void* rows, bool rows64, int b)
 // reset by that CTA, so the next launch or graph replay starts from zero. Contains __syncthreads.
 // The barrier orders every thread's writes before thread 0's fence, which publishes them at
 // device scope before its ticket (the pattern of cooperative groups' grid sync: one fence per
-// CTA, not one per thread).
+// CTA, not one per thread). The last CTA's fence (acquire) comes before its reset: a fence waits
+// for the thread's outstanding memory operations, so after the reset it would add that atomic's
+// round trip to the caller's critical path; the reset completes by the end of the kernel, before
+// the next launch in the stream reads the counter.
 __device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
   __shared__ int s_last;
   __syncthreads();
@@ -129,8 +132,8 @@ __device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
     const int prev = atomicAdd(counter, 1);
     s_last = prev == group_size - 1;
     if (s_last) {
-      atomicExch(counter, 0);
       __threadfence();
+      atomicExch(counter, 0);
     }
   }
   __syncthreads();

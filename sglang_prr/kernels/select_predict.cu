@@ -244,6 +244,14 @@ quest_select_onepass_kernel(SelectArgs a) {
     a.ws_cnt[(row * a.nch + ch) * 2 + 1] = pred ? min(np, a.kcp) : 0;
   }
   if (a.debug_stop == 1) return;  // timing probe: the chunks' pass alone
+  // P(t) is an input, not the row's result: every CTA issues its count and first entries before
+  // the ticket, so the last CTA's copies arrive with the ticket (a round trip off its tail).
+  int pc_raw = 0, p_first = -1;
+  const int64_t prow = a.p_idx ? slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk : 0;
+  if (a.p_idx) {
+    pc_raw = a.p_cnt[prow];
+    if (tid < a.Np) p_first = a.p_idx[prow * a.Np + tid];
+  }
   const bool last = last_of_group(a.sem + row, nch);
   if (ticket == a.Hk * nch - 1) {
     atomicExch(a.req_sem + b, 0);
@@ -300,9 +308,9 @@ quest_select_onepass_kernel(SelectArgs a) {
   }
   int pc = 0;
   if (a.p_idx) {
-    const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
-    pc = min(max(a.p_cnt[prow], 0), a.Np);
-    for (int i = tid; i < pc; i += kOpThreads) s_pl[i] = a.p_idx[prow * a.Np + i];
+    pc = min(max(pc_raw, 0), a.Np);
+    if (tid < pc) s_pl[tid] = p_first;
+    for (int i = tid + kOpThreads; i < pc; i += kOpThreads) s_pl[i] = a.p_idx[prow * a.Np + i];
   }
   __syncthreads();
   if (a.debug_stop == 2) return;  // timing probe: up to the tail's loads
