@@ -127,6 +127,9 @@ __device__ __forceinline__ int64_t slot_of(const void* rows, bool rows64, int b)
 __device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
   __shared__ int s_last;
   __syncthreads();
+  // A group of one CTA (a repair over |M| <= 1 block, a selection row of one chunk) is its own
+  // last: the barrier makes its writes visible to its threads, and the counter stays at zero.
+  if (group_size == 1) return true;
   if (threadIdx.x == 0) {
     __threadfence();
     const int prev = atomicAdd(counter, 1);
