@@ -294,6 +294,13 @@ class BudgetPolicy:
             return False
         return self._choice(batch)[0]
 
+    def always_dense(self) -> bool:
+        """Whether every batch size decodes with dense attention: ``--prr-budget auto`` with a
+        profile that measures dense attention faster at every profiled batch size (every batch
+        size maps to its nearest profiled one). No request ever decodes sparse then, so the
+        server keeps no block summaries and calibrates nothing."""
+        return self.profile is not None and all(self.dense(b) for b in self.profile.batch_sizes)
+
     def delta(self, batch: int) -> float:
         if self.cfg.serial or not self.cfg.enabled:
             return 0.0

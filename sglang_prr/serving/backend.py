@@ -13,7 +13,10 @@ Decode, per layer (``forward_decode``):
    planned with one-token rows, see ``_dense_batch``);
 4. a batch size that the ``--prr-budget auto`` profile runs dense (dense attention measured
    faster than the sparse step there): the inner backend attends, planned with the real lengths,
-   and only the summaries are kept up to date (a request may decode sparse later).
+   and only the summaries are kept up to date (a request may decode sparse later). When the
+   profile runs every batch size dense (``BudgetPolicy.always_dense``: a short server, a small
+   model), no request ever decodes sparse and the summaries are not kept either: the server's
+   attention is the inner backend's, launch for launch.
 
 The per-forward values (block table, block counts, dense rows) are planned once per forward in
 SGLang's ``init_forward_metadata_in_graph`` hook (recorded into decode CUDA graphs) or, eagerly,
@@ -117,6 +120,8 @@ class PRRBackend:
         # Calibration, the side stream and the PRR statistics only serve speculation: all off
         # when no batch size ever speculates.
         self.calibrates = self.budget.may_speculate()
+        # Block summaries serve the sparse step only: none when every batch size runs dense.
+        self.keeps_summaries = not self.budget.always_dense()
         # One model runner may build several backends (separate prefill and decode backends):
         # they share one set of summaries, state and statistics, kept on the runner.
         shared = getattr(runner, "_prr_shared", None)
@@ -152,6 +157,10 @@ class PRRBackend:
                         "" if self.calibrates else "; no batch size speculates, calibration off")
             for b, why in self.stats.budget_reason.items():
                 logger.info("sglang_prr: budget at batch size %s: %s", b, why)
+            if not self.keeps_summaries:
+                logger.info("sglang_prr: every batch size decodes with dense attention: no block "
+                            "summaries are kept (the inner backend's attention, launch for "
+                            "launch)")
         self.tracer = self._make_tracer()
         self._ext_plan = None
         summary_mib = self.summaries.nbytes / 2**20
@@ -299,6 +308,8 @@ class PRRBackend:
 
     # ------------------------------------------------------------------ summaries
     def _update_summaries(self, layer_id: int, k: torch.Tensor, fb) -> None:
+        if not self.keeps_summaries:
+            return
         # Decode writes one token per request, each into its own last page.
         self.summaries.update(layer_id, k.reshape(-1, self.num_kv_heads, self.head_dim),
                               fb.out_cache_loc, fb.positions, fb.forward_mode.is_decode(),

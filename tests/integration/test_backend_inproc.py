@@ -550,6 +550,52 @@ def test_budget_auto_runs_dense_where_the_profile_says(tmp_path):
     assert snap["budget"] == {"1": "dense", "4": 1.5} and snap["hit_rate"] is not None
 
 
+def test_budget_auto_dense_everywhere_is_the_inner_backend(tmp_path):
+    """A profile that measures dense attention faster at every batch size: every decode step
+    equals the dense inner backend's output exactly, nothing of the sparse step is planned, and
+    neither prefill nor decode writes a block summary (no request can decode sparse). Control: a
+    server whose profile runs batch 4 sparse writes the summaries during the same steps."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    base = dict(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40, calib_queries=6)
+    every = _auto_profile(tmp_path, 4, 2, {1: {1.5: 1.1}, 4: {1.5: 0.9}}, dense={1: 0.5, 4: 0.6})
+    cfg = PRRConfig(budget="auto", profile=every, **base)
+    worlds = {m: World(2, 4, 2, cfg, seed) for m in ("auto", "mixed", "dense")}
+    backs = {"auto": _backends(worlds["auto"], {"auto": cfg})["auto"],
+             "dense": _backends(worlds["dense"], {})["dense"]}
+    auto = backs["auto"]
+    assert not auto.keeps_summaries and not auto.calibrates
+    assert auto.stats.budget == {"1": "dense", "4": "dense"}
+    start = [[t.clone() for t in auto.summaries.layer(i)] for i in range(2)]
+    gap, planned = 0.0, set()
+    steps = AUTO_STEPS
+    for rows, new in steps:
+        outs, fbs = {}, {}
+        for m in ("auto", "dense"):
+            fbs[m], q, k, v = worlds[m].batch(rows, new)
+            outs[m] = _forward(backs[m], worlds[m], fbs[m], q, k, v)
+        if fbs["auto"].forward_mode.is_decode():
+            planned.add(getattr(fbs["auto"], "_prr_batch", None) is not None)
+            gap = max(gap, (outs["auto"] - outs["dense"]).abs().max().item())
+    assert planned == {False}
+    assert gap == 0.0, f"auto (dense everywhere) vs the inner backend: {gap} (seed {seed})"
+    for i in range(2):
+        for now, then in zip(auto.summaries.layer(i), start[i]):
+            assert torch.equal(now, then), i  # never written
+    assert auto.stats.snapshot()["dense_rows"] == (4 * 3 + 4 * 1) * 2  # rows x sparse layers
+    # Control: batch 4 sparse in the profile, so the summaries are kept through the same steps.
+    mixed_profile = _auto_profile(tmp_path, 4, 2, {1: {1.5: 1.1}, 4: {1.5: 0.8}},
+                                  dense={1: 0.5, 4: 1.5})
+    mixed = _backends(worlds["mixed"], {"mixed": PRRConfig(budget="auto", profile=mixed_profile,
+                                                           **base)})["mixed"]
+    assert mixed.keeps_summaries
+    before = [t.clone() for t in mixed.summaries.layer(0)]
+    for rows, new in steps[:3]:
+        fb, q, k, v = worlds["mixed"].batch(rows, new)
+        _forward(mixed, worlds["mixed"], fb, q, k, v)
+    assert not all(torch.equal(a, b) for a, b in zip(mixed.summaries.layer(0), before))
+
+
 def test_tensor_parallel_rank_sizes_and_reporting(tmp_path, monkeypatch):
     """Under --tp 2 a rank owns half the heads: its summaries, predictor state and calibration
     are sized from its own KV heads (the model's 8 q / 4 KV heads -> 4 / 2 per rank), its decode

@@ -372,12 +372,18 @@ def test_dense_where_dense_wins(tmp_path):
     assert why["1"].startswith("dense: ") and "dense attention 0.500-0.900x" in why["1"]
     assert why["8"].startswith("PRR delta 1.5: ") and "dense attention 0.600-1.000x" in why["8"]
     assert pol.may_speculate()  # batch 32 speculates
+    assert not pol.always_dense()  # batch 8 runs PRR
+    _with_dense(prof, {b: {8192: 0.5, 131072: 0.8} for b in (1, 8, 32)})
+    every = BudgetPolicy(_cfg(_write(tmp_path, prof, "every.json")), SHAPE)
+    assert every.always_dense() and not every.may_speculate()
+    assert all(every.dense(b) for b in (1, 2, 8, 64))  # unprofiled sizes: the nearest one
     # control: the same profile without its dense timings never runs dense
     plain = {k: v for k, v in prof.items() if k != "dense_us"}
     pol = BudgetPolicy(_cfg(_write(tmp_path, plain, "plain.json")), SHAPE)
     assert not any(pol.dense(b) for b in (1, 8, 32)) and pol.delta(32) == 1.5
     # --prr-serial is serial DSA even with a profile that says dense
-    assert not BudgetPolicy(_cfg(_write(tmp_path, prof), serial=True), SHAPE).dense(1)
+    serial = BudgetPolicy(_cfg(_write(tmp_path, prof), serial=True), SHAPE)
+    assert not serial.dense(1) and not serial.always_dense()
 
 
 def test_dense_over_the_contexts_the_server_serves(tmp_path):
