@@ -173,6 +173,9 @@ class DecodeGraph:
                                        min_context=8 * page + 1, exact=True, serial=serial,
                                        device=dev, fuse_predictor=fuse_predictor)
         prr, serial = mk(False), mk(True)
+        # The graph reads and flips prr._p_par (allocated in capture()'s eager warm-up): the
+        # steps must live as long as the graph.
+        self.steps = (prr, serial)
         self.state = state = new_layer_state(R, hk, nb, n_pred + 2, (0.6, 0.3, 0.5), dev)
         self.rows = torch.cat([kv.rows.flip(0), torch.zeros(1, dtype=torch.long, device=dev)])
         B = batch + 1
@@ -244,6 +247,25 @@ def test_decode_step_graph_replay_equals_serial_dsa(batch, group, page, dtype):
     assert int(stats[3]) == steps * n_long * hk  # host-ok: test readout
     assert int(stats[0]) == steps * n_long * hk * 6  # |A| = K + sink + local
     assert 0 < int(stats[2]) and int(stats[1]) < int(stats[0])  # P and hits were counted
+
+
+@pytest.mark.parametrize("fuse_predictor", [True, False])
+def test_decode_graph_survives_a_later_capture(fuse_predictor):
+    """A DecodeGraph replays correctly after the caching allocator is emptied (what the next
+    graph's capture does: torch.cuda.graph calls empty_cache) and freed memory is re-handed out
+    poisoned: everything the graph reads must be owned by the DecodeGraph."""
+    import gc
+    g = torch.Generator().manual_seed(seeded(f"keepalive fuse={fuse_predictor}"))
+    dg = DecodeGraph(g, 1, 4, 64, torch.bfloat16, fuse_predictor=fuse_predictor)
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    poison_buf = torch.full((min(free // 2, 1 << 30) // 8,), -(1 << 40), dtype=torch.long,
+                            device="cuda")  # reused addresses now hold a huge parity
+    for t in range(3):
+        outs = dg.replay([dg.ctx + t, 1])
+        assert torch.equal(outs["prr"][:1], outs["ser"][:1]), t
+    del poison_buf
 
 
 @pytest.mark.parametrize("batch,group,page", [(1, 4, 64), (4, 8, 16)])
