@@ -298,7 +298,7 @@ class BudgetPolicy:
         """Whether every batch size decodes with dense attention: ``--prr-budget auto`` with a
         profile that measures dense attention faster at every profiled batch size (every batch
         size maps to its nearest profiled one). No request ever decodes sparse then, so the
-        server keeps no block summaries and calibrates nothing."""
+        server updates no block summary and calibrates nothing."""
         return self.profile is not None and all(self.dense(b) for b in self.profile.batch_sizes)
 
     def delta(self, batch: int) -> float:

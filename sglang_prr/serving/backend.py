@@ -15,7 +15,7 @@ Decode, per layer (``forward_decode``):
    faster than the sparse step there): the inner backend attends, planned with the real lengths,
    and only the summaries are kept up to date (a request may decode sparse later). When the
    profile runs every batch size dense (``BudgetPolicy.always_dense``: a short server, a small
-   model), no request ever decodes sparse and the summaries are not kept either: the server's
+   model), no request ever decodes sparse and the summaries are not updated either: the server's
    attention is the inner backend's, launch for launch.
 
 The per-forward values (block table, block counts, dense rows) are planned once per forward in
@@ -120,7 +120,8 @@ class PRRBackend:
         # Calibration, the side stream and the PRR statistics only serve speculation: all off
         # when no batch size ever speculates.
         self.calibrates = self.budget.may_speculate()
-        # Block summaries serve the sparse step only: none when every batch size runs dense.
+        # Block summaries serve the sparse step only: none is written when every batch size runs
+        # dense (their memory stays allocated).
         self.keeps_summaries = not self.budget.always_dense()
         # One model runner may build several backends (separate prefill and decode backends):
         # they share one set of summaries, state and statistics, kept on the runner.
@@ -159,7 +160,7 @@ class PRRBackend:
                 logger.info("sglang_prr: budget at batch size %s: %s", b, why)
             if not self.keeps_summaries:
                 logger.info("sglang_prr: every batch size decodes with dense attention: no block "
-                            "summaries are kept (the inner backend's attention, launch for "
+                            "summary is updated (the inner backend's attention, launch for "
                             "launch)")
         self.tracer = self._make_tracer()
         self._ext_plan = None

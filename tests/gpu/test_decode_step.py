@@ -173,9 +173,6 @@ class DecodeGraph:
                                        min_context=8 * page + 1, exact=True, serial=serial,
                                        device=dev, fuse_predictor=fuse_predictor)
         prr, serial = mk(False), mk(True)
-        # The graph reads and flips prr._p_par (allocated in capture()'s eager warm-up): the
-        # steps must live as long as the graph.
-        self.steps = (prr, serial)
         self.state = state = new_layer_state(R, hk, nb, n_pred + 2, (0.6, 0.3, 0.5), dev)
         self.rows = torch.cat([kv.rows.flip(0), torch.zeros(1, dtype=torch.long, device=dev)])
         B = batch + 1

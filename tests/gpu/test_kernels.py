@@ -59,8 +59,8 @@ def capture(body) -> torch.cuda.CUDAGraph:
     with torch.cuda.graph(graph):
         body()
     # The graph holds raw pointers to every tensor it touches, some allocated eagerly in the
-    # warm-up above (e.g. DecodeStep._p_par): keep what body closes over alive with the graph,
-    # or the caching allocator frees it (and the next capture's empty_cache unmaps it).
+    # warm-up above (e.g. a DecodeStep's own P parity): keep what body closes over alive with
+    # the graph, or the caching allocator frees it (and the next capture's empty_cache unmaps it).
     graph.keepalive = body
     return graph
 
