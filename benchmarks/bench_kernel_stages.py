@@ -17,7 +17,9 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
   the row-tail kernels instead, and ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass
   kernel after its chunks' pass / the tail's loads / the tail's merges (timing probes of where
   the time goes; the outputs are then incomplete; read once per process). One run per setting,
-  the ``select_kernel`` and ``debug_stop`` columns say which.
+  the ``select_kernel`` and ``debug_stop`` columns say which. ``SGLANG_PRR_ATTN_DEBUG_STOP=1|2|3``
+  ends the attention's merge tail after the last CTA's ticket / the lists' sort / the lse loads
+  and weights (the same kind of probe).
 
 Shape: Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16), page 64, K = 2048 tokens
 (32 blocks + sink + local), |P| = 48 blocks (delta 1.5).
@@ -50,6 +52,11 @@ HQ, HK, D = 32, 8, 128
 COLUMNS = ["part", "case", "batch", "ctx", "tokens", "m_blocks", "cold_us", "warm_us",
            "bytes", "cold_GBps", "pct_copy", "copy_GBps", "select_kernel", "debug_stop",
            "library"]
+
+
+# The timing probe each part's kernels read (``debug_stop`` column).
+DEBUG_STOP_ENV = {"attention": "SGLANG_PRR_ATTN_DEBUG_STOP",
+                  "selection": "SGLANG_PRR_SELECT_DEBUG_STOP"}
 
 
 def copy_gbps(dev) -> float:
@@ -199,7 +206,7 @@ def _timed_row(part, case, B, ctx, tokens, m, nbytes, calls, a, dev, bw):
                cold_GBps=round(gbps, 1), pct_copy=round(100 * gbps / bw, 1) if bw else None,
                copy_GBps=round(bw, 1), select_kernel=os.environ.get("SGLANG_PRR_SELECT_KERNEL",
                                                                     "auto"),
-               debug_stop=int(os.environ.get("SGLANG_PRR_SELECT_DEBUG_STOP", "0")),
+               debug_stop=int(os.environ.get(DEBUG_STOP_ENV[part], "0")),
                library=build.library_tag())
     print(f"{part:10s} {case:30s} B={B:<3d} ctx={ctx:<7d} tok={tokens:<5d} cold {cold:9.2f} us"
           f"  warm {warm:9.2f} us  {gbps:7.0f} GB/s", flush=True)

@@ -42,6 +42,9 @@ constexpr int kAttnWarps = kAttnThreads / 32;
 constexpr int kSlice = 16;                       // tokens per warp per chunk
 constexpr int kChunk = kAttnWarps * kSlice;      // tokens per chunk
 constexpr int kHeadsN = 8;                       // the MMA's n: query heads of a group
+// Dynamic shared memory a fused-merge launch may take for the merge tail's row stage: 4 CTAs of
+// 128 threads (the attention's register-bound occupancy) still fit an SM's 228 KiB.
+constexpr size_t kMergeSmemBudget = 52 * 1024;
 
 template <typename T> struct Mma;
 template <> struct Mma<__nv_bfloat16> { using Op = cute::SM80_16x8x16_F32BF16BF16F32_TN; };
@@ -93,6 +96,22 @@ __device__ __forceinline__ int clampi(int64_t x, int hi) {
   return (int)(x < 0 ? 0 : (x > hi ? hi : x));
 }
 
+// Where the merge tail's row stage starts in dynamic shared memory (after its lists, keys and
+// weights: attn_merge_smem bytes), 16-byte aligned.
+__host__ __device__ __forceinline__ size_t merge_rows_offset(int N, int N1, int Na, int G) {
+  const size_t E = (size_t)N + N1;
+  return (((size_t)N + N1 + Na + 3 * E) * sizeof(int) + (size_t)G * E * sizeof(float) + 15) &
+         ~(size_t)15;
+}
+
+// Whether x is one of list[0, n) (shared memory): independent compares, several loads in flight.
+__device__ __forceinline__ bool occurs_in(const int* list, int n, int x) {
+  int hit = 0;
+#pragma unroll 8
+  for (int j = 0; j < n; ++j) hit |= list[j] == x;
+  return hit != 0;
+}
+
 __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem, int group,
                            int D) {
   const int64_t row = (int64_t)b * a.Hk + hk;
@@ -115,6 +134,7 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
   const int x_p = (filt && tid < N1) ? a.p_idx[prow * N1 + tid] : 0;
   const int x_a = tid < Na ? a.a_idx[row * Na + tid] : 0;
   if (!last_of_group(a.sem + row, group)) return;
+  if (a.debug_stop == 1) return;  // timing probe: the chain up to the ticket
   using Scan = cub::BlockScan<int, kAttnThreads>;
   __shared__ typename Scan::TempStorage s_scan;
   __shared__ float s_msafe[kHeadsN], s_lsum[kHeadsN];
@@ -157,21 +177,17 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
       if (!filt) {
         keep = 1; key = INT_MIN + e;
       } else {
+        // Membership tests as independent compares (broadcast reads, many in flight), not
+        // early-exit loops whose every step waits on the one before.
         const int x = s_p[e];
-        keep = e < pc && has_tokens(x);
-        for (int j = 0; keep && j < e; ++j) keep = !(s_p[j] == x);  // a repeat counts once
-        if (keep && a.p_exact) {
-          int in_a = 0;
-          for (int j = 0; j < ca && !in_a; ++j) in_a = s_a[j] == x;
-          keep = in_a;
-        }
+        keep = e < pc && has_tokens(x) && !occurs_in(s_p, e, x);  // a repeat counts once
+        if (a.p_exact) keep = keep && occurs_in(s_a, ca, x);
         key = 2 * x;
       }
       ent = e << 1;
     } else if (e < E) {
       const int n = e - N1, x = s_list[n];
-      keep = n < c2 && has_tokens(x);
-      for (int j = 0; keep && j < n; ++j) keep = !(s_list[j] == x);
+      keep = n < c2 && has_tokens(x) && !occurs_in(s_list, n, x);
       key = 2 * x + 1;
       ent = (n << 1) | 1;
     }
@@ -186,32 +202,35 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
   for (int i = tid; i < nk; i += kAttnThreads) {
     const int k = s_key[i];
     int r = 0;
+#pragma unroll 8
     for (int j = 0; j < nk; ++j) r += s_key[j] < k;
     s_srt[r] = s_ent[i];
   }
   __syncthreads();
+  if (a.debug_stop == 2) return;  // timing probe: + the lists and their sort
   // The merge in sorted order: lse of every (query head, entry) to shared memory, the max and
   // the weights per head (a warp per head; lane-strided sums, then a fixed xor tree), then a
-  // thread per (query head, 4 dims) sums its weighted rows, kLoads in flight at a time.
-  float* s_w = reinterpret_cast<float*>(s_srt + E);  // [G, nk]
+  // thread per (query head, 4 dims) item sums its weighted rows.
+  float* s_w = reinterpret_cast<float*>(s_srt + E);  // [G, E]
   const int64_t r0 = (int64_t)b * a.Hq + (int64_t)hk * G;  // first query head of the group
-  // Partial rows: a thread per (query head, 4 dims) item sums its weighted rows, kLoads loads in
-  // flight. They depend on the sorted entries only, so the first item's first kLoads rows go out
-  // here, beside the lse loads, and the two round trips overlap.
-  constexpr int kLoads = 8;
-  const int D4 = D / 4, items = G * D4;
-  float4 x[kLoads];
-  auto issue_rows = [&](int e, int i0) {
+  // Partial rows go to shared memory by cp.async, a.merge_rows entries of every item a round
+  // (the launch sizes them to its shared memory: ~24 rows of 16 bytes in flight a thread, no
+  // registers held), and each thread reads back only its own item's rows, so a round needs no
+  // barrier. They depend on the sorted entries only: the first round goes out here, beside the
+  // lse loads, and the two round trips overlap.
+  const int D4 = D / 4, items = G * D4, cap = a.merge_rows;
+  float4* s_rows = reinterpret_cast<float4*>(smem + merge_rows_offset(N, N1, Na, G));
+  auto issue_rows = [&](int e, int i0) {  // rows [i0, i0 + cap) of item e -> s_rows[u][e]
     const int64_t r = r0 + e / D4;
     const float4* src2 = reinterpret_cast<const float4*>(a.o + r * N * D) + e % D4;
     const float4* src1 = reinterpret_cast<const float4*>(a.o1 + r * N1 * D) + e % D4;
-#pragma unroll
-    for (int u = 0; u < kLoads; ++u) {
-      if (i0 + u < nk) {
-        const int ent = s_srt[i0 + u];
-        x[u] = __ldcg(((ent & 1) ? src2 : src1) + (ent >> 1) * D4);
-      }
+    for (int u = 0; u < cap && i0 + u < nk; ++u) {
+      const int ent = s_srt[i0 + u];
+      cute::SM80_CP_ASYNC_CACHEGLOBAL<uint4>::copy(
+          *reinterpret_cast<const uint4*>(((ent & 1) ? src2 : src1) + (ent >> 1) * D4),
+          *reinterpret_cast<uint4*>(s_rows + (size_t)u * items + e));
     }
+    cute::cp_async_fence();
   };
   if (tid < items) issue_rows(tid, 0);
   constexpr int kLse = 4;  // lse loads in flight per thread (G * nk of them)
@@ -252,18 +271,18 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
     if (lane == 0) { s_msafe[g] = m_safe; s_lsum[g] = ls; }
   }
   __syncthreads();
+  if (a.debug_stop == 3) return;  // timing probe: + the lse loads and the weights
   for (int e = tid; e < items; e += kAttnThreads) {
     const int g = e / D4, c = e % D4;
     const int64_t r = r0 + g;
     const float* w = s_w + g * nk;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    for (int i0 = 0; i0 < nk; i0 += kLoads) {
-      if (e != tid || i0 != 0) issue_rows(e, i0);  // (the first batch went out above)
-#pragma unroll
-      for (int u = 0; u < kLoads; ++u) {
-        if (i0 + u >= nk) break;
+    for (int i0 = 0; i0 < nk; i0 += cap) {
+      if (e != tid || i0 != 0) issue_rows(e, i0);  // (the first round went out above)
+      cute::cp_async_wait<0>();
+      for (int u = 0; u < cap && i0 + u < nk; ++u) {
         const float wt = w[i0 + u];
-        float4 y = x[u];
+        float4 y = s_rows[(size_t)u * items + e];
         y.x = y.x != y.x ? 0.f : y.x; y.y = y.y != y.y ? 0.f : y.y;
         y.z = y.z != y.z ? 0.f : y.z; y.w = y.w != y.w ? 0.f : y.w;
         acc.x = fmaf(wt, y.x, acc.x); acc.y = fmaf(wt, y.y, acc.y);
@@ -519,17 +538,35 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
   const int stages = a.page_size > kChunk ? 2 : 1;
   size_t smem = (size_t)stages * AttnSmem<T, D>::kStageBytes +
                 (size_t)nq * kHeadsN * AttnSmem<T, D>::kQRow * sizeof(T);
-  if (a.sem) smem = std::max(smem, attn_merge_smem(a.N, a.o1 ? a.N1 : 0, a.Na, a.Hq / a.Hk));
+  AttnArgs c = a;
+  if (a.sem) {
+    // The merge tail's row stage: as many entries a round as fit beside its lists in the larger
+    // of the attention's shared memory and kMergeSmemBudget (which keeps 4 CTAs an SM), at
+    // least one, at most every entry.
+    const int N1 = a.o1 ? a.N1 : 0, G = a.Hq / a.Hk, E = a.N + N1;
+    const size_t base = merge_rows_offset(a.N, N1, a.Na, G);
+    const size_t per = (size_t)G * D * sizeof(float);  // one entry's rows of the group
+    const size_t budget = std::max(smem, kMergeSmemBudget);
+    const size_t fit = budget > base ? (budget - base) / per : 0;
+    c.merge_rows = (int)std::min<size_t>(std::max<size_t>(fit, 1), (size_t)std::max(E, 1));
+    smem = std::max(smem, base + (size_t)c.merge_rows * per);
+  }
   cudaError_t e = set_smem_limit(block_attn_kernel<T, D>, smem);
   if (e != cudaSuccess) return e;
-  launch_kernel(block_attn_kernel<T, D>, dim3(a.N, a.Hk, a.B), kAttnThreads, smem, s, a, nq);
+  launch_kernel(block_attn_kernel<T, D>, dim3(a.N, a.Hk, a.B), kAttnThreads, smem, s, c, nq);
   return cudaGetLastError();
 }
 
 template <typename T>
-cudaError_t attn_dispatch_d(const AttnArgs& a, cudaStream_t s) {
+cudaError_t attn_dispatch_d(const AttnArgs& args, cudaStream_t s) {
   // q in the KV dtype is exact in one part; another 16-bit dtype needs two, float32 three.
-  const int nq = a.q_dtype == a.kv_dtype ? 1 : (a.q_dtype == kF32 ? 3 : 2);
+  const int nq = args.q_dtype == args.kv_dtype ? 1 : (args.q_dtype == kF32 ? 3 : 2);
+  static const int stop = [] {  // timing probes of the merge tail's stages (development only)
+    const char* e = getenv("SGLANG_PRR_ATTN_DEBUG_STOP");
+    return e ? atoi(e) : 0;
+  }();
+  AttnArgs a = args;
+  a.debug_stop = stop;
   switch (a.D) {
     case 64: return attn_launch<T, 64>(a, nq, s);
     case 128: return attn_launch<T, 128>(a, nq, s);

@@ -130,12 +130,15 @@ __device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
   // A group of one CTA (a repair over |M| <= 1 block, a selection row of one chunk) is its own
   // last: the barrier makes its writes visible to its threads, and the counter stays at zero.
   if (group_size == 1) return true;
+  // Release/acquire at device scope, not __threadfence's sequentially consistent fence (a
+  // heavier MEMBAR): the barrier above orders the CTA's writes before thread 0's release, and the
+  // last CTA's acquire orders every other CTA's writes before its reads.
   if (threadIdx.x == 0) {
-    __threadfence();
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
     const int prev = atomicAdd(counter, 1);
     s_last = prev == group_size - 1;
     if (s_last) {
-      __threadfence();
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
       atomicExch(counter, 0);
     }
   }

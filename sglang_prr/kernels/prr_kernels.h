@@ -42,6 +42,8 @@ struct AttnArgs {
   const int32_t* a_idx; const int32_t* a_cnt; int Na;        // [B, Hk, Na] ascending, [B, Hk]
   bool p_exact;  // with p_idx: keep only P n A (else P u A); a repeated id of P counts once
   void* out_o; int out_dtype; float* out_lse;                // [B, Hq, D] (f32/f16/bf16), [B, Hq] or null
+  int merge_rows;  // set by the launch: the merge tail's row-stage entries a round
+  int debug_stop;  // timing probes only (SGLANG_PRR_ATTN_DEBUG_STOP): 0 runs everything
 };
 // Dynamic shared memory the fused merge needs (bytes) for these sizes.
 size_t attn_merge_smem(int N, int N1, int Na, int G);

@@ -184,13 +184,15 @@ class DecodeGraph:
                      for n in ("prr", "ser")}
         self.stats = torch.zeros(4, dtype=torch.int64, device=dev)
 
-        def body():
+        rows, q, seq, outs, stats, scale = self.rows, self.q, self.seq, self.outs, self.stats, \
+            self.scale
+
+        def body():  # closes over the tensors, not over self: no cycle through the graph
             for name, step in (("prr", prr), ("ser", serial)):
-                b = step.plan(kv.req_to_token, self.rows, self.seq)
-                self.outs[name].copy_(step.run(self.q, kv.k_buf, kv.v_buf, [kv.kmin, kv.kmax], b,
-                                               state if name == "prr" else None,
-                                               self.stats if name == "prr" else None,
-                                               self.scale, dtype))
+                b = step.plan(kv.req_to_token, rows, seq)
+                outs[name].copy_(step.run(q, kv.k_buf, kv.v_buf, [kv.kmin, kv.kmax], b,
+                                          state if name == "prr" else None,
+                                          stats if name == "prr" else None, scale, dtype))
 
         self.qkv.copy_(torch.randn(self.qkv.shape, generator=g).to(dev) * 3)
         self.graph = capture(body)

@@ -9,6 +9,7 @@ negative control beside it. Skipped with a reason without a CUDA SM90 device.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import random
@@ -56,8 +57,16 @@ def capture(body) -> torch.cuda.CUDAGraph:
         body()
     torch.cuda.current_stream().wait_stream(s)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    # A graph kept alive by a reference cycle (an earlier graph's body closing over its owner)
+    # must not be collected mid-capture: destroying a graph while a stream captures invalidates
+    # the capture. Collect such garbage now, and let no collection run during the capture.
+    gc.collect()
+    gc.disable()
+    try:
+        with torch.cuda.graph(graph):
+            body()
+    finally:
+        gc.enable()
     # The graph holds raw pointers to every tensor it touches, some allocated eagerly in the
     # warm-up above (e.g. a DecodeStep's own P parity): keep what body closes over alive with
     # the graph, or the caching allocator frees it (and the next capture's empty_cache unmaps it).
