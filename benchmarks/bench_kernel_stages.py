@@ -11,8 +11,9 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
 * ``attention``: serial DSA's attention over A with its merge (``sparse_attn_merge``), the
   per-block partials alone (PRR's speculative pass, ``sparse_attn_partials``), and PRR's repair
   over |M| = 1, 2, 4, 8 blocks merged with the speculative partials of P n A (batch 1).
-* ``selection``: Quest's selection (scores, A, M: ``quest_select``) and PRR's selection with the
-  predictor's step in its epilogue (``quest_select_predict``), bf16 summaries. The kernel the
+* ``selection``: Quest's selection (scores, A, M: ``quest_select``), PRR's selection with the
+  predictor's step in its epilogue (``quest_select_predict``), bf16 summaries, and the
+  predictor's step as its own launch (``predict_update_rows``: ``--prr-predictor side``). The kernel the
   launcher picks is the one-pass kernel where it fits; ``SGLANG_PRR_SELECT_KERNEL=rowtail`` runs
   the row-tail kernels instead, and ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass
   kernel after its chunks' pass / the tail's loads / the tail's merges (timing probes of where
@@ -163,7 +164,8 @@ def selection_sets(B, NB, R, n_pred, dev, g):
             p_idx=torch.sort(torch.randint(0, NB, (2 * B, HK, n_pred + 2), generator=g,
                                            dtype=torch.int32), -1).values.to(dev),
             p_cnt=torch.full((2 * B, HK), n_pred + 2, dtype=torch.int32, device=dev),
-            theta=torch.tensor([[0.6, 0.3, 0.5]] * B, device=dev)))
+            theta=torch.tensor([[0.6, 0.3, 0.5]] * B, device=dev),
+            scores=torch.randn(B, HK, NB, generator=g).to(dev)))
     return sets
 
 
@@ -186,9 +188,19 @@ def bench_selection(a, dev, g, bw, rows):
                 s["p_cnt"], 2 * s["rows"], 2 * s["rows"] + 1, s["level"], s["trend"],
                 s["n_init"], s["theta"], s["rows"], k, n_pred, sink, local, n_out)
 
+        def predictor(s):  # --prr-predictor side: the step's own launch after the selection
+            ops.predict_update_rows(
+                level=s["level"], trend=s["trend"], n_init=s["n_init"], p_idx=s["p_idx"],
+                p_cnt=s["p_cnt"], theta=s["theta"], rows=s["rows"], scores=s["scores"],
+                nblk=s["nblk"], nblk_next=s["nblk"] + 1, n_pred=n_pred, sink_blocks=sink,
+                local_blocks=local, p_rows=2 * s["rows"] + 1)
+
         for name, fn in (("select (scores, A, M)", select),
                          ("select + predictor", select_predict)):
             rows.append(_row("selection", name, B, ctx, 0, 0, per, R, sets, fn, a, dev, bw))
+        # The predictor's bytes: scores read, level and trend read and written.
+        rows.append(_row("selection", "predictor (side)", B, ctx, 0, 0, B * HK * NB * 4 * 5, R,
+                         sets, predictor, a, dev, bw))
         del sets
 
 

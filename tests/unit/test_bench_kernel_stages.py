@@ -23,11 +23,13 @@ def test_rows_bytes_and_append(tmp_path):
     assert len(got) == len(rows) > 0 and list(got[0]) == bks.COLUMNS
     cases = {(r["part"], r["case"]) for r in got}
     assert ("attention", "partials") in cases and ("selection", "select + predictor") in cases
+    assert ("selection", "predictor (side)") in cases
     assert {int(r["m_blocks"]) for r in got if r["case"].startswith("repair")} == {1, 2}
     assert all(float(r["cold_us"]) > 0 and float(r["warm_us"]) > 0 for r in got)
-    # The bytes a row must read grow with its batch (serial attention, selection).
+    # The bytes a row must read grow with its batch (serial attention, selection, predictor).
     for part, case in (("attention", "serial (attention + merge)"),
-                       ("selection", "select (scores, A, M)")):
+                       ("selection", "select (scores, A, M)"),
+                       ("selection", "predictor (side)")):
         by_b = {int(r["batch"]): int(r["bytes"]) for r in got
                 if r["part"] == part and r["case"] == case}
         assert by_b[2] == 2 * by_b[1], (part, by_b)
@@ -35,6 +37,6 @@ def test_rows_bytes_and_append(tmp_path):
     # --append keeps the earlier rows (control: without it they are replaced).
     bks.main(["--device", "cpu", "--quick", "--parts", "selection", "--append", "--csv",
               str(out)])
-    assert len(_read(out)) == len(got) + 4
+    assert len(_read(out)) == len(got) + 6  # 2 batch sizes x 3 selection cases
     bks.main(["--device", "cpu", "--quick", "--parts", "selection", "--csv", str(out)])
-    assert len(_read(out)) == 4
+    assert len(_read(out)) == 6
