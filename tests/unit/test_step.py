@@ -94,7 +94,11 @@ def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method, fuse, monkeyp
         for i in batch:
             n_done[i] += 1
         # A fresh query every step, drifting around each request's own direction; scaled up so
-        # attention is peaked and the choice of blocks changes the output.
+        # attention is peaked and the choice of blocks changes the output. At step 3 every
+        # request turns to a new direction, so P(t), predicted from the old one, misses there
+        # whatever the seed (the repair's negative control is never vacuous).
+        if t == 3:
+            q0 = torch.randn(len(lens), 8, 16, generator=g)
         q = (q0[b_ids] + DRIFT * torch.randn(len(batch), 8, 16, generator=g)) * 3
         before, par_before = _clone(st), par.clone()
         b = prr.plan(P.req_to_token, rows, seq, par)
