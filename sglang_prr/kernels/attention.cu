@@ -96,8 +96,8 @@ __device__ __forceinline__ int clampi(int64_t x, int hi) {
   return (int)(x < 0 ? 0 : (x > hi ? hi : x));
 }
 
-// Where the merge tail's row stage starts in dynamic shared memory (after its lists, keys and
-// weights: attn_merge_smem bytes), 16-byte aligned.
+// Where the merge tail's row stage starts in dynamic shared memory: after its lists, keys,
+// entries and weights (the bytes dispatch.attn_merge_smem checks), 16-byte aligned.
 __host__ __device__ __forceinline__ size_t merge_rows_offset(int N, int N1, int Na, int G) {
   const size_t E = (size_t)N + N1;
   return (((size_t)N + N1 + Na + 3 * E) * sizeof(int) + (size_t)G * E * sizeof(float) + 15) &
@@ -561,10 +561,8 @@ template <typename T>
 cudaError_t attn_dispatch_d(const AttnArgs& args, cudaStream_t s) {
   // q in the KV dtype is exact in one part; another 16-bit dtype needs two, float32 three.
   const int nq = args.q_dtype == args.kv_dtype ? 1 : (args.q_dtype == kF32 ? 3 : 2);
-  static const int stop = [] {  // timing probes of the merge tail's stages (development only)
-    const char* e = getenv("SGLANG_PRR_ATTN_DEBUG_STOP");
-    return e ? atoi(e) : 0;
-  }();
+  // Timing probes of the merge tail's stages (development only).
+  static const int stop = debug_stop_env("SGLANG_PRR_ATTN_DEBUG_STOP");
   AttnArgs a = args;
   a.debug_stop = stop;
   switch (a.D) {
@@ -578,11 +576,6 @@ cudaError_t attn_dispatch_d(const AttnArgs& args, cudaStream_t s) {
 }  // namespace
 
 bool launches_with_pdl() { return pdl_enabled(); }
-
-size_t attn_merge_smem(int N, int N1, int Na, int G) {
-  const size_t E = (size_t)N + N1;
-  return ((size_t)N + N1 + Na + 3 * E) * sizeof(int) + (size_t)G * E * sizeof(float);
-}
 
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s) {
   if (a.Hq % a.Hk != 0 || a.Hq / a.Hk > kMaxGroup) return cudaErrorInvalidValue;

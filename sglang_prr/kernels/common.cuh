@@ -39,6 +39,13 @@ __device__ __forceinline__ void pdl_begin() {
 #endif
 }
 
+// The integer value of a timing-probe environment variable (0 when unset). Development only:
+// callers read it once per process into a static.
+inline int debug_stop_env(const char* name) {
+  const char* v = std::getenv(name);
+  return v ? std::atoi(v) : 0;
+}
+
 // Whether launches carry the PDL attribute: SGLANG_PRR_PDL=1, read once per process.
 inline bool pdl_enabled() {
   static const bool on = [] {

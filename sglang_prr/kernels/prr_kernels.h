@@ -45,8 +45,6 @@ struct AttnArgs {
   int merge_rows;  // set by the launch: the merge tail's row-stage entries a round
   int debug_stop;  // timing probes only (SGLANG_PRR_ATTN_DEBUG_STOP): 0 runs everything
 };
-// Dynamic shared memory the fused merge needs (bytes) for these sizes.
-size_t attn_merge_smem(int N, int N1, int Na, int G);
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s);
 
 struct QuestArgs {

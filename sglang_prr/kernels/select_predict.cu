@@ -464,10 +464,8 @@ cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
       select_one_pass(a.D, a.Hq / a.Hk, a.NB, a.k, a.level ? a.n_pred : 0, a.Np,
                       a.n_out, &nch, &kca, &kcp, &smem)) {
     if (nch != a.nch || kca != a.kca || kcp != a.kcp) return cudaErrorInvalidValue;
-    static const int stop = [] {  // timing probes of the kernel's stages (development only)
-      const char* e = getenv("SGLANG_PRR_SELECT_DEBUG_STOP");
-      return e ? atoi(e) : 0;
-    }();
+    // Timing probes of the kernel's stages (development only).
+    static const int stop = debug_stop_env("SGLANG_PRR_SELECT_DEBUG_STOP");
     SelectArgs c = a;
     c.debug_stop = stop;
     return c.s_dtype == kBF16 ? onepass_dispatch<__nv_bfloat16>(c, smem, s)
