@@ -156,8 +156,12 @@ def selection_sets(B, NB, R, n_pred, dev, g):
             kmin=lo.to(dev, torch.bfloat16), kmax=hi.to(dev, torch.bfloat16),
             table=(torch.arange(B * NB, dtype=torch.int32).view(B, NB) + 1).to(dev),
             nblk=torch.full((B,), NB, dtype=torch.int64, device=dev),
+            nblk_next=torch.full((B,), NB + 1, dtype=torch.int64, device=dev),
             q=torch.randn(B, HQ, D, generator=g).to(dev, torch.bfloat16),
             rows=torch.arange(B, device=dev),
+            # P's double-buffer rows (2 r + par), made here: inside the timed call they would add
+            # an elementwise launch to the PRR rows only.
+            p_cur=2 * torch.arange(B, device=dev), p_nxt=2 * torch.arange(B, device=dev) + 1,
             level=torch.randn(B, HK, NB, generator=g).to(dev),
             trend=(torch.randn(B, HK, NB, generator=g) * 0.1).to(dev),
             n_init=torch.full((B,), NB, dtype=torch.int64, device=dev),
@@ -180,22 +184,27 @@ def bench_selection(a, dev, g, bw, rows):
 
         def select(s):
             return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"],
-                                    s["p_idx"], s["p_cnt"], k, sink, local, n_out, 2 * s["rows"])
+                                    s["p_idx"], s["p_cnt"], k, sink, local, n_out, s["p_cur"])
+
+        def select_serial(s):  # serial DSA: no P, M = A
+            return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"],
+                                    None, None, k, sink, local, n_out, None)
 
         def select_predict(s):
             return ops.quest_select_predict(
-                s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], s["nblk"] + 1, s["p_idx"],
-                s["p_cnt"], 2 * s["rows"], 2 * s["rows"] + 1, s["level"], s["trend"],
+                s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], s["nblk_next"], s["p_idx"],
+                s["p_cnt"], s["p_cur"], s["p_nxt"], s["level"], s["trend"],
                 s["n_init"], s["theta"], s["rows"], k, n_pred, sink, local, n_out)
 
         def predictor(s):  # --prr-predictor side: the step's own launch after the selection
             ops.predict_update_rows(
                 level=s["level"], trend=s["trend"], n_init=s["n_init"], p_idx=s["p_idx"],
                 p_cnt=s["p_cnt"], theta=s["theta"], rows=s["rows"], scores=s["scores"],
-                nblk=s["nblk"], nblk_next=s["nblk"] + 1, n_pred=n_pred, sink_blocks=sink,
-                local_blocks=local, p_rows=2 * s["rows"] + 1)
+                nblk=s["nblk"], nblk_next=s["nblk_next"], n_pred=n_pred, sink_blocks=sink,
+                local_blocks=local, p_rows=s["p_nxt"])
 
-        for name, fn in (("select (scores, A, M)", select),
+        for name, fn in (("select (scores, A), serial", select_serial),
+                         ("select (scores, A, M)", select),
                          ("select + predictor", select_predict)):
             rows.append(_row("selection", name, B, ctx, 0, 0, per, R, sets, fn, a, dev, bw))
         # The predictor's bytes: scores read, level and trend read and written.

@@ -96,48 +96,66 @@ __device__ __forceinline__ int clampi(int64_t x, int hi) {
   return (int)(x < 0 ? 0 : (x > hi ? hi : x));
 }
 
-// Where the merge tail's row stage starts in dynamic shared memory: after its lists, keys,
-// entries and weights (the bytes dispatch.attn_merge_smem checks), 16-byte aligned.
-__host__ __device__ __forceinline__ size_t merge_rows_offset(int N, int N1, int Na, int G) {
+// Bytes of the merge's arrays (its lists, keys, entries and weights: the bytes
+// dispatch.attn_merge_smem checks) rounded up to 16, so that a row stage after them is aligned.
+__host__ __device__ __forceinline__ size_t merge_arrays_bytes(int N, int N1, int Na, int G) {
   const size_t E = (size_t)N + N1;
   return (((size_t)N + N1 + Na + 3 * E) * sizeof(int) + (size_t)G * E * sizeof(float) + 15) &
          ~(size_t)15;
 }
 
-// Whether x is one of list[0, n) (shared memory): independent compares, several loads in flight.
-__device__ __forceinline__ bool occurs_in(const int* list, int n, int x) {
-  int hit = 0;
-#pragma unroll 8
-  for (int j = 0; j < n; ++j) hit |= list[j] == x;
-  return hit != 0;
-}
+// The merge's inputs a CTA loads (a list entry per thread): counts, lists, the request's length.
+struct MergeLoads {
+  int64_t sl;
+  int c2_raw, pc_raw, ca_raw, x_list, x_p, x_a;
+};
 
-__device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem, int group,
-                           int D) {
-  const int64_t row = (int64_t)b * a.Hk + hk;
+// The shape of the merge's sources for this launch.
+struct MergeShape {
+  int G, N, N1, Na, E;
+  bool filt;
+  __device__ __forceinline__ explicit MergeShape(const AttnArgs& a)
+      : G(a.Hq / a.Hk), N(a.N), N1(a.o1 ? a.N1 : 0),
+        Na((a.o1 && a.N1 > 0 && a.p_idx != nullptr && a.p_exact) ? a.Na : 0),
+        E(a.N + (a.o1 ? a.N1 : 0)), filt(a.o1 && a.N1 > 0 && a.p_idx != nullptr) {}
+};
+
+// The counts and lists are the launch's inputs, not the group's results, so a CTA may load them
+// before its ticket (or before its attention): their copies then arrive with the ticket instead
+// of one round trip after it (a few hundred bytes of L2 hits per CTA).
+__device__ __forceinline__ MergeLoads merge_loads(const AttnArgs& a, int b, int hk) {
+  const MergeShape m(a);
   const int tid = threadIdx.x;
-  const int G = a.Hq / a.Hk, N = a.N;
-  const int N1 = a.o1 ? a.N1 : 0;
-  const bool filt = N1 > 0 && a.p_idx != nullptr;
-  const int Na = (filt && a.p_exact) ? a.Na : 0;
-  const int E = N1 + N;
+  const int64_t row = (int64_t)b * a.Hk + hk;
   const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
   const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
-  // The counts and lists are the launch's inputs, not the group's results: every CTA issues
-  // their loads (a list entry per thread) before its ticket, so the last CTA's copies arrive with
-  // the ticket instead of one round trip after it (a few hundred bytes of L2 hits per CTA).
-  const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
-  const int c2_raw = a.cnt[lrow];
-  const int pc_raw = filt ? a.p_cnt[prow] : N1;
-  const int ca_raw = Na ? a.a_cnt[row] : 0;
-  const int x_list = tid < N ? a.idx[lrow * N + tid] : 0;
-  const int x_p = (filt && tid < N1) ? a.p_idx[prow * N1 + tid] : 0;
-  const int x_a = tid < Na ? a.a_idx[row * Na + tid] : 0;
-  if (!last_of_group(a.sem + row, group)) return;
-  if (a.debug_stop == 1) return;  // timing probe: the chain up to the ticket
+  MergeLoads l;
+  l.sl = ld_index(a.seq_lens, b, a.seq64);
+  l.c2_raw = a.cnt[lrow];
+  l.pc_raw = m.filt ? a.p_cnt[prow] : m.N1;
+  l.ca_raw = m.Na ? a.a_cnt[row] : 0;
+  l.x_list = tid < m.N ? a.idx[lrow * m.N + tid] : 0;
+  l.x_p = (m.filt && tid < m.N1) ? a.p_idx[prow * m.N1 + tid] : 0;
+  l.x_a = tid < m.Na ? a.a_idx[row * m.Na + tid] : 0;
+  return l;
+}
+
+// The kept entries of the merge in ascending block id (s_srt, returned: how many), from the
+// loaded inputs, into the merge arrays at `smem`. Called by every thread of the CTA.
+__device__ int merge_entries(const AttnArgs& a, int b, int hk, const MergeLoads& l,
+                             unsigned char* smem) {
+  const MergeShape m(a);
+  const int N = m.N, N1 = m.N1, Na = m.Na, E = m.E;
+  const bool filt = m.filt;
+  const int tid = threadIdx.x;
+  const int64_t row = (int64_t)b * a.Hk + hk;
+  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
+  const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
+  const int64_t sl = l.sl;
+  const int c2_raw = l.c2_raw, pc_raw = l.pc_raw, ca_raw = l.ca_raw;
+  const int x_list = l.x_list, x_p = l.x_p, x_a = l.x_a;
   using Scan = cub::BlockScan<int, kAttnThreads>;
   __shared__ typename Scan::TempStorage s_scan;
-  __shared__ float s_msafe[kHeadsN], s_lsum[kHeadsN];
   int* s_list = reinterpret_cast<int*>(smem);  // [N]   this launch's ids
   int* s_p = s_list + N;                       // [N1]  P's ids
   int* s_a = s_p + N1;                         // [Na]  A's ids
@@ -207,11 +225,23 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
     s_srt[r] = s_ent[i];
   }
   __syncthreads();
-  if (a.debug_stop == 2) return;  // timing probe: + the lists and their sort
+  return nk;
+}
+
+// The merge of the sorted entries (nk of them, s_srt in the arrays at `smem`) into out_o /
+// out_lse, the partial rows staged at `s_rows` (a.merge_rows entries a round). Called by every
+// thread of the group's last CTA.
+__device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem,
+                           float4* s_rows, int nk, int D) {
+  const MergeShape m(a);
+  const int G = m.G, N = m.N, N1 = m.N1, Na = m.Na, E = m.E;
+  const int tid = threadIdx.x;
+  __shared__ float s_msafe[kHeadsN], s_lsum[kHeadsN];
+  const int* s_srt = reinterpret_cast<const int*>(smem) + N + N1 + Na + 2 * E;
   // The merge in sorted order: lse of every (query head, entry) to shared memory, the max and
   // the weights per head (a warp per head; lane-strided sums, then a fixed xor tree), then a
   // thread per (query head, 4 dims) item sums its weighted rows.
-  float* s_w = reinterpret_cast<float*>(s_srt + E);  // [G, E]
+  float* s_w = reinterpret_cast<float*>(smem) + N + N1 + Na + 3 * E;  // [G, E]
   const int64_t r0 = (int64_t)b * a.Hq + (int64_t)hk * G;  // first query head of the group
   // Partial rows go to shared memory by cp.async, a.merge_rows entries of every item a round
   // (the launch sizes them to its shared memory: ~24 rows of 16 bytes in flight a thread, no
@@ -219,7 +249,6 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
   // barrier. They depend on the sorted entries only: the first round goes out here, beside the
   // lse loads, and the two round trips overlap.
   const int D4 = D / 4, items = G * D4, cap = a.merge_rows;
-  float4* s_rows = reinterpret_cast<float4*>(smem + merge_rows_offset(N, N1, Na, G));
   auto issue_rows = [&](int e, int i0) {  // rows [i0, i0 + cap) of item e -> s_rows[u][e]
     const int64_t r = r0 + e / D4;
     const float4* src2 = reinterpret_cast<const float4*>(a.o + r * N * D) + e % D4;
@@ -232,10 +261,12 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
     }
     cute::cp_async_fence();
   };
-  if (tid < items) issue_rows(tid, 0);
-  constexpr int kLse = 4;  // lse loads in flight per thread (G * nk of them)
-  for (int e0 = tid; e0 < G * nk; e0 += kLse * kAttnThreads) {
-    float v[kLse];
+  // lse of (query head g, sorted entry i) -> s_w[g * nk + i], kLse loads in flight a thread. The
+  // first round goes out before the first round of rows: the weights wait on the lse values,
+  // the rows' sums on the weights, so the lse loads must not queue behind the rows.
+  constexpr int kLse = 4;
+  float v[kLse];
+  auto load_lse = [&](int e0) {
 #pragma unroll
     for (int u = 0; u < kLse; ++u) {
       const int e = e0 + u * kAttnThreads;
@@ -245,11 +276,20 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
                          : __ldcg(a.lse1 + (r0 + g) * N1 + pos);
       }
     }
+  };
+  auto store_lse = [&](int e0) {
 #pragma unroll
     for (int u = 0; u < kLse; ++u) {
       const int e = e0 + u * kAttnThreads;
       if (e < G * nk) s_w[e] = v[u];
     }
+  };
+  load_lse(tid);
+  if (tid < items) issue_rows(tid, 0);
+  store_lse(tid);
+  for (int e0 = tid + kLse * kAttnThreads; e0 < G * nk; e0 += kLse * kAttnThreads) {
+    load_lse(e0);
+    store_lse(e0);
   }
   __syncthreads();
   const int warp = tid / 32, lane = tid % 32;
@@ -294,6 +334,21 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem
     store4_any(a.out_o, r * D + 4 * c, a.out_dtype, acc);
     if (c == 0 && a.out_lse) a.out_lse[r] = s_msafe[g] + logf(s_lsum[g]);
   }
+}
+
+
+// The merge: every CTA loads the inputs and takes its ticket; the group's last CTA sorts the
+// entries and merges (arrays at 0, the row stage after them).
+__device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem, int group,
+                           int D) {
+  const MergeLoads l = merge_loads(a, b, hk);
+  if (!last_of_group(a.sem + (int64_t)b * a.Hk + hk, group)) return;
+  if (a.debug_stop == 1) return;  // timing probe: the chain up to the ticket
+  const int nk = merge_entries(a, b, hk, l, smem);
+  if (a.debug_stop == 2) return;  // timing probe: + the lists and their sort
+  const MergeShape m(a);
+  merge_rows(a, b, hk, smem,
+             reinterpret_cast<float4*>(smem + merge_arrays_bytes(m.N, m.N1, m.Na, m.G)), nk, D);
 }
 
 // Whether entry n of `list` repeats an earlier one (counted once). `first` is list[threadIdx.x],
@@ -533,6 +588,25 @@ block_attn_kernel(AttnArgs a, int nq) {
   if (a.sem) merge_tail(a, b, hk, s_dyn, parts, D);  // its first barrier orders the s_o reads
 }
 
+// Shared memory a fused-merge CTA may take for the merge tail: kMergeSmemBudget, or, when the
+// grid is one wave of at most 3 CTAs an SM (batch 1), a third of an SM's shared memory, so that
+// the row stage holds every entry of a K = 32-block merge in one round trip instead of two.
+size_t merge_smem_budget(int64_t ctas) {
+  static const int2 sm = [] {  // (SMs, shared memory bytes an SM)
+    int dev = 0, n = 0, bytes = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
+            cudaSuccess)
+      return make_int2(0, 0);
+    return make_int2(n, bytes);
+  }();
+  constexpr int kPerSm = 3;
+  constexpr size_t kReserve = 2 * 1024;  // the runtime's CTA reserve and the static arrays
+  if (sm.x <= 0 || ctas > (int64_t)kPerSm * sm.x) return kMergeSmemBudget;
+  return std::max(kMergeSmemBudget, (size_t)sm.y / kPerSm - kReserve);
+}
+
 template <typename T, int D>
 cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
   const int stages = a.page_size > kChunk ? 2 : 1;
@@ -540,16 +614,15 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
                 (size_t)nq * kHeadsN * AttnSmem<T, D>::kQRow * sizeof(T);
   AttnArgs c = a;
   if (a.sem) {
-    // The merge tail's row stage: as many entries a round as fit beside its lists in the larger
-    // of the attention's shared memory and kMergeSmemBudget (which keeps 4 CTAs an SM), at
-    // least one, at most every entry.
+    // The merge tail's row stage: as many entries a round as fit beside its arrays in the larger
+    // of the attention's shared memory and merge_smem_budget, at least one, at most every entry.
     const int N1 = a.o1 ? a.N1 : 0, G = a.Hq / a.Hk, E = a.N + N1;
-    const size_t base = merge_rows_offset(a.N, N1, a.Na, G);
+    const size_t arrays = merge_arrays_bytes(a.N, N1, a.Na, G);
     const size_t per = (size_t)G * D * sizeof(float);  // one entry's rows of the group
-    const size_t budget = std::max(smem, kMergeSmemBudget);
-    const size_t fit = budget > base ? (budget - base) / per : 0;
+    const size_t budget = std::max(smem, merge_smem_budget((int64_t)a.B * a.Hk * a.N));
+    const size_t fit = budget > arrays ? (budget - arrays) / per : 0;
     c.merge_rows = (int)std::min<size_t>(std::max<size_t>(fit, 1), (size_t)std::max(E, 1));
-    smem = std::max(smem, base + (size_t)c.merge_rows * per);
+    smem = std::max(smem, arrays + (size_t)c.merge_rows * per);
   }
   cudaError_t e = set_smem_limit(block_attn_kernel<T, D>, smem);
   if (e != cudaSuccess) return e;

@@ -115,6 +115,14 @@ __device__ __forceinline__ void store4_any(void* base, int64_t off, int dt, floa
   }
 }
 
+// Whether x is one of list[0, n) (shared memory): independent compares, several loads in flight.
+__device__ __forceinline__ bool occurs_in(const int* list, int n, int x) {
+  int hit = 0;
+#pragma unroll 8
+  for (int j = 0; j < n; ++j) hit |= list[j] == x;
+  return hit != 0;
+}
+
 // Row of a per-request list: b, or the request slot rows[b] when the list lives in the pool.
 __device__ __forceinline__ int64_t slot_of(const void* rows, bool rows64, int b) {
   return rows ? ld_index(rows, b, rows64) : (int64_t)b;

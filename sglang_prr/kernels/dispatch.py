@@ -151,7 +151,7 @@ SUMMARY_TYPES = (torch.float32, torch.bfloat16)
 
 def attn_merge_smem(n: int, n1: int, na: int, group: int) -> int:
     """Bytes of shared memory the merge tail of ``sparse_attn_merge`` needs for its arrays
-    (``merge_rows_offset`` in attention.cu, before its 16-byte rounding): the three lists, the
+    (``merge_arrays_bytes`` in attention.cu, before its 16-byte rounding): the three lists, the
     keys, entries and sorted entries (int32) of both sources, and one weight per entry and query
     head of the group. The launch adds a row stage of at least one entry."""
     e = n + n1

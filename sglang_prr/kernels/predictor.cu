@@ -46,30 +46,46 @@ predict_update_kernel(PredictArgs a) {
   const float* sc = a.scores + brow * NB;
   const int keep_lo = a.sink, keep_hi = nbn - a.local;
   // Blocks past both counts are neither updated nor predictable: the loops stop before them.
+  // A thread's kPer blocks of a round are loaded before any is stored: the state's stores could
+  // alias the next blocks' loads, so a loop of load-compute-store pays one DRAM round trip per
+  // block a thread owns (four at 128K, block 64).
+  constexpr int kPer = 4;
   const int L = max(nb, nbn);
-  for (int i = tid; i < L; i += kTopkThreads) {
-    float l = 0.f, v = 0.f;
-    if (i < nb) {  // eq 3, rounded op by op like the reference
-      const float s = sc[i];
-      const float l0 = lv[i];
-      // A level that is not finite (InfLLM-v2 scores -inf before a complete compressed key)
-      // restarts like a new block, as in the reference.
-      if (i < ninit && isfinite(l0)) {
-        v = __fadd_rn(__fmul_rn(be, __fsub_rn(s, l0)), __fmul_rn(__fsub_rn(1.f, be), tr[i]));
-        l = __fadd_rn(__fmul_rn(al, s), __fmul_rn(__fsub_rn(1.f, al), l0));
-      } else {
-        l = s;
-      }
-      lv[i] = l;
-      tr[i] = v;
-    } else if (i < ninit_new) {
-      l = lv[i];
-      v = tr[i];
+  for (int i0 = tid; i0 < L; i0 += kPer * kTopkThreads) {
+    float s[kPer], l0[kPer], t0[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int i = i0 + u * kTopkThreads;
+      s[u] = 0.f; l0[u] = 0.f; t0[u] = 0.f;
+      if (i < nb) s[u] = sc[i];
+      if (i < L && i < ninit_new) { l0[u] = lv[i]; t0[u] = tr[i]; }
     }
-    uint32_t key = 0;
-    if (is_middle(i, nbn, keep_lo, keep_hi))
-      key = order_key(i < ninit_new ? __fadd_rn(l, __fmul_rn(gam, v)) : -INFINITY);
-    s_key[i] = key;
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int i = i0 + u * kTopkThreads;
+      if (i >= L) break;
+      float l = 0.f, v = 0.f;
+      if (i < nb) {  // eq 3, rounded op by op like the reference
+        // A level that is not finite (InfLLM-v2 scores -inf before a complete compressed key)
+        // restarts like a new block, as in the reference.
+        if (i < ninit && isfinite(l0[u])) {
+          v = __fadd_rn(__fmul_rn(be, __fsub_rn(s[u], l0[u])),
+                        __fmul_rn(__fsub_rn(1.f, be), t0[u]));
+          l = __fadd_rn(__fmul_rn(al, s[u]), __fmul_rn(__fsub_rn(1.f, al), l0[u]));
+        } else {
+          l = s[u];
+        }
+        lv[i] = l;
+        tr[i] = v;
+      } else if (i < ninit_new) {
+        l = l0[u];
+        v = t0[u];
+      }
+      uint32_t key = 0;
+      if (is_middle(i, nbn, keep_lo, keep_hi))
+        key = order_key(i < ninit_new ? __fadd_rn(l, __fmul_rn(gam, v)) : -INFINITY);
+      s_key[i] = key;
+    }
   }
   topk_mask<kTopkThreads>(s_key, L, nbn, a.k, keep_lo, keep_hi);
   const int64_t prow = (a.p_rows ? slot_of(a.p_rows, a.p_rows64, b) : srow) * a.Hk + hk;

@@ -382,16 +382,16 @@ quest_select_onepass_kernel(SelectArgs a) {
   __shared__ typename Scan::TempStorage s_scan;
   int base = 0;
   int32_t* mrow = a.m_idx + row * a.n_out;
-  for (int e0 = 0; e0 < a.n_out; e0 += kOpThreads) {
+  if (!a.p_idx) {  // no P (serial DSA): M = A, a copy without the scan
+    for (int e = tid; e < a.n_out; e += kOpThreads) mrow[e] = e < acnt ? s_alist[e] : -1;
+    base = acnt;
+  }
+  for (int e0 = 0; a.p_idx && e0 < a.n_out; e0 += kOpThreads) {
     const int e = e0 + tid;
     int keep = 0, x = -1;
-    if (e < acnt) {
+    if (e < acnt) {  // x < nb, so an entry of P equal to it is a block of the row
       x = s_alist[e];
-      keep = 1;
-      for (int j = 0; keep && j < pc; ++j) {
-        const int y = s_pl[j];
-        keep = !(y == x && y >= 0 && y < nb);
-      }
+      keep = !occurs_in(s_pl, pc, x);
     }
     int pos, tot;
     Scan(s_scan).ExclusiveSum(keep, pos, tot);
@@ -399,7 +399,8 @@ quest_select_onepass_kernel(SelectArgs a) {
     base += tot;
     __syncthreads();
   }
-  for (int e = base + tid; e < a.n_out; e += kOpThreads) mrow[e] = -1;
+  if (a.p_idx)
+    for (int e = base + tid; e < a.n_out; e += kOpThreads) mrow[e] = -1;
   if (tid == 0) {
     a.m_cnt[row] = base;
     if (a.stats && !dense) {

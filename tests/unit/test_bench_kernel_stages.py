@@ -24,6 +24,7 @@ def test_rows_bytes_and_append(tmp_path):
     cases = {(r["part"], r["case"]) for r in got}
     assert ("attention", "partials") in cases and ("selection", "select + predictor") in cases
     assert ("selection", "predictor (side)") in cases
+    assert ("selection", "select (scores, A), serial") in cases
     assert {int(r["m_blocks"]) for r in got if r["case"].startswith("repair")} == {1, 2}
     assert all(float(r["cold_us"]) > 0 and float(r["warm_us"]) > 0 for r in got)
     # The bytes a row must read grow with its batch (serial attention, selection, predictor).
@@ -37,6 +38,6 @@ def test_rows_bytes_and_append(tmp_path):
     # --append keeps the earlier rows (control: without it they are replaced).
     bks.main(["--device", "cpu", "--quick", "--parts", "selection", "--append", "--csv",
               str(out)])
-    assert len(_read(out)) == len(got) + 6  # 2 batch sizes x 3 selection cases
+    assert len(_read(out)) == len(got) + 8  # 2 batch sizes x 4 selection cases
     bks.main(["--device", "cpu", "--quick", "--parts", "selection", "--csv", str(out)])
-    assert len(_read(out)) == 6
+    assert len(_read(out)) == 8
