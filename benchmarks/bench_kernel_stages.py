@@ -11,11 +11,12 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
 * ``attention``: serial DSA's attention over A with its merge (``sparse_attn_merge``), the
   per-block partials alone (PRR's speculative pass, ``sparse_attn_partials``), and PRR's repair
   over |M| = 1, 2, 4, 8 blocks merged with the speculative partials of P n A (batch 1).
-* ``selection``: Quest's selection (scores, A, M: ``quest_select``), PRR's selection with the
-  predictor's step in its epilogue (``quest_select_predict``), bf16 summaries, and the
-  predictor's step as its own launch (``predict_update_rows``: ``--prr-predictor side``). The kernel the
-  launcher picks is the one-pass kernel where it fits; ``SGLANG_PRR_SELECT_KERNEL=rowtail`` runs
-  the row-tail kernels instead, and ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass
+* ``selection``: Quest's selection for serial DSA (scores and A: ``quest_select`` without P)
+  and for PRR (scores, A, M: ``quest_select``), PRR's selection with the predictor's step in
+  its epilogue (``quest_select_predict``), bf16 summaries, and the predictor's step as its own
+  launch (``predict_update_rows``: ``--prr-predictor side``). The kernel the launcher picks
+  is the one-pass kernel where it fits; ``SGLANG_PRR_SELECT_KERNEL=rowtail`` runs the row-tail
+  kernels instead, and ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass
   kernel after its chunks' pass / the tail's loads / the tail's merges (timing probes of where
   the time goes; the outputs are then incomplete; read once per process). One run per setting,
   the ``select_kernel`` and ``debug_stop`` columns say which. ``SGLANG_PRR_ATTN_DEBUG_STOP=1|2|3``

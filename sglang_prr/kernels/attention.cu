@@ -120,6 +120,21 @@ struct MergeShape {
         E(a.N + (a.o1 ? a.N1 : 0)), filt(a.o1 && a.N1 > 0 && a.p_idx != nullptr) {}
 };
 
+// The merge's arrays in shared memory (merge_arrays_bytes counts them): the three lists, the
+// kept entries' keys, the entries, the entries sorted, then the weights.
+struct MergeArrays {
+  int* list;  // [N]   this launch's ids
+  int* p;     // [N1]  P's ids
+  int* a;     // [Na]  A's ids
+  int* key;   // [E]   kept entries' sort keys
+  int* ent;   // [E]   kept entries: position << 1 | source
+  int* srt;   // [E]   the same, sorted by key
+  float* w;   // [G, E] weights
+  __device__ __forceinline__ MergeArrays(unsigned char* smem, const MergeShape& m)
+      : list(reinterpret_cast<int*>(smem)), p(list + m.N), a(p + m.N1), key(a + m.Na),
+        ent(key + m.E), srt(ent + m.E), w(reinterpret_cast<float*>(srt + m.E)) {}
+};
+
 // The counts and lists are the launch's inputs, not the group's results, so a CTA may load them
 // before its ticket (or before its attention): their copies then arrive with the ticket instead
 // of one round trip after it (a few hundred bytes of L2 hits per CTA).
@@ -156,12 +171,13 @@ __device__ int merge_entries(const AttnArgs& a, int b, int hk, const MergeLoads&
   const int x_list = l.x_list, x_p = l.x_p, x_a = l.x_a;
   using Scan = cub::BlockScan<int, kAttnThreads>;
   __shared__ typename Scan::TempStorage s_scan;
-  int* s_list = reinterpret_cast<int*>(smem);  // [N]   this launch's ids
-  int* s_p = s_list + N;                       // [N1]  P's ids
-  int* s_a = s_p + N1;                         // [Na]  A's ids
-  int* s_key = s_a + Na;                       // [E]   kept entries' sort keys
-  int* s_ent = s_key + E;                      // [E]   kept entries: position << 1 | source
-  int* s_srt = s_ent + E;                      // [E]   the same, sorted by key
+  const MergeArrays arr(smem, m);
+  int* const s_list = arr.list;
+  int* const s_p = arr.p;
+  int* const s_a = arr.a;
+  int* const s_key = arr.key;
+  int* const s_ent = arr.ent;
+  int* const s_srt = arr.srt;
 
   const int c2 = clampi(c2_raw, N);
   const int pc = filt ? clampi(pc_raw, N1) : N1;
@@ -234,14 +250,15 @@ __device__ int merge_entries(const AttnArgs& a, int b, int hk, const MergeLoads&
 __device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem,
                            float4* s_rows, int nk, int D) {
   const MergeShape m(a);
-  const int G = m.G, N = m.N, N1 = m.N1, Na = m.Na, E = m.E;
+  const int G = m.G, N = m.N, N1 = m.N1;
   const int tid = threadIdx.x;
   __shared__ float s_msafe[kHeadsN], s_lsum[kHeadsN];
-  const int* s_srt = reinterpret_cast<const int*>(smem) + N + N1 + Na + 2 * E;
+  const MergeArrays arr(smem, m);
+  const int* s_srt = arr.srt;
   // The merge in sorted order: lse of every (query head, entry) to shared memory, the max and
   // the weights per head (a warp per head; lane-strided sums, then a fixed xor tree), then a
   // thread per (query head, 4 dims) item sums its weighted rows.
-  float* s_w = reinterpret_cast<float*>(smem) + N + N1 + Na + 3 * E;  // [G, E]
+  float* s_w = arr.w;  // [G, E]
   const int64_t r0 = (int64_t)b * a.Hq + (int64_t)hk * G;  // first query head of the group
   // Partial rows go to shared memory by cp.async, a.merge_rows entries of every item a round
   // (the launch sizes them to its shared memory: ~24 rows of 16 bytes in flight a thread, no

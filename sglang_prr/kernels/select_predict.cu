@@ -385,22 +385,22 @@ quest_select_onepass_kernel(SelectArgs a) {
   if (!a.p_idx) {  // no P (serial DSA): M = A, a copy without the scan
     for (int e = tid; e < a.n_out; e += kOpThreads) mrow[e] = e < acnt ? s_alist[e] : -1;
     base = acnt;
-  }
-  for (int e0 = 0; a.p_idx && e0 < a.n_out; e0 += kOpThreads) {
-    const int e = e0 + tid;
-    int keep = 0, x = -1;
-    if (e < acnt) {  // x < nb, so an entry of P equal to it is a block of the row
-      x = s_alist[e];
-      keep = !occurs_in(s_pl, pc, x);
+  } else {
+    for (int e0 = 0; e0 < a.n_out; e0 += kOpThreads) {
+      const int e = e0 + tid;
+      int keep = 0, x = -1;
+      if (e < acnt) {  // x < nb, so an entry of P equal to it is a block of the row
+        x = s_alist[e];
+        keep = !occurs_in(s_pl, pc, x);
+      }
+      int pos, tot;
+      Scan(s_scan).ExclusiveSum(keep, pos, tot);
+      if (keep) mrow[base + pos] = x;
+      base += tot;
+      __syncthreads();
     }
-    int pos, tot;
-    Scan(s_scan).ExclusiveSum(keep, pos, tot);
-    if (keep) mrow[base + pos] = x;
-    base += tot;
-    __syncthreads();
-  }
-  if (a.p_idx)
     for (int e = base + tid; e < a.n_out; e += kOpThreads) mrow[e] = -1;
+  }
   if (tid == 0) {
     a.m_cnt[row] = base;
     if (a.stats && !dense) {
