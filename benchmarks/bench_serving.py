@@ -1105,6 +1105,10 @@ def main(argv=None):
             model = smollm2_path if s.model == SMOLLM2 else (shaped or "MODEL")
             print(" ".join(server_cmd(model, 0, s, pts, a)))
         return []
+    if a.device == "cuda" and any(s.method != "dense" for s, _ in servers):
+        err = harness.kernel_library_error()
+        if err:
+            sys.exit(f"bench_serving: the kernel library does not load, no server started: {err}")
     kept = _read(a.csv) if a.append else []
     rows, done = [], 0
     for i, (srv, pts) in enumerate(servers):

@@ -9,8 +9,10 @@ only, so the choice between kernel and reference is static within a CUDA graph.
 from __future__ import annotations
 
 import logging
+import re
 import threading
-from typing import Dict, Optional
+from pathlib import Path
+from typing import Dict, List, Optional
 
 import torch
 
@@ -41,6 +43,7 @@ def load() -> bool:
             from . import build
             path = build.library_path()
             torch.ops.load_library(str(path))
+            check_schemas(path)
             _prepare_current()
             _lib_state = True
             logger.info("sglang_prr: SM90 kernels loaded from %s", path)
@@ -50,6 +53,63 @@ def load() -> bool:
             logger.warning("sglang_prr: SM90 kernels unavailable, using the torch reference "
                            "(%s)", _lib_error.splitlines()[0][:500])
     return _lib_state
+
+
+NAMESPACE = "sglang_prr_cuda"
+BINDINGS = ("binding.cpp", "infllm_binding.cpp")  # the sources that declare the ops
+_DEF = re.compile(r'm\.def\(\s*((?:"(?:[^"\\]|\\.)*"\s*)+)')
+
+
+def declared_schemas(folder: Optional[Path] = None) -> Dict[str, str]:
+    """The op schemas these sources declare (the ``m.def`` strings of BINDINGS, adjacent
+    literals joined), by op name, as torch's schema parser prints them."""
+    folder = Path(__file__).resolve().parent if folder is None else Path(folder)
+    out: Dict[str, str] = {}
+    for name in BINDINGS:
+        for m in _DEF.finditer((folder / name).read_text()):
+            text = "".join(re.findall(r'"((?:[^"\\]|\\.)*)"', m.group(1)))
+            schema = torch._C.parse_schema(f"{NAMESPACE}::{text}")
+            out[schema.name.split("::", 1)[1]] = str(schema)
+    return out
+
+
+def registered_schemas(names) -> Dict[str, Optional[str]]:
+    """The schemas the loaded library registers for ``names`` (None for an op it lacks)."""
+    ns = getattr(torch.ops, NAMESPACE)
+    out: Dict[str, Optional[str]] = {}
+    for n in names:
+        try:
+            out[n] = str(getattr(ns, n).default._schema)
+        except (AttributeError, RuntimeError):
+            out[n] = None
+    return out
+
+
+def schema_mismatches(declared: Dict[str, str], registered: Dict[str, Optional[str]]
+                      ) -> List[str]:
+    """One line per op whose registered schema is missing or differs from the declared one."""
+    bad = []
+    for n, want in sorted(declared.items()):
+        have = registered.get(n)
+        if have is None:
+            bad.append(f"{n}: not in the library (these sources declare {want})")
+        elif have != want:
+            bad.append(f"{n}: the library has {have}, these sources declare {want}")
+    return bad
+
+
+def check_schemas(path) -> None:
+    """Raise when the library at ``path`` (loaded) was built from other op declarations than
+    these sources: calls through the Python side would fail later, op by op, with an argument
+    count error (e.g. a ``SGLANG_PRR_KERNEL_LIB`` built from another checkout)."""
+    declared = declared_schemas()
+    bad = schema_mismatches(declared, registered_schemas(declared))
+    if bad:
+        raise RuntimeError(
+            f"the kernel library {path} does not match these sources' op declarations "
+            f"({len(bad)} of {len(declared)} ops differ; first: {bad[0]}); rebuild it with "
+            f"`python -m sglang_prr.kernels.build` or point SGLANG_PRR_KERNEL_LIB at a build of "
+            f"these sources")
 
 
 def _prepare_current() -> None:

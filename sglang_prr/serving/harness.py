@@ -105,6 +105,31 @@ def server_env(extra: Optional[Mapping[str, str]] = None) -> dict:
     return env
 
 
+KERNEL_CHECK = ("import sys\n"
+                "from sglang_prr.kernels import loader\n"
+                "ok = loader.load()\n"
+                "print(loader.load_error() or '')\n"
+                "sys.exit(0 if ok else 1)\n")
+
+
+def kernel_library_error(timeout_s: float = 900.0) -> Optional[str]:
+    """Why the kernel library the servers would load (``SGLANG_PRR_KERNEL_LIB``, else the build
+    of these sources) does not load on this machine's GPU, or None when it loads: checked in a
+    child process with the servers' environment, so that a library built from other sources
+    stops a benchmark before its first server instead of each server minutes later. The first
+    check of a checkout may build the library (as the first server would)."""
+    try:
+        r = subprocess.run([sys.executable, "-c", KERNEL_CHECK], env=server_env(),
+                           cwd=str(PACKAGE_ROOT), capture_output=True, text=True,
+                           timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"loading the kernel library took more than {timeout_s:.0f} s"
+    if r.returncode == 0:
+        return None
+    lines = (r.stdout.strip() or r.stderr.strip()).splitlines()
+    return lines[-1] if lines else f"the check exited with {r.returncode}"
+
+
 def get(url: str, timeout: Optional[float] = None) -> int:
     """The HTTP status of ``GET url``; 0 when nothing answered in ``timeout`` seconds
     (``PROBE_TIMEOUT_S``)."""

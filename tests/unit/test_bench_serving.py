@@ -352,3 +352,19 @@ def test_auto_needs_the_profile_of_its_model(bench, tmp_path, capsys):
     bench.main(["--only", "smollm2", "--variants", "auto", "--smollm2-profile", missing,
                 "--dry-run", "--workdir", str(tmp_path)])  # control: the dry run goes through
     assert missing in capsys.readouterr().out
+
+
+def test_a_library_that_does_not_load_stops_the_run_before_its_first_server(bench, tmp_path,
+                                                                           monkeypatch):
+    """A kernel library built from other op declarations (or none that loads) is named before
+    any server starts, not by each server minutes later; dense servers need no library."""
+    started = []
+    monkeypatch.setattr(bench, "run_server", lambda *a, **k: started.append(a) or iter(()))
+    monkeypatch.setattr(bench.harness, "kernel_library_error", lambda: "boom: 1 of 20 ops differ")
+    args = ["--only", "grid", "--contexts", "4096", "--batches", "1", "--shape", "demo",
+            "--layers", "2", "--workdir", str(tmp_path), "--csv", str(tmp_path / "s.csv")]
+    with pytest.raises(SystemExit, match="boom: 1 of 20 ops differ"):
+        bench.main(args + ["--variants", "serial"])
+    assert started == []
+    bench.main(args + ["--variants", "dense"])  # control: no check, the server starts
+    assert len(started) == 1

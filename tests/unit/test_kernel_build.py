@@ -61,6 +61,19 @@ def test_library_registers_every_op_with_matching_schema(built_lib):
         torch.ops.sglang_prr_cuda.no_such_op.default
 
 
+def test_the_built_library_matches_the_declarations_the_loader_checks(built_lib):
+    """The loader's schema check passes for a build of these sources and names every op it
+    compares (a library built from other declarations: tests/unit/test_kernel_schemas.py)."""
+    from sglang_prr.kernels import loader
+    torch.ops.load_library(str(built_lib))
+    declared = loader.declared_schemas()
+    registered = loader.registered_schemas(declared)
+    assert registered == declared
+    loader.check_schemas(built_lib)
+    registered["quest_scores"] = None  # negative control: an op the library would lack
+    assert loader.schema_mismatches(declared, registered)[0].startswith("quest_scores")
+
+
 def test_pdl_follows_the_environment(built_lib):
     """``SGLANG_PRR_PDL=1`` (exactly) turns programmatic dependent launch on, read once per
     process; unset, ``0`` or another spelling leave it off (the negative controls)."""
