@@ -132,8 +132,8 @@ def calib_grid_terms(scores: Tensor, nblk: Tensor, wa: Tensor, am: Tensor, alpha
     one trend per (alpha, beta) are kept (4 + 20 tracks instead of 2 x 80 for the default grid)
     and only the prediction ``l + gamma v`` is formed per candidate. Every float ``calibrate``
     rounds is rounded here by the same operation on the same operands, and every sum runs over
-    the same ``[..., NB]`` rows with the same number of outputs (``den`` sums an expanded view
-    rather than a copy). Memory: a few ``[R, A*B*G, Hk, NB]`` tensors at a time.
+    contiguous ``[NB]`` rows like calibrate's. Memory: a few ``[R, A*B*G, Hk, NB]`` tensors at a
+    time.
     """
     R, Phi, Hk, nb = scores.shape
     dev = scores.device
@@ -159,12 +159,13 @@ def calib_grid_terms(scores: Tensor, nblk: Tensor, wa: Tensor, am: Tensor, alpha
                                  init=init)
             del pred
             # The row term as weighted_hit forms it. sum(w * (A & P)): (w*a)*1 and (w*a)*0 per
-            # element (NaN where w overflowed), selected by P without a float copy of P. The
-            # sums run over rows of the candidates' shape, as calibrate's (``den`` over an
-            # expanded view, from a fresh allocation like calibrate's).
+            # element (NaN where w overflowed), selected by P without a float copy of P. Every
+            # sum runs over contiguous [NB] rows, as calibrate's: ``den`` does not depend on the
+            # candidate, so it is summed once per (row, head) and broadcast (a sum over an
+            # expanded view may associate in another order: one ulp off calibrate's).
             wa_r = wa[phi - 1].clone()  # [R, Hk, NB]
             num = torch.where(p, row6(wa_r), row6(wa_r * 0)).sum(-1)  # [R, A, B, G, Hk]
-            den = row6(wa_r).expand(p.shape).sum(-1)
+            den = row6(wa_r.sum(-1))  # [R, 1, 1, 1, Hk]
             n_a = row6(am[phi - 1].sum(-1).float())
             hits = torch.where(p, row6(am[phi - 1].float()), 0.0).sum(-1)  # |A & P|, exact
             plain = torch.where(n_a > 0, hits / n_a.clamp(min=1), torch.ones_like(n_a))
