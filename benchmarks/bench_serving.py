@@ -66,7 +66,9 @@ printed per phase; ``--only`` and ``--variants`` select a subset, ``--append`` m
 existing CSV (a new row replaces the row of the same variant, method, model, kind, ctx, batch,
 launch, predictor and library). ``SGLANG_PRR_PDL=1`` in the environment (the servers inherit
 it) launches PRR's kernels with programmatic dependent launch; those rows have ``launch`` =
-``pdl`` and sit beside the others. ``--predictor side`` starts the PRR and auto servers with
+``pdl`` and sit beside the others; ``SGLANG_PRR_FOLD_NEW_KEYS=0`` runs the summary update before
+the selection (the order before Quest's selection folded the new keys): ``update-first``.
+``--predictor side`` starts the PRR and auto servers with
 ``--prr-predictor side``; their rows have ``predictor`` = ``side``. Rows of servers that load a
 kernel library built from other sources than this tree's (``SGLANG_PRR_KERNEL_LIB``) carry its
 source hash in ``library``.
@@ -633,8 +635,13 @@ def newest_trace(root: Path, since: float, timeout: float):
 # ----------------------------------------------------------------------------- one server
 def _launch() -> str:
     """``pdl`` when the servers launch PRR's kernels with programmatic dependent launch
-    (``SGLANG_PRR_PDL=1`` in this environment, which the servers inherit), else ``""``."""
-    return "pdl" if os.environ.get("SGLANG_PRR_PDL") == "1" else ""
+    (``SGLANG_PRR_PDL=1`` in this environment, which the servers inherit), ``update-first``
+    when they run the summary update before the selection instead of folding the new keys into
+    it (``SGLANG_PRR_FOLD_NEW_KEYS=0``), both joined by ``+``, else ``""``."""
+    parts = ["pdl"] if os.environ.get("SGLANG_PRR_PDL") == "1" else []
+    if os.environ.get("SGLANG_PRR_FOLD_NEW_KEYS") == "0":
+        parts.append("update-first")
+    return "+".join(parts)
 
 
 def _predictor(srv: Server, a) -> str:
@@ -669,7 +676,7 @@ def _label(srv: Server, a) -> str:
         "dense (torch_native)"
     extra = [x for x in ("InfLLM-v2" if srv.method == "infllm_v2" else "",
                          "SmolLM2" if srv.model == SMOLLM2 else "",
-                         "PDL" if _launch() and srv.variant != "dense" else "",
+                         _launch().replace("pdl", "PDL") if srv.variant != "dense" else "",
                          "side predictor" if _predictor(srv, a) else "",
                          f"library {_library(srv)[:8]}" if _library(srv) else "") if x]
     return base + (f", {', '.join(extra)}" if extra else "")

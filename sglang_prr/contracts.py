@@ -19,8 +19,6 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .config import INFLLM_STRIDE
-
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _INTS = (torch.int32, torch.int64)
 
@@ -184,8 +182,8 @@ def check_select_topk(scores, nblk, k, sink, local, n_out, dense_row=None) -> No
 
 
 def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out,
-                       p_rows=None, dense_row=None, stats=None,
-                       op: str = "quest_select") -> None:
+                       p_rows=None, dense_row=None, stats=None, new_k=None, new_pos=None,
+                       page_size_=0, op: str = "quest_select") -> None:
     if q.dim() != 3:
         fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
     summaries(op, q, (kmin, kmax), 1)
@@ -204,6 +202,25 @@ def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local,
         fail(op, "dense_row", (dense_row.dtype, shape(dense_row)), f"bool ({q.shape[0]},)")
     if stats is not None and (stats.dtype != torch.int64 or shape(stats) != (len(STATS_SLOTS),)):
         fail(op, "stats", (stats.dtype, shape(stats)), f"int64 ({len(STATS_SLOTS)},)")
+    new_keys(op, q, kmin.shape[1], new_k, new_pos, page_size_)
+
+
+def new_keys(op: str, q: Tensor, heads: int, new_k: Optional[Tensor], new_pos: Optional[Tensor],
+             page: int) -> None:
+    """A selection's new keys: none, or ``new_k [B, Hk, D]`` float with ``new_pos [B]`` and a
+    page size."""
+    if new_k is None:
+        if new_pos is not None:
+            fail(op, "new_pos", shape(new_pos), "None without new_k")
+        return
+    B, _, D = q.shape
+    if new_k.dtype not in _FLOATS or shape(new_k) != (B, heads, D):
+        fail(op, "new_k", (new_k.dtype, shape(new_k)), f"float ({B}, {heads}, {D})")
+    if new_pos is None:
+        fail(op, "new_pos", None, f"an int ({B},) tensor with new_k")
+    index_tensor(op, "new_pos", new_pos, 1)
+    _batch(op, B, new_pos=new_pos)
+    page_size(op, page)
 
 
 def check_quest_update(kmin, kmax, k, out_loc, positions, page_size_) -> None:
@@ -268,10 +285,11 @@ def check_calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred, 
 
 def check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                                p_next_rows, level, trend, n_init, theta, rows, k, n_pred, sink,
-                               local, n_out, dense_row=None, stats=None) -> None:
+                               local, n_out, dense_row=None, stats=None, new_k=None,
+                               new_pos=None, page_size_=0) -> None:
     op = "quest_select_predict"
     check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows,
-                       dense_row, stats, op=op)
+                       dense_row, stats, new_k, new_pos, page_size_, op=op)
     if level.dim() != 3 or shape(level)[1:] != (kmin.shape[1], table.shape[1]):
         fail(op, "level.shape", shape(level), f"[rows, {kmin.shape[1]}, {table.shape[1]}]")
     scores = torch.empty((q.shape[0],) + tuple(level.shape[1:]), device="meta")  # shape only
@@ -295,39 +313,6 @@ def check_quest_scores(q, kmin, kmax, table, nblk) -> None:
     index_tensor(op, "table", table, 2)
     index_tensor(op, "nblk", nblk, 1)
     _batch(op, q.shape[0], table=table, nblk=nblk)
-
-
-def check_infllm_scores(q, ck, table, seq_lens, page_size_) -> None:
-    op = "infllm_scores"
-    page_size(op, page_size_)
-    if q.dim() != 3:
-        fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
-    summaries(op, q, (ck,), 2)
-    if ck.shape[1] != page_size_ // INFLLM_STRIDE:
-        fail(op, "ck.shape[1]", ck.shape[1], f"page_size // {INFLLM_STRIDE} = "
-             f"{page_size_ // INFLLM_STRIDE}")
-    index_tensor(op, "table", table, 2)
-    index_tensor(op, "seq_lens", seq_lens, 1)
-    _batch(op, q.shape[0], table=table, seq_lens=seq_lens)
-
-
-def check_infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions,
-                        page_size_) -> None:
-    op = "infllm_update"
-    page_size(op, page_size_)
-    if k_buf.dim() != 3 or k_buf.dtype not in _FLOATS:
-        fail(op, "k_buf", (k_buf.dtype, shape(k_buf)), "float [num_slots, num_kv_heads, head_dim]")
-    if ck.dim() != 4 or ck.dtype != torch.float32 or shape(ck)[2:] != shape(k_buf)[1:]:
-        fail(op, "ck", (ck.dtype, shape(ck)),
-             f"float32 [pages, page_size // {INFLLM_STRIDE}, {k_buf.shape[1]}, "
-             f"{k_buf.shape[2]}]")
-    if ck.shape[1] != page_size_ // INFLLM_STRIDE:
-        fail(op, "ck.shape[1]", ck.shape[1], f"page_size // {INFLLM_STRIDE}")
-    index_tensor(op, "req_to_token", req_to_token, 2)
-    for name, t in (("req_idx", req_idx), ("out_loc", out_loc), ("positions", positions)):
-        index_tensor(op, name, t, 1)
-        if t.shape[0] != out_loc.shape[0]:
-            fail(op, f"{name}.shape", shape(t), f"({out_loc.shape[0]},): one per new token")
 
 
 def check_set_difference(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows=None, stats=None,

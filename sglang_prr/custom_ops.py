@@ -21,7 +21,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from . import contracts
+from . import contracts, contracts_infllm
 from . import reference as ref
 
 _NS = "sglang_prr"
@@ -47,7 +47,8 @@ def infllm_update(ck: Tensor, k_buf: Tensor, req_to_token: Tensor, req_idx: Tens
                   out_loc: Tensor, positions: Tensor, page_size: int) -> None:
     """Write compressed keys completed by the new tokens into ``ck: [num_pages, page_size//16,
     Hk, D]`` (in place). See ``reference.infllm_update``."""
-    contracts.check_infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions, page_size)
+    contracts_infllm.check_infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions,
+                                         page_size)
     ref.infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions, page_size)
 
 
@@ -68,7 +69,7 @@ def _(q, kmin, kmax, table, nblk):
 def infllm_scores(q: Tensor, ck: Tensor, table: Tensor, seq_lens: Tensor, page_size: int,
                   sm_scale: float) -> Tensor:
     """``[B, Hk, NB]`` float32 InfLLM-v2 block scores. See ``reference.infllm_scores``."""
-    contracts.check_infllm_scores(q, ck, table, seq_lens, page_size)
+    contracts_infllm.check_infllm_scores(q, ck, table, seq_lens, page_size)
     return ref.infllm_scores(q, ck, table, seq_lens, page_size, sm_scale)
 
 
@@ -132,17 +133,20 @@ def accumulate_stats(stats: Tensor, a_cnt: Tensor, m_cnt: Tensor, p_cnt: Optiona
 def _quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
                   p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,
                   local_blocks: int, n_out: int, p_rows: Optional[Tensor],
-                  dense_row: Optional[Tensor], stats: Optional[Tensor]
-                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  dense_row: Optional[Tensor], stats: Optional[Tensor],
+                  new_k: Optional[Tensor] = None, new_pos: Optional[Tensor] = None,
+                  page_size: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     contracts.check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
-                                 local_blocks, n_out, p_rows, dense_row, stats)
+                                 local_blocks, n_out, p_rows, dense_row, stats, new_k, new_pos,
+                                 page_size)
     return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
-                            local_blocks, n_out, p_rows, dense_row, stats)
+                            local_blocks, n_out, p_rows, dense_row, stats, new_k, new_pos,
+                            page_size)
 
 
 @_quest_select.register_fake
 def _(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out, p_rows,
-      dense_row, stats):
+      dense_row, stats, new_k=None, new_pos=None, page_size=0):
     B, Hk, NB = q.shape[0], kmin.shape[1], table.shape[1]
     lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32), q.new_empty((B, Hk), dtype=torch.int32)]
     return (q.new_empty((B, Hk, NB), dtype=torch.float32), *lists,
@@ -152,15 +156,18 @@ def _(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_
 def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
                  p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,
                  local_blocks: int, n_out: int, p_rows: Optional[Tensor] = None,
-                 dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None
-                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None,
+                 new_k: Optional[Tensor] = None, new_pos: Optional[Tensor] = None,
+                 page_size: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Quest scores + top-K + ``M = A \\ P`` in one op (one launch on SM90):
     ``(scores [B, Hk, NB] f32, a_idx, a_cnt, m_idx, m_cnt)``; P read from pool rows ``p_rows``,
-    dense rows, and the statistics counters as in ``reference.quest_select``. (A plain function
-    over the op: torch 2.11 cannot omit a mutable optional argument of a custom op, so every
-    argument is passed.)"""
+    dense rows, the statistics counters, and the step's new keys ``new_k [B, Hk, D]`` at
+    positions ``new_pos [B]`` folded into their blocks' scores (pages of ``page_size`` tokens;
+    the summaries are not written) as in ``reference.quest_select``. (A plain function over the
+    op: torch 2.11 cannot omit a mutable optional argument of a custom op, so every argument is
+    passed.)"""
     return _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks,
-                         n_out, p_rows, dense_row, stats)
+                         n_out, p_rows, dense_row, stats, new_k, new_pos, page_size)
 
 
 # ----------------------------------------------------------------------------- predictor
@@ -254,20 +261,23 @@ def _quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, 
                           p_next_rows: Tensor, level: Tensor, trend: Tensor, n_init: Tensor,
                           theta: Tensor, rows: Tensor, k: int, n_pred: int, sink_blocks: int,
                           local_blocks: int, n_out: int, dense_row: Optional[Tensor],
-                          stats: Optional[Tensor]
+                          stats: Optional[Tensor], new_k: Optional[Tensor] = None,
+                          new_pos: Optional[Tensor] = None, page_size: int = 0
                           ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     contracts.check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt,
                                          p_rows, p_next_rows, level, trend, n_init, theta, rows,
                                          k, n_pred, sink_blocks, local_blocks, n_out, dense_row,
-                                         stats)
+                                         stats, new_k, new_pos, page_size)
     return ref.quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                                     p_next_rows, level, trend, n_init, theta, rows, k, n_pred,
-                                    sink_blocks, local_blocks, n_out, dense_row, stats)
+                                    sink_blocks, local_blocks, n_out, dense_row, stats, new_k,
+                                    new_pos, page_size)
 
 
 @_quest_select_predict.register_fake
 def _(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level, trend,
-      n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats):
+      n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats,
+      new_k=None, new_pos=None, page_size=0):
     B, Hk, NB = q.shape[0], kmin.shape[1], table.shape[1]
     lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32), q.new_empty((B, Hk), dtype=torch.int32)]
     return (q.new_empty((B, Hk, NB), dtype=torch.float32), *lists,
@@ -279,16 +289,18 @@ def quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, n
                          p_next_rows: Tensor, level: Tensor, trend: Tensor, n_init: Tensor,
                          theta: Tensor, rows: Tensor, k: int, n_pred: int, sink_blocks: int,
                          local_blocks: int, n_out: int, dense_row: Optional[Tensor] = None,
-                         stats: Optional[Tensor] = None
+                         stats: Optional[Tensor] = None, new_k: Optional[Tensor] = None,
+                         new_pos: Optional[Tensor] = None, page_size: int = 0
                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Quest selection and the predictor's step of one decode step in one op (one launch on
     SM90): ``(scores [B, Hk, NB] f32, a_idx, a_cnt, m_idx, m_cnt)`` with M = A \\ P(t), P(t) at
     rows ``p_rows`` of p_idx ``[R', Hk, Np]``; the Holt update on state rows ``rows`` of level /
     trend ``[R, Hk, NB]``, n_init ``[R]``, theta ``[R, 3]``; P(t+1) written at rows
-    ``p_next_rows``. See ``reference.quest_select_predict``."""
+    ``p_next_rows``; new keys as in ``quest_select``. See ``reference.quest_select_predict``."""
     return _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                                  p_next_rows, level, trend, n_init, theta, rows, k, n_pred,
-                                 sink_blocks, local_blocks, n_out, dense_row, stats)
+                                 sink_blocks, local_blocks, n_out, dense_row, stats, new_k,
+                                 new_pos, page_size)
 
 
 @_op("calibrate")

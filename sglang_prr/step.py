@@ -6,12 +6,22 @@ counts live on the device, so both record into SGLang's decode CUDA graphs. On S
 one kernel launch and nothing else is launched (no gathers, casts or statistics glue):
 
 ```
-serial DSA, one stream:   [select: scores, A]  ->  [attention over A + merge -> model dtype]
+serial DSA (Quest), per layer:
+main : [select: scores (new keys folded), A]  ->  [attention over A + merge -> model dtype] -fork->
+side :                                 [summary update: the new keys into kmin/kmax] <-/ (joined
+                                                                          after the last layer)
 
 PRR (Quest), per layer:
 main : -fork-> [speculative attention over P(t)] --wait(A, M)-> [repair over M + merge in
 side :    \\-> [select: scores, A, M = A \\ P(t); Holt update, P(t+1)] -/   ascending block id]
+               -> [summary update]                                  (joined after the last layer)
 ```
+
+The summary update leaves the critical path because Quest's selection folds the step's new keys
+into the scores of their blocks itself (``folds_new_keys``): a min/max fold is idempotent, so the
+scores are the same whether the update has written the summaries yet or not, and the update only
+has to finish before the next forward reads them. Methods without that fold (InfLLM-v2), and the
+CPU path, run the update first.
 
 The predictor's step is the selection's epilogue (the scores are on chip there; with
 ``--prr-predictor side`` it is its own launch after the selection, as below): it writes P(t+1)
@@ -41,13 +51,16 @@ On CPU (and other devices) every op is the torch reference and the stages run on
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
 
 from . import methods, ops
-from .methods import SelectSpec
+from .methods import NewKeys, SelectSpec
+
+ENV_FOLD_NEW_KEYS = "SGLANG_PRR_FOLD_NEW_KEYS"
 
 
 class DecodeBatch(NamedTuple):
@@ -119,14 +132,17 @@ class DecodeStep:
         # The selection's constants, the same for every forward and graph shape of this step.
         self.spec = SelectSpec(k=self.k, sink_blocks=self.sink, local_blocks=self.local,
                                n_out=self.n_out, page_size=self.page)
+        # SGLANG_PRR_FOLD_NEW_KEYS=0: the summary update first and no fold, as before the fold
+        # existed (a measuring knob: the two orders side by side in one run).
+        self.fold_keys = os.environ.get(ENV_FOLD_NEW_KEYS, "1") != "0"
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._p_par: Optional[Tensor] = None
-        if self.cuda and not self.serial:
+        if self.cuda:
             self.side = torch.cuda.Stream(device=self.device)
             self.forked = torch.cuda.Event()
             self.selected = torch.cuda.Event()
-            self.predicted = torch.cuda.Event()
+            self.side_done = torch.cuda.Event()
 
     # ------------------------------------------------------------------ once per forward
     def plan(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor,
@@ -167,7 +183,9 @@ class DecodeStep:
     # ------------------------------------------------------------------ once per layer
     def run(self, q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor],
             batch: DecodeBatch, state: Optional[LayerState], stats: Optional[Tensor],
-            sm_scale: float, out_dtype: torch.dtype, join: bool = True) -> Tensor:
+            sm_scale: float, out_dtype: torch.dtype, join: bool = True,
+            new_keys: Optional[NewKeys] = None,
+            update: Optional[Callable[[], None]] = None) -> Tensor:
         """One layer's decode attention: ``o [B, Hq, D]`` in ``out_dtype``.
 
         q: ``[B, Hq, D]`` (rows may be strided, heads packed); k_buf/v_buf: the layer's
@@ -176,18 +194,38 @@ class DecodeStep:
         state: the layer's predictor state (PRR; updated in place, P(t+1) included, P's rows
         double-buffered: ``[2R, Hk, Np]``); stats: ``[4]`` int64 counters
         (``reference.accumulate_stats``) or None; join: end this forward's side-stream work here
-        (the last sparse layer; InfLLM-v2's predictor step runs there after the selection)."""
+        (the last sparse layer; the predictor's own step and the summary update run there);
+        new_keys / update: the step's new keys and the summary update that folds them in (run
+        here: first, or, where the method's selection folds the new keys itself, on the side
+        stream after the selection (PRR) or the attention (serial DSA), off the critical
+        path)."""
         b, dsa = batch, self.dsa
+        fold = new_keys is not None and dsa.folds_new_keys and self.fold_keys
+        side_update = fold and update is not None and self.cuda
+        if update is not None and not side_update:
+            update()  # the selection reads what it wrote
         # A serial forward of a speculating server leaves the PRR counters alone (its M = A
         # would read as misses); the host counts those steps.
         sel = dict(table=b.table, seq_lens=b.seq_lens, nblk=b.nblk, spec=self.spec,
                    sm_scale=sm_scale, dense_row=b.dense_row,
-                   stats=stats if (b.n_pred or self.serial) else None)
+                   stats=stats if (b.n_pred or self.serial) else None,
+                   new_keys=new_keys if fold else None)
         attn = dict(table=b.table, seq_lens=b.seq_lens, page_size=self.page, sm_scale=sm_scale,
                     out_dtype=out_dtype)
         if b.n_pred == 0:
             a = dsa.select(q, summary, **sel)
-            return ops.sparse_attn_merge(q, k_buf, v_buf, idx=a.a_idx, cnt=a.a_cnt, **attn)[0]
+            o = ops.sparse_attn_merge(q, k_buf, v_buf, idx=a.a_idx, cnt=a.a_cnt, **attn)[0]
+            if side_update:  # after the attention, beside the layer's next kernels
+                main = torch.cuda.current_stream(self.device)
+                self.forked.record(main)
+                with torch.cuda.stream(self.side):
+                    self.side.wait_event(self.forked)
+                    self._keep(new_keys)
+                    update()
+                    self.side_done.record(self.side)
+                if join:
+                    main.wait_event(self.side_done)
+            return o
         st = state
         if st.p_idx.shape[0] != 2 * st.level.shape[0]:
             raise ValueError(f"state.p_idx has {st.p_idx.shape[0]} rows, expected 2 x "
@@ -217,8 +255,10 @@ class DecodeStep:
                 self.selected.record(self.side)
                 if not fused:
                     predict(a.scores)
-                    if join:
-                        self.predicted.record(self.side)
+                if side_update:  # after the selection: the repair does not wait for it
+                    self._keep(new_keys)
+                    update()
+                self.side_done.record(self.side)
         else:
             a = select()
             if not fused:
@@ -236,6 +276,11 @@ class DecodeStep:
                                      lse_spec=lse_s, p_idx=st.p_idx, p_cnt=st.p_cnt,
                                      a_idx=a.a_idx, a_cnt=a.a_cnt, nb=b.table.shape[1],
                                      exact=self.exact, p_rows=b.p_cur, **attn)
-        if self.cuda and join and not fused:
-            main.wait_event(self.predicted)
+        if self.cuda and join and (side_update or not fused):
+            main.wait_event(self.side_done)
         return o
+
+    def _keep(self, new_keys: NewKeys) -> None:
+        """The new keys' tensors are the main stream's; the side stream reads them too."""
+        for t in new_keys:
+            t.record_stream(self.side)

@@ -13,10 +13,12 @@
 #include <tuple>
 
 #include "prr_kernels.h"
+#include "binding_common.h"
 
 using at::Tensor;
 
-namespace {
+// The helpers every binding file shares (binding_common.h declares them).
+namespace prr_bind {
 
 int dtype_code(const Tensor& t) {
   switch (t.scalar_type()) {
@@ -86,9 +88,6 @@ const void* slots_ptr(const c10::optional<Tensor>& rows, int64_t B, bool& is64, 
 // to zero at the end of every launch, so the arrays are allocated and zeroed once (outside any
 // graph capture: `prepare` is called when the kernels load) and then reused by every launch and
 // graph replay. Two launches of the same kind must not overlap in time on one device.
-enum CounterKind {
-  kCntAttnMerge = 0, kCntSelect = 1, kCntPredict = 2, kCntSelectReq = 3, kNumCounterKinds = 4
-};
 constexpr int64_t kMaxCounterRows = 1 << 18;
 constexpr int kMaxDevices = 64;
 
@@ -121,6 +120,11 @@ void prepare(const Tensor& like) {
   c10::cuda::CUDAGuard guard(like.device());
   for (int k = 0; k < kNumCounterKinds; ++k) counters(k, like.get_device());
 }
+
+}  // namespace prr_bind
+
+namespace {
+using namespace prr_bind;
 
 // Fills the attention arguments shared by sparse_attn_partials and sparse_attn_merge; the
 // partials go to o/lse ([B, Hq, N, D] / [B, Hq, N], allocated here).
@@ -497,144 +501,6 @@ std::tuple<Tensor, Tensor> merge_partials(const Tensor& o, const Tensor& lse) {
   return merge_common(o, lse, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0);
 }
 
-// The predictor's tensors of quest_select_predict (all set, or none).
-struct PredictorTensors {
-  Tensor* level; Tensor* trend; Tensor* n_init; const Tensor* theta; const Tensor* rows;
-  const Tensor* nblk_next; Tensor* p_out_idx; Tensor* p_out_cnt; const Tensor* p_out_rows;
-  int64_t n_pred;
-};
-
-// Quest scores + top-K + M = A \ P in one launch, with the predictor's step when `pr` is set:
-// (scores, a_idx, a_cnt, m_idx, m_cnt).
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
-    const Tensor& q_in, const Tensor& kmin, const Tensor& kmax, const Tensor& table,
-    const Tensor& nblk_in, const c10::optional<Tensor>& p_idx_in,
-    const c10::optional<Tensor>& p_cnt_in, int64_t k, int64_t sink, int64_t local,
-    int64_t n_out, const c10::optional<Tensor>& p_rows, const c10::optional<Tensor>& dense_row,
-    const c10::optional<Tensor>& stats, const PredictorTensors* pr, const char* op) {
-  check_cuda(q_in, "q");
-  c10::cuda::CUDAGuard guard(q_in.device());
-  const Tensor q = q_view(q_in);
-  const int s_dtype = summary_code(kmin, kmax, op);
-  TORCH_CHECK(table.dim() == 2 && table.stride(1) == 1, op, ": table must be [B, NB]");
-  const Tensor nblk = nblk_in.contiguous();
-  const int64_t B = q.size(0), Hq = q.size(1), D = q.size(2), Hk = kmin.size(1),
-                NB = table.size(1);
-  TORCH_CHECK(NB <= prr::max_topk_blocks(), op, ": ", NB, " blocks per row, at most ",
-              prr::max_topk_blocks(), " supported");
-  auto scores = at::empty({B, Hk, NB}, q.options().dtype(at::kFloat));
-  auto a_idx = at::empty({B, Hk, n_out}, q.options().dtype(at::kInt));
-  auto a_cnt = at::empty({B, Hk}, q.options().dtype(at::kInt));
-  auto m_idx = at::empty({B, Hk, n_out}, q.options().dtype(at::kInt));
-  auto m_cnt = at::empty({B, Hk}, q.options().dtype(at::kInt));
-  prr::SelectArgs a{};
-  a.q = q.data_ptr(); a.q_dtype = dtype_code(q); a.q_stride = q.stride(0);
-  a.kmin = kmin.data_ptr(); a.kmax = kmax.data_ptr(); a.s_dtype = s_dtype;
-  a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
-  a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
-  a.scores = scores.data_ptr<float>();
-  Tensor pi, pc;
-  if (p_idx_in.has_value()) {
-    TORCH_CHECK(p_cnt_in.has_value(), op, ": p_idx given without p_cnt");
-    pi = p_idx_in->contiguous(); pc = p_cnt_in->contiguous();
-    TORCH_CHECK(pi.scalar_type() == at::kInt && pc.scalar_type() == at::kInt,
-                op, ": p_idx/p_cnt must be int32");
-    a.p_idx = pi.data_ptr<int32_t>(); a.p_cnt = pc.data_ptr<int32_t>(); a.Np = (int)pi.size(-1);
-  }
-  Tensor prw, dr, rows, nbn, orows;
-  a.p_rows = slots_ptr(p_rows, B, a.p_rows64, prw, op);
-  if (dense_row.has_value()) {
-    dr = dense_row->contiguous();
-    TORCH_CHECK(dr.scalar_type() == at::kBool && dr.numel() == B,
-                op, ": dense_row must be bool [", B, "]");
-    a.dense_row = dr.data_ptr<bool>();
-  }
-  if (stats.has_value()) {
-    TORCH_CHECK(stats->scalar_type() == at::kLong && stats->is_contiguous() &&
-                stats->numel() == prr::kNumStatSlots, op, ": stats must be contiguous int64 [",
-                prr::kNumStatSlots, "]");
-    a.stats = reinterpret_cast<unsigned long long*>(stats->data_ptr<int64_t>());
-  }
-  a.a_idx = a_idx.data_ptr<int32_t>(); a.a_cnt = a_cnt.data_ptr<int32_t>();
-  a.m_idx = m_idx.data_ptr<int32_t>(); a.m_cnt = m_cnt.data_ptr<int32_t>();
-  a.n_out = (int)n_out;
-  a.sem = group_counters(q, kCntSelect, B * Hk, op);
-  a.B = (int)B; a.Hq = (int)Hq; a.Hk = (int)Hk; a.NB = (int)NB; a.D = (int)D;
-  a.k = (int)k; a.sink = (int)sink; a.local = (int)local;
-  if (pr) {
-    Tensor& level = *pr->level;
-    Tensor& trend = *pr->trend;
-    Tensor& n_init = *pr->n_init;
-    TORCH_CHECK(level.is_contiguous() && trend.is_contiguous() && n_init.is_contiguous() &&
-                level.scalar_type() == at::kFloat && trend.scalar_type() == at::kFloat &&
-                level.dim() == 3 && level.size(1) == Hk && level.size(2) == NB &&
-                trend.sizes() == level.sizes(), op,
-                ": level/trend must be contiguous float32 [R, ", Hk, ", ", NB, "], got ",
-                level.sizes());
-    TORCH_CHECK(pr->theta->scalar_type() == at::kFloat && pr->theta->dim() == 2 &&
-                pr->theta->size(1) == 3 && pr->theta->stride(1) == 1,
-                op, ": theta must be float32 [R, 3]");
-    Tensor& po = *pr->p_out_idx;
-    Tensor& pco = *pr->p_out_cnt;
-    TORCH_CHECK(po.is_contiguous() && pco.is_contiguous() && po.scalar_type() == at::kInt &&
-                pco.scalar_type() == at::kInt && po.size(-1) >= pr->n_pred + sink + local,
-                op, ": p_idx/p_cnt must be contiguous int32 with at least ",
-                pr->n_pred + sink + local, " entries");
-    a.rows = slots_ptr(*pr->rows, B, a.rows64, rows, op);
-    a.level = level.data_ptr<float>(); a.trend = trend.data_ptr<float>();
-    a.n_init = n_init.data_ptr(); a.ninit64 = index64(n_init, "n_init");
-    a.theta = pr->theta->data_ptr<float>(); a.theta_stride = pr->theta->stride(0);
-    nbn = pr->nblk_next->contiguous();
-    a.nblk_next = nbn.data_ptr(); a.nblk_next64 = index64(nbn, "nblk_next");
-    a.p_out_rows = slots_ptr(*pr->p_out_rows, B, a.p_out_rows64, orows, op);
-    a.p_out_idx = po.data_ptr<int32_t>(); a.p_out_cnt = pco.data_ptr<int32_t>();
-    a.Np_out = (int)po.size(-1);
-    a.n_pred = (int)pr->n_pred;
-    a.req_sem = group_counters(q, kCntSelectReq, B, op);
-  }
-  // The one-pass kernel's candidate workspace (static shapes: the caching allocator, or the
-  // graph's pool under capture).
-  int nch = 0, kca = 0, kcp = 0;
-  size_t smem = 0;
-  Tensor ws, ws_cnt;
-  if (prr::select_one_pass((int)D, (int)(Hq / Hk), (int)NB, (int)k, pr ? (int)pr->n_pred : 0,
-                           a.Np, (int)n_out, &nch, &kca, &kcp, &smem)) {
-    ws = at::empty({B * Hk * nch * std::max(kca + kcp, 1)}, q.options().dtype(at::kLong));
-    ws_cnt = at::empty({B * Hk * nch * 2}, q.options().dtype(at::kInt));
-    a.ws = reinterpret_cast<unsigned long long*>(ws.data_ptr<int64_t>());
-    a.ws_cnt = ws_cnt.data_ptr<int32_t>();
-    a.nch = nch; a.kca = kca; a.kcp = kcp;
-  }
-  check_launch(prr::launch_quest_select(a, stream()), op);
-  return std::make_tuple(scores, a_idx, a_cnt, m_idx, m_cnt);
-}
-
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select(
-    const Tensor& q, const Tensor& kmin, const Tensor& kmax, const Tensor& table,
-    const Tensor& nblk, const c10::optional<Tensor>& p_idx, const c10::optional<Tensor>& p_cnt,
-    int64_t k, int64_t sink, int64_t local, int64_t n_out, const c10::optional<Tensor>& p_rows,
-    const c10::optional<Tensor>& dense_row, const c10::optional<Tensor>& stats) {
-  return select_common(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows,
-                       dense_row, stats, nullptr, "quest_select");
-}
-
-// quest_select and the predictor's step in the same launch: P(t) at rows p_rows gives M, the
-// Holt update runs on state rows `rows`, and P(t+1) goes to rows p_next_rows of p_idx/p_cnt.
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select_predict(
-    const Tensor& q, const Tensor& kmin, const Tensor& kmax, const Tensor& table,
-    const Tensor& nblk, const Tensor& nblk_next, Tensor& p_idx, Tensor& p_cnt,
-    const Tensor& p_rows, const Tensor& p_next_rows, Tensor& level, Tensor& trend,
-    Tensor& n_init, const Tensor& theta, const Tensor& rows, int64_t k, int64_t n_pred,
-    int64_t sink, int64_t local, int64_t n_out, const c10::optional<Tensor>& dense_row,
-    const c10::optional<Tensor>& stats) {
-  TORCH_CHECK(p_idx.is_contiguous() && p_cnt.is_contiguous(),
-              "quest_select_predict: p_idx/p_cnt must be contiguous (written in place)");
-  PredictorTensors pr{&level, &trend, &n_init, &theta, &rows, &nblk_next, &p_idx, &p_cnt,
-                      &p_next_rows, n_pred};
-  return select_common(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out,
-                       p_rows, dense_row, stats, &pr, "quest_select_predict");
-}
-
 // Fused Holt update + P(t+1) into idx/cnt; with rows, every state tensor (and idx/cnt) is the
 // request pool's [R, ...] and batch entry b updates row rows[b] in place.
 void predict_common(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& scores_in,
@@ -755,7 +621,8 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
         "-> (Tensor, Tensor)");
   m.def("quest_select(Tensor q, Tensor kmin, Tensor kmax, Tensor table, Tensor nblk, "
         "Tensor? p_idx, Tensor? p_cnt, int k, int sink_blocks, int local_blocks, int n_out, "
-        "Tensor? p_rows=None, Tensor? dense_row=None, Tensor(a!)? stats=None) "
+        "Tensor? p_rows=None, Tensor? dense_row=None, Tensor(a!)? stats=None, "
+        "Tensor? new_k=None, Tensor? new_pos=None, int page_size=0) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("predict_update(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) n_init, Tensor scores, "
         "Tensor nblk, Tensor theta, Tensor nblk_next, int n_pred, int sink_blocks, "
@@ -768,8 +635,8 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
         "Tensor nblk_next, Tensor(a!) p_idx, Tensor(b!) p_cnt, Tensor p_rows, "
         "Tensor p_next_rows, Tensor(c!) level, Tensor(d!) trend, Tensor(e!) n_init, "
         "Tensor theta, Tensor rows, int k, int n_pred, int sink_blocks, int local_blocks, "
-        "int n_out, Tensor? dense_row=None, Tensor(f!)? stats=None) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "int n_out, Tensor? dense_row=None, Tensor(f!)? stats=None, Tensor? new_k=None, "
+        "Tensor? new_pos=None, int page_size=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("calib_grid_terms(Tensor scores, Tensor nblk, Tensor wa, Tensor am, Tensor alphas, "
         "Tensor betas, Tensor gammas, int n_pred, int sink_blocks, int local_blocks) -> Tensor");
   m.def("prepare(Tensor like) -> ()");
@@ -789,8 +656,6 @@ TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {
   m.impl("merge_partials", &merge_partials);
   m.impl("quest_update", &quest_update);
   m.impl("sparse_attn_merge", &sparse_attn_merge);
-  m.impl("quest_select", &quest_select);
-  m.impl("quest_select_predict", &quest_select_predict);
   m.impl("predict_update", &predict_update);
   m.impl("predict_update_rows", &predict_update_rows);
   m.impl("calib_grid_terms", &calib_grid_terms);

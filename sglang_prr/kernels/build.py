@@ -10,7 +10,7 @@ another with the same torch. Environment:
 * ``SGLANG_PRR_NVCC``: the nvcc to use (default: ``$CUDA_HOME/bin/nvcc`` or ``nvcc`` on PATH).
 * ``SGLANG_PRR_DEBUG=1``: add ``-lineinfo`` and keep host assertions (debug builds only).
 * ``SGLANG_PRR_BUILD_JOBS``: parallel compiler processes (default: number of CPUs; there are
-  four translation units, two CUDA and two host).
+  eight CUDA translation units and three host ones).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from typing import List, Optional
 HERE = Path(__file__).resolve().parent
 CUDA_SOURCES = ["attention.cu", "selection.cu", "select_predict.cu", "predictor.cu", "merge.cu",
                 "summaries.cu", "calib_kernels.cu", "infllm_kernels.cu"]
-HOST_SOURCES = ["binding.cpp", "infllm_binding.cpp"]
-HEADERS = ["kernel_limits.h", "prr_kernels.h", "infllm_kernels.h", "common.cuh", "topk.cuh"]
+HOST_SOURCES = ["binding.cpp", "select_binding.cpp", "infllm_binding.cpp"]
+HEADERS = ["kernel_limits.h", "prr_kernels.h", "binding_common.h", "infllm_kernels.h", "common.cuh", "topk.cuh"]
 LIB_NAME = "libsglang_prr_kernels.so"
 STAMP_NAME = "source_hash"  # beside a library built into a named folder
 

@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <climits>
 #include <cstdint>
 #include <cstdlib>
 #include <utility>
@@ -100,6 +101,55 @@ __device__ __forceinline__ void load8_any(const void* base, int64_t off, int dt,
 #pragma unroll
     for (int i = 0; i < 4; ++i) { float2 x = __bfloat1622float2(h[i]); f[2 * i] = x.x; f[2 * i + 1] = x.y; }
   }
+}
+
+// Load 4 consecutive elements of a tensor of dtype `dt` as floats (8- or 16-byte aligned).
+__device__ __forceinline__ float4 load4_any(const void* base, int64_t off, int dt) {
+  if (dt == kF32) return *reinterpret_cast<const float4*>(reinterpret_cast<const float*>(base) + off);
+  const uint2 u = *reinterpret_cast<const uint2*>(reinterpret_cast<const uint16_t*>(base) + off);
+  float2 x, y;
+  if (dt == kF16) {
+    x = __half22float2(*reinterpret_cast<const __half2*>(&u.x));
+    y = __half22float2(*reinterpret_cast<const __half2*>(&u.y));
+  } else {
+    x = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+    y = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  }
+  return make_float4(x.x, x.y, y.x, y.y);
+}
+
+// A Quest summary bound of a key value as the summaries store it: float32 as is, bfloat16 rounded
+// outward (the minimum down, the maximum up), returned as a float.
+template <typename S> struct KeyBound;
+template <> struct KeyBound<float> {
+  __device__ __forceinline__ static float lo(float x) { return x; }
+  __device__ __forceinline__ static float hi(float x) { return x; }
+};
+template <> struct KeyBound<__nv_bfloat16> {
+  __device__ __forceinline__ static float lo(float x) { return __bfloat162float(__float2bfloat16_rd(x)); }
+  __device__ __forceinline__ static float hi(float x) { return __bfloat162float(__float2bfloat16_ru(x)); }
+};
+
+// Fold a key value x into a summary's (lo, hi) as the decode update does (summaries.cu): the
+// first token of a page replaces them, any other replaces only a smaller minimum / larger maximum.
+// Idempotent: folding into an already-folded pair changes nothing.
+template <typename S>
+__device__ __forceinline__ void fold_key(float x, bool first, float& lo, float& hi) {
+  const float l = KeyBound<S>::lo(x), h = KeyBound<S>::hi(x);
+  if (first || l < lo) lo = l;
+  if (first || h > hi) hi = h;
+}
+
+// Where row b's new key enters its selection (SelectArgs::new_k): its block, or -1 (none), and
+// whether it is the first token of its page.
+__device__ __forceinline__ int new_key_block(const void* new_k, const void* new_pos, bool pos64,
+                                             int page_size, int b, bool& first) {
+  first = false;
+  if (!new_k) return -1;
+  const int64_t pos = ld_index(new_pos, b, pos64);
+  if (pos < 0) return -1;
+  first = pos % page_size == 0;
+  return (int)min(pos / page_size, (int64_t)INT_MAX);
 }
 
 // Store 4 floats at element offset `off` of a tensor of dtype `dt` (rounded to nearest).

@@ -186,21 +186,25 @@ def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm
 
 
 def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out,
-                  p_rows=None, dense_row=None, stats=None):
+                  p_rows=None, dense_row=None, stats=None, new_k=None, new_pos=None,
+                  page_size=0):
     contracts.check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
-                                 local_blocks, n_out, p_rows, dense_row, stats)
-    ok = _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats)
+                                 local_blocks, n_out, p_rows, dense_row, stats, new_k, new_pos,
+                                 page_size)
+    ok = _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats, new_k)
     if not ok:
         return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
-                                local_blocks, n_out, p_rows, dense_row, stats)
+                                local_blocks, n_out, p_rows, dense_row, stats, new_k, new_pos,
+                                page_size)
     return torch.ops.sglang_prr_cuda.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k,
                                                   sink_blocks, local_blocks, n_out, p_rows,
-                                                  dense_row, stats)
+                                                  dense_row, stats, new_k, new_pos, page_size)
 
 
-def _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats) -> bool:
+def _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats, new_k=None) -> bool:
     """The selection kernels take these inputs: head dims 64/128/256 with groups up to 8 (the
-    one-pass kernel), other multiples of 8 up to a group of 12K values (the row-tail kernel)."""
+    one-pass kernel), other multiples of 8 up to a group of 12K values (the row-tail kernel);
+    both fold new keys of any float dtype."""
     B, Hq, D = q.shape
     Hk = kmin.shape[1]
     G = Hq // max(Hk, 1)
@@ -211,18 +215,20 @@ def _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats) -> bool:
             and aligned(kmin, kmax) and table.dim() == 2 and table.stride(-1) == 1
             and 0 < table.shape[1] <= TOPK_MAX_BLOCKS and B * Hk <= MAX_GROUPS
             and (p_idx is None or (p_idx.dtype == torch.int32 and p_cnt.dtype == torch.int32))
+            and (new_k is None or new_k.dtype in FLOAT_TYPES)
             and (stats is None or (stats.dtype == torch.int64 and stats.is_contiguous()
                                    and stats.numel() == len(contracts.STATS_SLOTS))))
 
 
 def _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                           p_next_rows, level, trend, n_init, theta, rows, k, n_pred, sink_blocks,
-                          local_blocks, n_out, dense_row=None, stats=None):
+                          local_blocks, n_out, dense_row=None, stats=None, new_k=None,
+                          new_pos=None, page_size=0):
     contracts.check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt,
                                          p_rows, p_next_rows, level, trend, n_init, theta, rows,
                                          k, n_pred, sink_blocks, local_blocks, n_out, dense_row,
-                                         stats)
-    ok = (_select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats)
+                                         stats, new_k, new_pos, page_size)
+    ok = (_select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats, new_k)
           and q.shape[0] <= MAX_GROUPS
           and level.dtype == torch.float32 and trend.dtype == torch.float32
           and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
@@ -232,10 +238,11 @@ def _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p
         return ref.quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt,
                                         p_rows, p_next_rows, level, trend, n_init, theta, rows,
                                         k, n_pred, sink_blocks, local_blocks, n_out, dense_row,
-                                        stats)
+                                        stats, new_k, new_pos, page_size)
     return torch.ops.sglang_prr_cuda.quest_select_predict(
         q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level, trend,
-        n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats)
+        n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats,
+        new_k, new_pos, page_size)
 
 
 def _predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks,

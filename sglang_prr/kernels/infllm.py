@@ -13,7 +13,7 @@ from typing import Callable, Dict
 
 import torch
 
-from .. import contracts
+from .. import contracts, contracts_infllm
 from .. import reference as ref
 from ..config import INFLLM_STRIDE
 from .limits import INFLLM_MAX_GROUP
@@ -31,7 +31,7 @@ def _page_ok(ck, page_size: int) -> bool:
 
 
 def _infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions, page_size):
-    contracts.check_infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions, page_size)
+    contracts_infllm.check_infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions, page_size)
     ok = (active(ck.device) and _page_ok(ck, page_size) and ck.dtype == torch.float32
           and ck.is_contiguous() and aligned(ck) and k_buf.dim() == 3
           and k_buf.dtype in FLOAT_TYPES and k_buf.stride(-1) == 1
@@ -48,7 +48,7 @@ def _infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions, page_si
 
 
 def _infllm_scores(q, ck, table, seq_lens, page_size, sm_scale):
-    contracts.check_infllm_scores(q, ck, table, seq_lens, page_size)
+    contracts_infllm.check_infllm_scores(q, ck, table, seq_lens, page_size)
     B, Hq, D = q.shape
     Hk = ck.shape[2] if ck.dim() == 4 else 0
     ok = (active(q.device) and _page_ok(ck, page_size) and ck.dtype == torch.float32

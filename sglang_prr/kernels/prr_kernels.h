@@ -104,6 +104,12 @@ struct SelectArgs {
   // Candidate workspace of the one-pass kernel: [B * Hk, nch, kca + kcp] keys, counts.
   unsigned long long* ws; int* ws_cnt; int nch, kca, kcp;
   int debug_stop;  // timing probes only (SGLANG_PRR_SELECT_DEBUG_STOP): 0 runs everything
+  // The step's new keys (new_k != nullptr): row b's key at position new_pos[b] enters the score
+  // of its block (new_pos[b] / page_size) as the decode update folds it into the summary (the
+  // first position of a page: the key alone). Folded in registers, never written: a concurrent
+  // update of the same page leaves the scores unchanged (folding the key twice is folding it once).
+  const void* new_k; int new_k_dtype; int64_t new_k_stride;  // [B, Hk, D], rows new_k_stride apart
+  const void* new_pos; bool new_pos64; int page_size;        // [B]
 };
 // Whether the one-pass kernel takes these sizes (else scores + top-K kernels, then the
 // predictor's own kernel); its chunk count and candidate widths, and its dynamic shared memory.

@@ -129,6 +129,8 @@ quest_select_onepass_kernel(SelectArgs a) {
   }
   const int nb = clamp_nb(ld_index(a.nblk, b, a.nblk64), NB);
   const int nbn = pred ? clamp_nb(ld_index(a.nblk_next, b, a.nblk_next64), NB) : nb;
+  bool first_tok;
+  const int newest = new_key_block(a.new_k, a.new_pos, a.new_pos64, a.page_size, b, first_tok);
   float qf8[8];
   const int qe = tid * 8;  // G * D <= 8 * kOpThreads: one 8-wide piece per thread at most
   if (qe < G * D) load8_any(a.q, b * a.q_stride + (int64_t)hk * G * D + qe, a.q_dtype, qf8);
@@ -165,6 +167,11 @@ quest_select_onepass_kernel(SelectArgs a) {
       rhi[p].load(kmax + off);
     }
   }
+  // The new key's 8 values of this lane, with the summaries' round trip (one block a row).
+  float kf[8];
+  const int rel = newest - ch * kOpChunk - grp;
+  const bool has_new = newest >= 0 && newest < nb && rel >= 0 && rel < kOpChunk && rel % BPP == 0;
+  if (has_new) load8_any(a.new_k, b * a.new_k_stride + (int64_t)hk * D + ln * 8, a.new_k_dtype, kf);
   const int ninit_new = max(ninit, nb);
   float* srow_out = a.scores ? a.scores + row * NB : nullptr;
   if (qe < G * D) {
@@ -180,6 +187,10 @@ quest_select_onepass_kernel(SelectArgs a) {
       float lo[8], hi[8];
       rlo[p].get(lo);
       rhi[p].get(hi);
+      if (has_new && blk == newest) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) fold_key<S>(kf[i], first_tok, lo[i], hi[i]);
+      }
       for (int g = 0; g < G; ++g) {
         const float4 qa = *reinterpret_cast<const float4*>(s_q + g * D + ln * 8);
         const float4 qb = *reinterpret_cast<const float4*>(s_q + g * D + ln * 8 + 4);

@@ -175,6 +175,8 @@ quest_select_kernel(SelectArgs a) {
   }
   __syncthreads();
   const int base = blockIdx.y * kSelChunk + warp;
+  bool first_tok;
+  const int newest = new_key_block(a.new_k, a.new_pos, a.new_pos64, a.page_size, b, first_tok);
   int64_t page[kSelPerWarp];
   bool valid[kSelPerWarp];
 #pragma unroll
@@ -194,6 +196,14 @@ quest_select_kernel(SelectArgs a) {
         const int64_t off = (page[j] * a.Hk + hk) * D4 + c;
         lo[j] = ld_sum4(reinterpret_cast<const S*>(a.kmin), off);
         hi[j] = ld_sum4(reinterpret_cast<const S*>(a.kmax), off);
+        if (base + j * kSelWarps == newest) {  // the step's new key (SelectArgs::new_k)
+          const float4 x = load4_any(a.new_k, b * a.new_k_stride + (int64_t)hk * a.D + 4 * c,
+                                     a.new_k_dtype);
+          fold_key<S>(x.x, first_tok, lo[j].x, hi[j].x);
+          fold_key<S>(x.y, first_tok, lo[j].y, hi[j].y);
+          fold_key<S>(x.z, first_tok, lo[j].z, hi[j].z);
+          fold_key<S>(x.w, first_tok, lo[j].w, hi[j].w);
+        }
       }
     }
     for (int g = 0; g < G; ++g) {

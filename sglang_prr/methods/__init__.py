@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Dict, Tuple
 
-from .base import DSAMethod, Selected, SelectSpec, SummaryTensor, select_from_scores
+from .base import (DSAMethod, NewKeys, Selected, SelectSpec, SummaryTensor,
+                   select_from_scores)
 from .infllm_v2 import InfLLMv2
 from .quest import Quest
 
-__all__ = ["DSAMethod", "Selected", "SelectSpec", "SummaryTensor", "select_from_scores",
+__all__ = ["DSAMethod", "NewKeys", "Selected", "SelectSpec", "SummaryTensor", "select_from_scores",
            "BUILTIN", "register", "unregister", "get", "names"]
 
 _REGISTRY: Dict[str, DSAMethod] = {}

@@ -75,6 +75,15 @@ class SelectSpec:
                    page_size=page_size)
 
 
+class NewKeys(NamedTuple):
+    """A decode step's new keys, one per request: ``k: [B, Hk, D]`` (rows may be strided), their
+    KV slots ``loc: [B]`` and positions ``pos: [B]`` in their requests."""
+
+    k: Tensor
+    loc: Tensor
+    pos: Tensor
+
+
 class Selected(NamedTuple):
     """A decode step's selection: scores ``[B, Hk, NB]`` float32, A and ``M = A \\ P`` as
     ascending ``-1``-padded lists ``[B, Hk, n_out]`` int32 with counts ``[B, Hk]`` int32
@@ -119,11 +128,15 @@ class DSAMethod:
     SM90 kernels (the GPU conformance tests compare them with the reference); ``fuses_predictor``:
     ``select_predict`` is one op whose epilogue is the predictor's step, so the decode step runs
     nothing after it (otherwise the step runs ``ops.predict_update_rows`` after ``select``, off
-    the critical path)."""
+    the critical path); ``folds_new_keys``: ``select`` / ``select_predict`` take the step's new
+    keys (``new_keys``) and score as if they had been folded into the summaries, whether or not
+    ``update`` has run, so the decode step may run the update beside the selection instead of
+    before it."""
 
     name: str = ""
     kernels: bool = False
     fuses_predictor: bool = False
+    folds_new_keys: bool = False
 
     # ------------------------------------------------------------------ summaries
     def layout(self, page_size: int, num_kv_heads: int, head_dim: int
@@ -178,9 +191,11 @@ class DSAMethod:
                spec: SelectSpec, sm_scale: float, nblk: Optional[Tensor] = None,
                p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None,
                p_rows: Optional[Tensor] = None, dense_row: Optional[Tensor] = None,
-               stats: Optional[Tensor] = None) -> Selected:
+               stats: Optional[Tensor] = None, new_keys: Optional[NewKeys] = None) -> Selected:
         """The decode step's selection: ``scores``, then ``select_from_scores`` (A, M = A \\ P,
-        the counters). Arguments as in ``scores`` and ``select_from_scores``."""
+        the counters). Arguments as in ``scores`` and ``select_from_scores``; ``new_keys`` only
+        where the method ``folds_new_keys``."""
+        self._no_new_keys(new_keys)
         nblk = ref.num_blocks(seq_lens, spec.page_size) if nblk is None else nblk
         s = self.scores(q, summary, table=table, seq_lens=seq_lens, page_size=spec.page_size,
                         sm_scale=sm_scale, nblk=nblk)
@@ -191,7 +206,8 @@ class DSAMethod:
                        seq_lens: Tensor, nblk: Tensor, nblk_next: Tensor, spec: SelectSpec,
                        sm_scale: float, state, rows: Tensor, p_rows: Tensor,
                        p_next_rows: Tensor, n_pred: int, dense_row: Optional[Tensor] = None,
-                       stats: Optional[Tensor] = None) -> Selected:
+                       stats: Optional[Tensor] = None,
+                       new_keys: Optional[NewKeys] = None) -> Selected:
         """A PRR decode step's selection against P(t) at rows ``p_rows`` of the layer's pool-wide
         predictor ``state`` (``step.LayerState``: p_idx, p_cnt, level, trend, n_init, theta),
         then the predictor's step on state rows ``rows: [B]``: the Holt update with this step's
@@ -201,13 +217,19 @@ class DSAMethod:
         st = state
         sel = self.select(q, summary, table=table, seq_lens=seq_lens, spec=spec,
                           sm_scale=sm_scale, nblk=nblk, p_idx=st.p_idx, p_cnt=st.p_cnt,
-                          p_rows=p_rows, dense_row=dense_row, stats=stats)
+                          p_rows=p_rows, dense_row=dense_row, stats=stats, new_keys=new_keys)
         ops.predict_update_rows(level=st.level, trend=st.trend, n_init=st.n_init,
                                 p_idx=st.p_idx, p_cnt=st.p_cnt, theta=st.theta, rows=rows,
                                 scores=sel.scores, nblk=nblk, nblk_next=nblk_next, n_pred=n_pred,
                                 sink_blocks=spec.sink_blocks, local_blocks=spec.local_blocks,
                                 p_rows=p_next_rows)
         return sel
+
+    def _no_new_keys(self, new_keys: Optional[NewKeys]) -> None:
+        if new_keys is not None and not self.folds_new_keys:
+            raise ValueError(f"{self.name}: new_keys given, but the method does not fold new "
+                             "keys into its selection (folds_new_keys is False): run its update "
+                             "before the selection instead")
 
     def __repr__(self) -> str:
         return f"<DSA method {self.name!r}>"

@@ -8,7 +8,9 @@ reads and the KV pool gives up, against float32.
 Scores: ``sum_d max(q_d kmax_d, q_d kmin_d)``, summed over the GQA group (``ops.quest_scores``).
 The selection (scores, top-K, ``M = A \\ P``) is one op (``ops.quest_select``), and PRR's
 selection also runs the predictor's step in its epilogue (``ops.quest_select_predict``): one
-launch each on SM90.
+launch each on SM90. Both fold the step's new keys into the scores of their blocks
+(``folds_new_keys``): min/max folds are idempotent, so the scores do not depend on whether the
+decode update has written them yet, and the update leaves the critical path.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import Tensor
 
 from .. import custom_ops as ops
 from .. import reference as ref
-from .base import DSAMethod, Selected, SelectSpec, SummaryTensor
+from .base import DSAMethod, NewKeys, Selected, SelectSpec, SummaryTensor
 
 DTYPE = torch.bfloat16
 
@@ -29,6 +31,7 @@ class Quest(DSAMethod):
     name = "quest"
     kernels = True
     fuses_predictor = True
+    folds_new_keys = True
 
     def layout(self, page_size: int, num_kv_heads: int, head_dim: int
                ) -> Tuple[SummaryTensor, ...]:
@@ -56,22 +59,32 @@ class Quest(DSAMethod):
                spec: SelectSpec, sm_scale: float, nblk: Optional[Tensor] = None,
                p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None,
                p_rows: Optional[Tensor] = None, dense_row: Optional[Tensor] = None,
-               stats: Optional[Tensor] = None) -> Selected:
+               stats: Optional[Tensor] = None, new_keys: Optional[NewKeys] = None) -> Selected:
         nblk = ref.num_blocks(seq_lens, spec.page_size) if nblk is None else nblk
         return Selected(*ops.quest_select(
             q=q, kmin=summary[0], kmax=summary[1], table=table, nblk=nblk, p_idx=p_idx,
             p_cnt=p_cnt, k=spec.k, sink_blocks=spec.sink_blocks, local_blocks=spec.local_blocks,
-            n_out=spec.n_out, p_rows=p_rows, dense_row=dense_row, stats=stats))
+            n_out=spec.n_out, p_rows=p_rows, dense_row=dense_row, stats=stats,
+            **_fold_args(new_keys, spec)))
 
     def select_predict(self, q: Tensor, summary: Sequence[Tensor], *, table: Tensor,
                        seq_lens: Tensor, nblk: Tensor, nblk_next: Tensor, spec: SelectSpec,
                        sm_scale: float, state, rows: Tensor, p_rows: Tensor,
                        p_next_rows: Tensor, n_pred: int, dense_row: Optional[Tensor] = None,
-                       stats: Optional[Tensor] = None) -> Selected:
+                       stats: Optional[Tensor] = None,
+                       new_keys: Optional[NewKeys] = None) -> Selected:
         st = state
         return Selected(*ops.quest_select_predict(
             q=q, kmin=summary[0], kmax=summary[1], table=table, nblk=nblk, nblk_next=nblk_next,
             p_idx=st.p_idx, p_cnt=st.p_cnt, p_rows=p_rows, p_next_rows=p_next_rows,
             level=st.level, trend=st.trend, n_init=st.n_init, theta=st.theta, rows=rows,
             k=spec.k, n_pred=n_pred, sink_blocks=spec.sink_blocks,
-            local_blocks=spec.local_blocks, n_out=spec.n_out, dense_row=dense_row, stats=stats))
+            local_blocks=spec.local_blocks, n_out=spec.n_out, dense_row=dense_row, stats=stats,
+            **_fold_args(new_keys, spec)))
+
+
+def _fold_args(new_keys: Optional[NewKeys], spec: SelectSpec) -> dict:
+    """The selection ops' new-key arguments (none without new keys)."""
+    if new_keys is None:
+        return {}
+    return dict(new_k=new_keys.k, new_pos=new_keys.pos, page_size=spec.page_size)

@@ -64,12 +64,44 @@ def quest_update(kmin: Tensor, kmax: Tensor, k: Tensor, out_loc: Tensor, positio
     kmax.index_reduce_(0, page, hi, "amax")
 
 
-def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor) -> Tensor:
+def fold_new_keys(lo: Tensor, hi: Tensor, dtype: torch.dtype, nblk: Tensor, new_k: Tensor,
+                  new_pos: Tensor, page_size: int) -> None:
+    """Fold each row's new key into the gathered summaries of its block, in place, as
+    ``quest_update`` folds it into the page (the first position of a page: the key alone).
+
+    lo, hi: ``[B, NB, Hk, D]`` float32 (``kmin[table]``, ``kmax[table]``); dtype: the summaries'
+    (bfloat16 rounds the key outward first); new_k: ``[B, Hk, D]``; new_pos: ``[B]`` positions (a
+    negative one, or one in a block at or past ``nblk``, folds nothing). Folding a key into a
+    summary that already holds it changes nothing, so the scores are the same whether or not the
+    update has run."""
+    B, NB = lo.shape[:2]
+    pos = new_pos.long()
+    blk = pos.div(page_size, rounding_mode="floor")
+    ok = (pos >= 0) & (blk < torch.clamp(nblk.long(), max=NB))
+    col = torch.where(ok, blk, torch.zeros_like(blk))
+    row = torch.arange(B, device=lo.device)
+    x = new_k.float()
+    if dtype == torch.bfloat16:
+        xl, xh = round_bf16(x, down=True).float(), round_bf16(x, down=False).float()
+    else:
+        xl = xh = x.to(dtype).float()
+    first = (pos % page_size == 0).view(-1, 1, 1)
+    keep = ~ok.view(-1, 1, 1)
+    cur_lo, cur_hi = lo[row, col], hi[row, col]  # [B, Hk, D]
+    lo[row, col] = torch.where(keep | ~(first | (xl < cur_lo)), cur_lo, xl)
+    hi[row, col] = torch.where(keep | ~(first | (xh > cur_hi)), cur_hi, xh)
+
+
+def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
+                 new_k: Optional[Tensor] = None, new_pos: Optional[Tensor] = None,
+                 page_size: int = 0) -> Tensor:
     """Quest block scores ``IS = sum_d max(q_d*kmax_d, q_d*kmin_d)``, summed over each GQA group.
 
     q: ``[B, Hq, D]``; kmin/kmax: ``[num_pages, Hk, D]``; table: ``[B, NB]`` page ids;
     nblk: ``[B]`` blocks per request. Returns ``[B, Hk, NB]`` float32, ``-inf`` past nblk.
     Summing the per-head upper bounds keeps an upper bound of the group's summed logits.
+    With ``new_k [B, Hk, D]`` / ``new_pos [B]``, each row's new key counts in its block's score
+    as if it had been folded into the summary (``fold_new_keys``; the summaries are not written).
     """
     B, Hq, D = q.shape
     Hk = kmin.shape[1]
@@ -77,6 +109,8 @@ def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
     nb = table.shape[1]
     lo = kmin[table].float()  # [B, NB, Hk, D] (bfloat16 summaries: exact in float32)
     hi = kmax[table].float()
+    if new_k is not None:
+        fold_new_keys(lo, hi, kmin.dtype, nblk, new_k, new_pos, page_size)
     qg = q.float().view(B, Hk, G, D)
     s = torch.maximum(torch.einsum("bhgd,bnhd->bhgnd", qg, hi),
                       torch.einsum("bhgd,bnhd->bhgnd", qg, lo)).sum(-1).sum(2)  # [B, Hk, NB]
@@ -87,18 +121,20 @@ def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
 def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
                  p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,
                  local_blocks: int, n_out: int, p_rows: Optional[Tensor] = None,
-                 dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None
-                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None,
+                 new_k: Optional[Tensor] = None, new_pos: Optional[Tensor] = None,
+                 page_size: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Quest selection of one step: scores, A = top-K + kept blocks, and M = A \\ P.
 
     ``p_idx``/``p_cnt`` None gives ``M = A``; with ``p_rows: [B]`` they are rows of the pool-wide
     prediction ``[R, Hk, Np]`` / ``[R, Hk]``. ``dense_row: [B]`` bool selects every block of those
     rows (``select_topk``); ``stats: [4]`` int64, if given, accumulates ``accumulate_stats``.
+    ``new_k``/``new_pos``: the step's new keys in the scores (``quest_scores``).
     Returns ``(scores [B, Hk, NB], a_idx, a_cnt, m_idx, m_cnt)`` with lists of width ``n_out``.
     """
-    return select_from_scores(quest_scores(q, kmin, kmax, table, nblk), nblk, table.shape[1],
-                              p_idx, p_cnt, k, sink_blocks, local_blocks, n_out, p_rows,
-                              dense_row, stats)
+    s = quest_scores(q, kmin, kmax, table, nblk, new_k, new_pos, page_size)
+    return select_from_scores(s, nblk, table.shape[1], p_idx, p_cnt, k, sink_blocks,
+                              local_blocks, n_out, p_rows, dense_row, stats)
 
 
 def quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
@@ -106,14 +142,15 @@ def quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, n
                          p_next_rows: Tensor, level: Tensor, trend: Tensor, n_init: Tensor,
                          theta: Tensor, rows: Tensor, k: int, n_pred: int, sink_blocks: int,
                          local_blocks: int, n_out: int, dense_row: Optional[Tensor] = None,
-                         stats: Optional[Tensor] = None
+                         stats: Optional[Tensor] = None, new_k: Optional[Tensor] = None,
+                         new_pos: Optional[Tensor] = None, page_size: int = 0
                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """A Quest decode step's selection and the predictor's step (one launch on SM90):
     ``quest_select`` with P(t) read at rows ``p_rows`` of p_idx/p_cnt, then
     ``predict_update_rows`` on state rows ``rows`` with P(t+1) written at rows ``p_next_rows``
     (P(t) is read before P(t+1) is written, so the two may be the same rows)."""
     out = quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks,
-                       n_out, p_rows, dense_row, stats)
+                       n_out, p_rows, dense_row, stats, new_k, new_pos, page_size)
     predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, out[0], nblk, nblk_next,
                         n_pred, sink_blocks, local_blocks, p_next_rows)
     return out

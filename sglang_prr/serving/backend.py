@@ -36,6 +36,7 @@ theta* and predicts P for the first decode step. Off when no batch size ever spe
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import os
 from typing import List, Optional
@@ -46,6 +47,7 @@ from .. import ops
 from ..budget import BudgetPolicy
 from ..calibration import Calibrator
 from ..config import PRRConfig
+from ..methods import NewKeys
 from ..state import PRRState
 from ..step import DecodeStep
 from ..summaries import BlockSummaries
@@ -377,23 +379,29 @@ class PRRBackend:
         cfg, l = self.cfg, layer.layer_id
         Hq, D, Dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
         B = fb.seq_lens.shape[0]
-        # 1. KV write (the inner backend's store), then the summary of the new token.
+        # 1. KV write (the inner backend's store).
         if save_kv_cache and k is not None and v is not None:
             self.kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
-        if k is not None:
-            self._update_summaries(l, k, fb)
-        # 2. The sparse step, for every row (short rows attend every block).
+        # 2. The sparse step, for every row (short rows attend every block), with the summary
+        # update of the new token (the step places it: first, or beside the selection).
         batch = getattr(fb, "_prr_batch", None)
         if batch is None:  # a path that skipped the metadata hooks: plan here (eager only)
             self._plan_decode(fb)
             batch = fb._prr_batch
         q3 = q.reshape(B, Hq, D)  # a view: rows may be strided (the fused qkv), heads packed
         summary = self._summary(l)
+        new_keys = update = None
+        if k is not None and self.keeps_summaries:
+            new_keys = NewKeys(k.reshape(B, self.num_kv_heads, self.head_dim), fb.out_cache_loc,
+                               fb.positions)
+            update = functools.partial(self._update_summaries, l, k, fb)
+        traced = self.tracer is not None and self.tracer.wants(l)
         o = self.step.run(q3, self.kv_pool.get_key_buffer(l), self.kv_pool.get_value_buffer(l),
                           summary, batch, None if cfg.serial else self.state.layer(l),
                           self.stats.counters, layer.scaling, q.dtype,
-                          join=self._join_layer in (None, l))
-        if self.tracer is not None and self.tracer.wants(l):
+                          join=traced or self._join_layer in (None, l), new_keys=new_keys,
+                          update=update)
+        if traced:  # (joined above: the trace reads the updated summaries)
             scores = ops.select_blocks(cfg.method, q3, summary, batch.table, batch.seq_lens,
                                        self.page, layer.scaling)
             rids = list(getattr(fb, "rids", None) or [str(i) for i in range(B)])

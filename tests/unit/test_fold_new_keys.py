@@ -1,0 +1,198 @@
+"""The step's new keys folded into Quest's selection (``new_k`` / ``new_pos`` of
+``ops.quest_select`` and ``ops.quest_select_predict``): the scores, A and M equal those of the
+selection after the decode update, bit for bit, whether or not the update has run (the fold is
+idempotent), so ``DecodeStep`` may run the update beside the selection. Negative controls: the
+same selection without the new keys, on summaries that have not seen them, differs; a method
+without the fold refuses new keys. The kernels' side is ``tests/gpu/test_fold_new_keys.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang_prr import methods, ops
+from sglang_prr import reference as ref
+from sglang_prr.methods import NewKeys, SelectSpec
+
+
+def _case(g, B, Hq, Hk, D, page, sdt, kdt):
+    """Summaries of every page, distinct pages per row, each row's new key in its last block (at
+    a random offset; row 0 at the first position of a fresh page, whose stored bounds are stale:
+    another owner's). Keys three times wider than the summaries, so a fold moves the bounds."""
+    NB = 7
+    P = B * NB + 3
+    kmin = torch.randn(P, Hk, D, generator=g)
+    kmax = kmin + torch.rand(P, Hk, D, generator=g)
+    kmin, kmax = kmin.to(sdt), kmax.to(sdt)
+    if sdt == torch.bfloat16:
+        kmin = ref.round_bf16(kmin.float(), down=True)
+        kmax = ref.round_bf16(kmax.float(), down=False)
+    table = (torch.randperm(P - 1, generator=g)[:B * NB] + 1).view(B, NB)
+    nblk = torch.randint(1, NB + 1, (B,), generator=g)
+    off = torch.randint(0, page, (B,), generator=g)
+    off[0] = 0
+    pos = (nblk - 1) * page + off
+    loc = table[torch.arange(B), nblk - 1] * page + off
+    k = (torch.randn(B, Hk, D, generator=g) * 3).to(kdt)
+    q = torch.randn(B, Hq, D, generator=g).to(torch.bfloat16)
+    return q, kmin, kmax, table, nblk, k, loc, pos
+
+
+def _updated(kmin, kmax, k, loc, pos, page):
+    a, b = kmin.clone(), kmax.clone()
+    ref.quest_update(a, b, k, loc, pos, page, one_per_page=True)
+    return a, b
+
+
+@pytest.mark.parametrize("sdt", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kdt", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("B,Hq,Hk,D,page", [(1, 4, 1, 64, 16), (5, 6, 3, 24, 8), (3, 8, 2, 40, 64)])
+def test_folded_selection_is_the_selection_after_the_update(seed, B, Hq, Hk, D, page, sdt, kdt):
+    g = torch.Generator().manual_seed(seed)
+    q, kmin, kmax, table, nblk, k, loc, pos = _case(g, B, Hq, Hk, D, page, sdt, kdt)
+    k_sel, n_out = 2, 2 + 1 + 1
+    upd = _updated(kmin, kmax, k, loc, pos, page)
+    args = dict(p_idx=None, p_cnt=None, k=k_sel, sink_blocks=1, local_blocks=1, n_out=n_out)
+    want = ops.quest_select(q, *upd, table, nblk, **args)
+    fold = dict(new_k=k, new_pos=pos, page_size=page)
+    before = ops.quest_select(q, kmin, kmax, table, nblk, **args, **fold)
+    after = ops.quest_select(q, *upd, table, nblk, **args, **fold)  # folded twice: the same
+    for got in (before, after):
+        for x, y in zip(got, want):
+            assert torch.equal(x, y)
+    # The fold moved the newest blocks' scores (and nothing else).
+    stale = ops.quest_select(q, kmin, kmax, table, nblk, **args)[0]
+    last = torch.zeros_like(stale, dtype=torch.bool)
+    last[torch.arange(B), :, nblk - 1] = True
+    assert torch.equal(stale[~last], want[0][~last])
+    assert not torch.equal(stale[last], want[0][last])
+
+
+def test_fold_skips_positions_outside_the_row(seed):
+    """A negative position, or one in a block at or past ``nblk``, folds nothing."""
+    g = torch.Generator().manual_seed(seed)
+    q, kmin, kmax, table, nblk, k, loc, pos = _case(g, 3, 4, 2, 32, 16, torch.bfloat16,
+                                                     torch.bfloat16)
+    pos = pos.clone()
+    pos[0] = -1
+    pos[1] = nblk[1] * 16 + 3  # the next block: not one of the row's
+    s = ops.quest_scores(q, kmin, kmax, table, nblk)
+    sf = ref.quest_scores(q, kmin, kmax, table, nblk, k, pos, 16)
+    assert torch.equal(s[:2], sf[:2])
+    assert not torch.equal(s[2], sf[2])
+
+
+def test_select_predict_folds_like_select(seed):
+    """``quest_select_predict``: the same selection and the same predictor state after the
+    update as with the new keys folded before it."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hk, page = 4, 2, 16
+    q, kmin, kmax, table, nblk, k, loc, pos = _case(g, B, 4, Hk, 32, page, torch.bfloat16,
+                                                     torch.float16)
+    NB, R, W = table.shape[1], B + 1, 8
+    rows = torch.randperm(R, generator=g)[:B]
+
+    def state():
+        gg = torch.Generator().manual_seed(seed + 1)
+        return [torch.full((2 * R, Hk, W), -1, dtype=torch.int32),
+                torch.zeros(2 * R, Hk, dtype=torch.int32), torch.randn(R, Hk, NB, generator=gg),
+                torch.randn(R, Hk, NB, generator=gg), torch.randint(0, NB, (R,), generator=gg),
+                torch.rand(R, 3, generator=gg)]
+
+    def run(summ, **fold):
+        st = state()
+        out = ops.quest_select_predict(q, *summ, table, nblk, torch.clamp(nblk + 1, max=NB),
+                                       st[0], st[1], 2 * rows, 2 * rows + 1, st[2], st[3], st[4],
+                                       st[5], rows, k=2, n_pred=3, sink_blocks=1, local_blocks=1,
+                                       n_out=4, **fold)
+        return list(out) + st[:5]
+
+    want = run(_updated(kmin, kmax, k, loc, pos, page))
+    got = run((kmin, kmax), new_k=k, new_pos=pos, page_size=page)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+    stale = run((kmin, kmax))
+    assert not torch.equal(stale[0], want[0])
+
+
+def test_methods_take_new_keys_only_where_they_fold(seed):
+    g = torch.Generator().manual_seed(seed)
+    q, kmin, kmax, table, nblk, k, loc, pos = _case(g, 2, 4, 2, 32, 16, torch.bfloat16,
+                                                     torch.bfloat16)
+    nk = NewKeys(k, loc, pos)
+    spec = SelectSpec.of(2, 1, 1, 16)
+    sl = (nblk - 1) * 16 + 1
+    quest = methods.get("quest")
+    assert quest.folds_new_keys
+    sel = quest.select(q, (kmin, kmax), table=table, seq_lens=sl, spec=spec, sm_scale=1.0,
+                       nblk=nblk, new_keys=nk)
+    want = ops.quest_select(q, *_updated(kmin, kmax, k, loc, pos, 16), table, nblk, None, None,
+                            2, 1, 1, 4)
+    assert torch.equal(sel.scores, want[0])
+    infllm = methods.get("infllm_v2")
+    assert not infllm.folds_new_keys
+    with pytest.raises(ValueError, match="folds_new_keys"):
+        infllm.select(q, (torch.zeros(9, 1, 2, 32),), table=table, seq_lens=sl, spec=spec,
+                      sm_scale=1.0, nblk=nblk, new_keys=nk)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(new_k="shape"), "new_k"), (dict(new_k="int"), "new_k"), (dict(new_pos=None), "new_pos"),
+    (dict(new_pos="float"), "new_pos.dtype"), (dict(new_pos="len"), "new_pos.shape"),
+    (dict(page_size=0), "page_size"), (dict(new_k=None), "new_pos")])
+def test_new_key_arguments_are_checked(seed, bad, match):
+    g = torch.Generator().manual_seed(seed)
+    q, kmin, kmax, table, nblk, k, loc, pos = _case(g, 2, 4, 2, 32, 16, torch.bfloat16,
+                                                     torch.bfloat16)
+    args = dict(new_k=k, new_pos=pos, page_size=16)
+    for key, v in bad.items():
+        args[key] = {"shape": k[:, :1], "int": k.int(), "float": pos.float(),
+                     "len": pos[:1]}.get(v, v) if isinstance(v, str) else v
+    with pytest.raises(ValueError, match=match):
+        ops.quest_select(q, kmin, kmax, table, nblk, None, None, 2, 1, 1, 4, **args)
+    ops.quest_select(q, kmin, kmax, table, nblk, None, None, 2, 1, 1, 4, new_k=k, new_pos=pos,
+                     page_size=16)  # control: the good arguments pass
+
+
+@pytest.mark.parametrize("method,fold,want", [
+    ("quest", True, [("update",), ("select", True)]),
+    ("quest", False, [("update",), ("select", False)]),
+    ("infllm_v2", True, [("update",), ("select", False)])])
+def test_decode_step_places_the_update(seed, monkeypatch, method, fold, want):
+    """On CPU ``DecodeStep`` runs the summary update before the selection, and hands the new keys
+    to the selection only where the method folds them (and ``SGLANG_PRR_FOLD_NEW_KEYS`` is not
+    0); the output is serial DSA's either way (against the update first, no new keys)."""
+    from sglang_prr.step import DecodeStep
+    from sglang_prr.tools.synthetic import paged_kv
+    g = torch.Generator().manual_seed(seed)
+    page, hk, d, B = 16, 2, 32, 2
+    kv = paged_kv(B, 20 * page + 5, page, hk, d, dtype=torch.float32, device="cpu", generator=g)
+    dsa = methods.get(method)
+    summary = ([kv.kmin, kv.kmax] if method == "quest" else
+               dsa.allocate(1, kv.k_buf.shape[0] // page + 1, hk, d, page, "cpu"))
+    summary = [t[0] if method != "quest" else t for t in summary]
+    calls = []
+    orig = type(dsa).select
+
+    def spy(self, *a, **k):
+        calls.append(("select", k.get("new_keys") is not None))
+        return orig(self, *a, **k)
+
+    monkeypatch.setattr(type(dsa), "select", spy)
+    seq = torch.full((B,), 20 * page + 5)
+    q = torch.randn(B, 4 * hk, d, generator=g)
+    knew = torch.randn(B, hk, d, generator=g)
+    pos = seq - 1
+    loc = kv.req_to_token[kv.rows, pos].long()
+    step = DecodeStep(method, 4, 6, 1, 1, page, min_context=0, exact=True, serial=True,
+                      device="cpu")
+    step.fold_keys = fold
+    b = step.plan(kv.req_to_token, kv.rows, seq)
+    o = step.run(q, kv.k_buf, kv.v_buf, summary, b, None, None, 0.2, torch.float32,
+                 new_keys=NewKeys(knew, loc, pos), update=lambda: calls.append(("update",)))
+    assert calls == want
+    calls.clear()
+    o2 = step.run(q, kv.k_buf, kv.v_buf, summary, b, None, None, 0.2, torch.float32)
+    assert calls == [("select", False)]  # control: without them, nothing is updated or folded
+    assert torch.equal(o, o2)
