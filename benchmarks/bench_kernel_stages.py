@@ -14,7 +14,11 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
 * ``selection``: Quest's selection for serial DSA (scores and A: ``quest_select`` without P)
   and for PRR (scores, A, M: ``quest_select``), PRR's selection with the predictor's step in
   its epilogue (``quest_select_predict``), bf16 summaries, and the predictor's step as its own
-  launch (``predict_update_rows``: ``--prr-predictor side``). The kernel the launcher picks
+  launch (``predict_update_rows``: ``--prr-predictor side``); serial DSA's selection with the
+  step's new keys folded in (``new_k``), alone and with the decode update (``quest_update``)
+  running beside it on a second stream (CUDA only: in the server that placement made the
+  selection 7 µs a layer longer; the row asks whether it does so in isolation). The kernel the
+  launcher picks
   is the one-pass kernel where it fits; ``SGLANG_PRR_SELECT_KERNEL=rowtail`` runs the row-tail
   kernels instead, and ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass
   kernel after its chunks' pass / the tail's loads / the tail's merges (timing probes of where
@@ -147,7 +151,7 @@ def bench_attention(a, dev, g, bw, rows):
         del k_buf, v_buf, sets
 
 
-def selection_sets(B, NB, R, n_pred, dev, g):
+def selection_sets(B, NB, R, n_pred, dev, g, page):
     sets = []
     for _ in range(R):
         P = B * NB + 1
@@ -170,7 +174,11 @@ def selection_sets(B, NB, R, n_pred, dev, g):
                                            dtype=torch.int32), -1).values.to(dev),
             p_cnt=torch.full((2 * B, HK), n_pred + 2, dtype=torch.int32, device=dev),
             theta=torch.tensor([[0.6, 0.3, 0.5]] * B, device=dev),
-            scores=torch.randn(B, HK, NB, generator=g).to(dev)))
+            scores=torch.randn(B, HK, NB, generator=g).to(dev),
+            # The step's new key of each row, in its last block (row b's pages are b NB + 1 ..).
+            new_k=torch.randn(B, HK, D, generator=g).to(dev, torch.bfloat16),
+            new_pos=torch.full((B,), NB * page - 5, dtype=torch.int64, device=dev),
+            new_loc=(torch.arange(B, device=dev) * NB + NB) * page + page - 5))
     return sets
 
 
@@ -181,7 +189,7 @@ def bench_selection(a, dev, g, bw, rows):
         NB = ctx // a.page
         per = B * NB * HK * D * 2 * 2  # bf16 kmin and kmax of every block
         R = 2 if a.quick else n_sets(per, dev)
-        sets = selection_sets(B, NB, R, n_pred, dev, g)
+        sets = selection_sets(B, NB, R, n_pred, dev, g, a.page)
 
         def select(s):
             return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"],
@@ -204,9 +212,33 @@ def bench_selection(a, dev, g, bw, rows):
                 nblk=s["nblk"], nblk_next=s["nblk_next"], n_pred=n_pred, sink_blocks=sink,
                 local_blocks=local, p_rows=s["p_nxt"])
 
-        for name, fn in (("select (scores, A), serial", select_serial),
-                         ("select (scores, A, M)", select),
-                         ("select + predictor", select_predict)):
+        def select_fold(s):  # serial DSA with the step's new keys folded into the scores
+            return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"],
+                                    None, None, k, sink, local, n_out, None, new_k=s["new_k"],
+                                    new_pos=s["new_pos"], page_size=a.page)
+
+        side, forked, joined = ((torch.cuda.Stream(dev), torch.cuda.Event(), torch.cuda.Event())
+                                if dev.type == "cuda" else (None, None, None))
+
+        def select_fold_beside_update(s):  # the update on a second stream, joined after
+            main = torch.cuda.current_stream(dev)
+            forked.record(main)
+            with torch.cuda.stream(side):
+                side.wait_event(forked)
+                ops.quest_update(s["kmin"], s["kmax"], s["new_k"], s["new_loc"], s["new_pos"],
+                                 a.page, one_per_page=True)
+                joined.record(side)
+            out = select_fold(s)
+            main.wait_event(joined)
+            return out
+
+        cases = [("select (scores, A), serial", select_serial),
+                 ("select (scores, A, M)", select),
+                 ("select + predictor", select_predict),
+                 ("select + fold, serial", select_fold)]
+        if side is not None:
+            cases.append(("select + fold, update beside", select_fold_beside_update))
+        for name, fn in cases:
             rows.append(_row("selection", name, B, ctx, 0, 0, per, R, sets, fn, a, dev, bw))
         # The predictor's bytes: scores read, level and trend read and written.
         rows.append(_row("selection", "predictor (side)", B, ctx, 0, 0, B * HK * NB * 4 * 5, R,
