@@ -40,6 +40,15 @@ def round_bf16(x: Tensor, down: bool) -> Tensor:
     return out
 
 
+def key_bounds(k: Tensor, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """Keys ``k`` as the summaries of ``dtype`` store them, ``(lo, hi)``: bfloat16 rounded outward
+    (min/max commute with it), any other dtype as is."""
+    if dtype == torch.bfloat16:
+        return round_bf16(k.float(), down=True), round_bf16(k.float(), down=False)
+    x = k.to(dtype)
+    return x, x
+
+
 def quest_update(kmin: Tensor, kmax: Tensor, k: Tensor, out_loc: Tensor, positions: Tensor,
                  page_size: int, one_per_page: bool = False) -> None:
     """Fold newly written keys into the per-page key min/max, in place.
@@ -56,10 +65,7 @@ def quest_update(kmin: Tensor, kmax: Tensor, k: Tensor, out_loc: Tensor, positio
     reset = torch.where(first, page, torch.zeros_like(page))  # page 0 = padding sink
     kmin.index_fill_(0, reset, float("inf"))
     kmax.index_fill_(0, reset, NEG_INF)
-    if kmin.dtype == torch.bfloat16:  # outward rounding: min/max commute with it
-        lo, hi = round_bf16(k.float(), down=True), round_bf16(k.float(), down=False)
-    else:
-        lo = hi = k.to(kmin.dtype)
+    lo, hi = key_bounds(k, kmin.dtype)
     kmin.index_reduce_(0, page, lo, "amin")
     kmax.index_reduce_(0, page, hi, "amax")
 
@@ -80,11 +86,7 @@ def fold_new_keys(lo: Tensor, hi: Tensor, dtype: torch.dtype, nblk: Tensor, new_
     ok = (pos >= 0) & (blk < torch.clamp(nblk.long(), max=NB))
     col = torch.where(ok, blk, torch.zeros_like(blk))
     row = torch.arange(B, device=lo.device)
-    x = new_k.float()
-    if dtype == torch.bfloat16:
-        xl, xh = round_bf16(x, down=True).float(), round_bf16(x, down=False).float()
-    else:
-        xl = xh = x.to(dtype).float()
+    xl, xh = (b.float() for b in key_bounds(new_k, dtype))
     first = (pos % page_size == 0).view(-1, 1, 1)
     keep = ~ok.view(-1, 1, 1)
     cur_lo, cur_hi = lo[row, col], hi[row, col]  # [B, Hk, D]
