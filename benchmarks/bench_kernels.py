@@ -16,7 +16,8 @@
    that head, the same count for the others, so all variants move the same KV bytes. A check
    outside the timing runs ours with that list on every head and records FlashInfer's deviation
    from it (``fi_*_relerr``).
-2. Selection at block 64, context 8K-128K, batch 1/8/32, torch reference on the same GPU:
+2. Selection at block 64, context 8K-128K, batch 1/8/32, over bf16 summaries rounded outward as
+   the server stores them (``--sel-dtype fp32``: float32), torch reference on the same GPU:
    ``ours`` = ``quest_scores`` + ``select_topk``; ``full`` adds ``set_difference``,
    ``holt_update`` and ``predict_set``; ``fused`` = ``quest_select`` (scores, top-K and M = A \\ P
    in one op) and ``fused_full`` = ``quest_select`` + ``predict_update`` (Holt update and the next
@@ -71,6 +72,8 @@ FI_CHECK_TOL = 2e-2
 
 # Llama-3-8B layer: query heads, KV heads, head dim.
 LAYER = (32, 8, 128)
+# The selection's summary dtypes (--sel-dtype): bf16 is what the server stores.
+SUMMARY_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 # Where the timed tensors live ("cpu" only in the CPU dry run of the tests, with the timing,
 # the kernels and FlashInfer stubbed).
 DEVICE = "cuda"
@@ -450,12 +453,16 @@ def bench_selection(args, writer):
         for ctx in args.sel_contexts:
             t_point = time.time()
             nb = ctx // page
-            sum_bytes = B * nb * Hk * D * 4 * 2
+            sdt = SUMMARY_DTYPES[args.sel_dtype]
+            sum_bytes = B * nb * Hk * D * sdt.itemsize * 2
             state_bytes = B * Hk * nb * 4 * 2 * 2  # level + trend, read and written
             R = max(2, min(32, math.ceil(ROTATE_BYTES / sum_bytes)))
             pages = R * B * nb + 1
             kmin = torch.randn(pages, Hk, D, device=DEVICE)
             kmax = kmin + torch.rand(pages, Hk, D, device=DEVICE)
+            if sdt == torch.bfloat16:  # rounded outward, as the server stores them
+                kmin, kmax = ref.round_bf16(kmin, down=True), ref.round_bf16(kmax, down=False)
+            kmin, kmax = kmin.to(sdt), kmax.to(sdt)
             nblk = torch.full((B,), nb, device=DEVICE, dtype=torch.int64)
             nblk_next = nblk + 1
             sets = []
@@ -504,6 +511,7 @@ def bench_selection(args, writer):
                                     st["n_init"], nblk_next, n_pred, sink, local)
 
             res = {"batch": B, "context": ctx, "block": page, "rotate": R,
+                   "sel_dtype": args.sel_dtype,
                    "summary_bytes": sum_bytes, "state_bytes": state_bytes}
             notes = []
             variants = [("ours", ours, False), ("ours", ours, True)]
@@ -706,6 +714,8 @@ def parse_args(argv=None):
     p.add_argument("--context", type=int, default=32768, help="tokens per request in the pool")
     p.add_argument("--sel-contexts", type=int, nargs="+",
                    default=[8192, 16384, 32768, 65536, 131072])
+    p.add_argument("--sel-dtype", choices=sorted(SUMMARY_DTYPES), default="bf16",
+                   help="the selection's summaries (the server stores bf16)")
     p.add_argument("--reps", type=int, default=30, help="graph replays per variant and point")
     p.add_argument("--no-flashinfer", action="store_true")
     p.add_argument("--fi-tensor-cores", choices=["on", "off", "both"], default="on",

@@ -152,7 +152,8 @@ def test_repair_merge_with_arbitrary_prediction(B, Hq, Hk, D, page, dtype, pages
 
 @pytest.mark.parametrize("B,Hq,Hk,D,NB,k,sink,local", [
     (1, 32, 8, 128, 2048, 32, 1, 2), (3, 8, 8, 64, 77, 5, 1, 1), (17, 32, 4, 128, 300, 64, 0, 0),
-    (3, 64, 8, 128, 9000, 700, 4, 4), (2, 4, 1, 128, 50, 100, 2, 3), (1, 32, 8, 128, 1, 4, 1, 1)])
+    (3, 64, 8, 128, 9000, 700, 4, 4), (2, 4, 1, 128, 50, 100, 2, 3), (1, 32, 8, 128, 1, 4, 1, 1),
+    (1, 32, 8, 128, 4000, 32, 1, 1), (2, 32, 8, 128, 2047, 128, 1, 1)])
 @pytest.mark.parametrize("with_p,sdt", [(True, torch.bfloat16), (False, torch.float32)])
 def test_quest_select(B, Hq, Hk, D, NB, k, sink, local, with_p, sdt, select_kernel):
     seeded(f"quest_select B={B} NB={NB} k={k} p={with_p} {sdt} {select_kernel}")
@@ -347,6 +348,8 @@ def _bf16_bounds(kmin, kmax):
     (2, 16, 2, 256, 130, 7, 3, 2, 0, torch.float32),       # head dim 256, no local block
     (3, 64, 8, 128, 9000, 700, 1000, 4, 4, torch.bfloat16),  # too wide: the row-tail kernels
     (1, 8, 2, 64, 250, 70, 90, 3, 2, torch.bfloat16),     # K, |P| above a chunk's blocks
+    (1, 32, 8, 128, 4000, 32, 48, 1, 1, torch.bfloat16),  # 63 chunks: a merge, then the tournament
+    (2, 32, 8, 128, 1999, 129, 20, 1, 1, torch.bfloat16),  # K past the tournament's: merges
     (2, 12, 4, 96, 200, 8, 12, 1, 1, torch.float32),       # head dim 96: the row-tail kernels
 ])
 def test_quest_select_predict(B, Hq, Hk, D, NB, k, n_pred, sink, local, sdt, select_kernel):

@@ -380,7 +380,9 @@ def test_dry_run_selection_cpu(dry, tmp_path):
         keys += ["fused_select", "fused_full"] if fused else []
         for key in keys:
             assert r[f"{key}_us"] > 0 and r[f"{key}_GBps"] > 0, key
-        assert r["rotate"] == 2 and r["summary_bytes"] == r["batch"] * 128 * 2 * 32 * 8
+        # bf16 summaries by default (the server's): half the bytes of float32 ones
+        assert r["sel_dtype"] == "bf16"
+        assert r["rotate"] == 2 and r["summary_bytes"] == r["batch"] * 128 * 2 * 32 * 8 // 2
         assert r["ours_full_GBps"] * r["ours_full_us"] == pytest.approx(
             (r["summary_bytes"] + r["state_bytes"]) / 1e3)
         assert r["ours_full_cold_GBps"] * r["ours_full_cold_us"] == pytest.approx(
