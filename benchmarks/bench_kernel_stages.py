@@ -20,7 +20,7 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
   selection 7 µs a layer longer; the row asks whether it does so in isolation). The kernel the
   launcher picks
   is the one-pass kernel where it fits; ``SGLANG_PRR_SELECT_KERNEL=rowtail`` runs the row-tail
-  kernels instead, and ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass
+  kernels instead, ``=split`` the scores and the rows' tails in two launches, and ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass
   kernel after its chunks' pass / the tail's loads / the tail's merges (timing probes of where
   the time goes; the outputs are then incomplete; read once per process). One run per setting,
   the ``select_kernel`` and ``debug_stop`` columns say which. ``SGLANG_PRR_ATTN_DEBUG_STOP=1|2|3``

@@ -48,13 +48,16 @@ struct AttnArgs {
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s);
 
 struct QuestArgs {
-  const void* q; int q_dtype;                  // [B, Hq, D] contiguous
+  const void* q; int q_dtype; int64_t q_stride;  // [B, Hq, D], rows q_stride apart, heads packed
   const void* kmin; const void* kmax;          // [num_pages, Hk, D] contiguous
   int s_dtype;                                 // kF32 or kBF16 (the summaries' dtype)
   const void* table; bool table64; int64_t table_stride;  // [B, NB]
   const void* nblk; bool nblk64;                          // [B]
   float* out;                                             // [B, Hk, NB]
   int B, Hq, Hk, NB, D;
+  // Optional: the step's new keys folded into their blocks' scores (as SelectArgs::new_k).
+  const void* new_k; int new_k_dtype; int64_t new_k_stride;
+  const void* new_pos; bool new_pos64; int page_size;
 };
 cudaError_t launch_quest_scores(const QuestArgs& a, cudaStream_t s);
 
@@ -118,6 +121,9 @@ bool select_one_pass(int D, int G, int NB, int k, int n_pred, int Np, int n_out,
 cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s);
 // The row-tail kernel alone (scores by chunks, top-K by the last CTA of a row; no predictor).
 cudaError_t launch_quest_select_rowtail(const SelectArgs& a, cudaStream_t s);
+// The same results in two launches (no predictor): the scores (quest_scores' kernel, new keys
+// folded), then a CTA per row for its top-K, M and counters.
+cudaError_t launch_quest_select_split(const SelectArgs& a, cudaStream_t s);
 int max_select_group_dim();  // largest G * D of quest_select (shared-memory bound)
 
 // Fused predictor: Holt update (eq 3) + P(t+1) (eq 2 + top-K), one launch.

@@ -439,14 +439,16 @@ cudaError_t onepass_dispatch(const SelectArgs& a, size_t smem, cudaStream_t s) {
   }
 }
 
-// SGLANG_PRR_SELECT_KERNEL=rowtail|onepass forces one selection kernel where both apply (a
+// SGLANG_PRR_SELECT_KERNEL=rowtail|onepass|split forces one selection path where it applies (a
 // tuning and test knob, read at each launch on the host: a captured graph keeps the kernel it was
-// captured with); by default the one-pass kernel runs when it fits.
+// captured with): the row-tail kernel, the one-pass kernel, or the scores and the rows' tails in
+// two launches; by default the one-pass kernel runs when it fits.
 inline int select_kernel_env() {
   const char* e = getenv("SGLANG_PRR_SELECT_KERNEL");
   if (!e) return 0;
   if (!strcmp(e, "rowtail")) return 1;
   if (!strcmp(e, "onepass")) return 2;
+  if (!strcmp(e, "split")) return 3;
   return 0;
 }
 
@@ -472,7 +474,8 @@ cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
   if (a.B == 0 || a.Hk == 0 || a.NB == 0) return cudaSuccess;
   int nch, kca, kcp;
   size_t smem;
-  if (a.ws && select_kernel_env() != 1 &&
+  const int forced = select_kernel_env();
+  if (a.ws && (forced == 0 || forced == 2) &&
       select_one_pass(a.D, a.Hq / a.Hk, a.NB, a.k, a.level ? a.n_pred : 0, a.Np,
                       a.n_out, &nch, &kca, &kcp, &smem)) {
     if (nch != a.nch || kca != a.kca || kcp != a.kcp) return cudaErrorInvalidValue;
@@ -483,7 +486,7 @@ cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
     return c.s_dtype == kBF16 ? onepass_dispatch<__nv_bfloat16>(c, smem, s)
                               : onepass_dispatch<float>(c, smem, s);
   }
-  cudaError_t e = launch_quest_select_rowtail(a, s);
+  cudaError_t e = forced == 3 ? launch_quest_select_split(a, s) : launch_quest_select_rowtail(a, s);
   if (e != cudaSuccess || !a.level) return e;
   // The predictor's own kernel, after the scores (sizes the one-pass kernel does not take).
   PredictArgs p{};

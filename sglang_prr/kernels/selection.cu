@@ -24,7 +24,8 @@ namespace {
 // ============================================================================ Quest scores
 // One warp per (request, block): it reads the block's min/max rows of every KV head (float4 per
 // lane) and sums max(q*kmax, q*kmin) over dims and the GQA group. q of the request is staged in
-// shared memory once per CTA.
+// shared memory once per CTA. With the step's new keys given, the newest block's bounds take its
+// key first, in registers (fold_key, as the decode update folds it into the summary).
 constexpr int kQuestWarps = 8;
 
 template <typename S>
@@ -50,7 +51,7 @@ quest_scores_kernel(QuestArgs a) {
   const int HqD = a.Hq * a.D;
   for (int e = threadIdx.x * 8; e < HqD; e += blockDim.x * 8) {
     float f[8];
-    load8_any(a.q, (int64_t)b * HqD + e, a.q_dtype, f);
+    load8_any(a.q, (int64_t)b * a.q_stride + e, a.q_dtype, f);
 #pragma unroll
     for (int i = 0; i < 8; ++i) s_q[e + i] = f[i];
   }
@@ -58,6 +59,9 @@ quest_scores_kernel(QuestArgs a) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n = blockIdx.x * kQuestWarps + warp;
   if (n >= a.NB) return;
+  bool first_tok;
+  const bool newest = n == new_key_block(a.new_k, a.new_pos, a.new_pos64, a.page_size, b,
+                                         first_tok);
   const int64_t nb_b = ld_index(a.nblk, b, a.nblk64);
   float* out = a.out + (int64_t)b * a.Hk * a.NB + n;
   if (n >= nb_b) {
@@ -78,6 +82,18 @@ quest_scores_kernel(QuestArgs a) {
 #pragma unroll
       for (int j = 0; j < HU; ++j) {
         if (h0 + j < a.Hk) { vl[j] = ld_sum4(lo, (h0 + j) * D4 + c); vh[j] = ld_sum4(hi, (h0 + j) * D4 + c); }
+      }
+      if (newest) {
+#pragma unroll
+        for (int j = 0; j < HU; ++j) {
+          if (h0 + j >= a.Hk) continue;
+          const float4 x = load4_any(a.new_k, b * a.new_k_stride + (int64_t)(h0 + j) * a.D + 4 * c,
+                                     a.new_k_dtype);
+          fold_key<S>(x.x, first_tok, vl[j].x, vh[j].x);
+          fold_key<S>(x.y, first_tok, vl[j].y, vh[j].y);
+          fold_key<S>(x.z, first_tok, vl[j].z, vh[j].z);
+          fold_key<S>(x.w, first_tok, vl[j].w, vh[j].w);
+        }
       }
 #pragma unroll
       for (int j = 0; j < HU; ++j) {
@@ -149,6 +165,44 @@ constexpr int kSelThreads = 512;
 constexpr int kSelWarps = kSelThreads / 32;
 constexpr int kSelPerWarp = 4;
 constexpr int kSelChunk = kSelWarps * kSelPerWarp;
+
+// The row's top-K (A), M = A \ P and the counters from its scores (a.scores, complete for every
+// block < nb; written by other CTAs, so read through L2), into s_key [nb] of shared memory.
+// Called by every thread of one CTA per (request, KV head) row.
+__device__ void select_row_tail(const SelectArgs& a, int b, int hk, int nb, uint32_t* s_key) {
+  const int tid = threadIdx.x;
+  const int NB = a.NB;
+  const int64_t row = (int64_t)b * a.Hk + hk;
+  const float* srow = a.scores + row * NB;
+  const int keep_lo = a.sink, keep_hi = nb - a.local;
+  for (int i = tid; i < nb; i += kSelThreads)
+    s_key[i] = is_middle(i, nb, keep_lo, keep_hi) ? order_key(__ldcg(srow + i)) : 0u;
+  const bool dense = a.dense_row && a.dense_row[b];
+  topk_mask<kSelThreads>(s_key, nb, nb, dense ? NB : a.k, keep_lo, keep_hi);
+  // Mark the selected blocks that P holds (bit 1): M = selected without that bit.
+  int pc = 0;
+  if (a.p_idx) {
+    const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
+    pc = min(max(a.p_cnt[prow], 0), a.Np);
+    for (int i = tid; i < pc; i += kSelThreads) {
+      const int x = a.p_idx[prow * a.Np + i];
+      if (x >= 0 && x < nb && s_key[x]) s_key[x] = 3u;
+    }
+    __syncthreads();
+  }
+  write_list<kSelThreads>(s_key, nb, 1u, a.a_idx + row * a.n_out, a.n_out, a.a_cnt + row);
+  // M: selected (bit 0) and not in P (bit 1 clear).
+  for (int i = tid; i < nb; i += kSelThreads) s_key[i] = s_key[i] == 1u ? 1u : 0u;
+  __syncthreads();
+  write_list<kSelThreads>(s_key, nb, 1u, a.m_idx + row * a.n_out, a.n_out, a.m_cnt + row);
+  // write_list's last barrier makes both counts visible to thread 0, which wrote them.
+  if (a.stats && !dense && tid == 0) {
+    atomicAdd(a.stats + kStatSelected, (unsigned long long)a.a_cnt[row]);
+    atomicAdd(a.stats + kStatRepair, (unsigned long long)a.m_cnt[row]);
+    atomicAdd(a.stats + kStatPredicted, (unsigned long long)pc);
+    atomicAdd(a.stats + kStatRows, 1ull);
+  }
+}
 
 template <typename S>
 __global__ void __launch_bounds__(kSelThreads)
@@ -226,37 +280,23 @@ quest_select_kernel(SelectArgs a) {
     if (lane == 0 && n < NB) srow[n] = valid[j] ? x : -INFINITY;
   }
   if (!last_of_group(a.sem + row, nch)) return;
-
   for (int i = nch * kSelChunk + tid; i < NB; i += kSelThreads) srow[i] = -INFINITY;
-  uint32_t* s_key = s_sel;  // the q group is no longer needed; only blocks < nb can be chosen
-  const int keep_lo = a.sink, keep_hi = nb - a.local;
-  for (int i = tid; i < nb; i += kSelThreads)
-    s_key[i] = is_middle(i, nb, keep_lo, keep_hi) ? order_key(__ldcg(srow + i)) : 0u;
-  const bool dense = a.dense_row && a.dense_row[b];
-  topk_mask<kSelThreads>(s_key, nb, nb, dense ? NB : a.k, keep_lo, keep_hi);
-  // Mark the selected blocks that P holds (bit 1): M = selected without that bit.
-  int pc = 0;
-  if (a.p_idx) {
-    const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
-    pc = min(max(a.p_cnt[prow], 0), a.Np);
-    for (int i = tid; i < pc; i += kSelThreads) {
-      const int x = a.p_idx[prow * a.Np + i];
-      if (x >= 0 && x < nb && s_key[x]) s_key[x] = 3u;
-    }
-    __syncthreads();
-  }
-  write_list<kSelThreads>(s_key, nb, 1u, a.a_idx + row * a.n_out, a.n_out, a.a_cnt + row);
-  // M: selected (bit 0) and not in P (bit 1 clear).
-  for (int i = tid; i < nb; i += kSelThreads) s_key[i] = s_key[i] == 1u ? 1u : 0u;
-  __syncthreads();
-  write_list<kSelThreads>(s_key, nb, 1u, a.m_idx + row * a.n_out, a.n_out, a.m_cnt + row);
-  // write_list's last barrier makes both counts visible to thread 0, which wrote them.
-  if (a.stats && !dense && tid == 0) {
-    atomicAdd(a.stats + kStatSelected, (unsigned long long)a.a_cnt[row]);
-    atomicAdd(a.stats + kStatRepair, (unsigned long long)a.m_cnt[row]);
-    atomicAdd(a.stats + kStatPredicted, (unsigned long long)pc);
-    atomicAdd(a.stats + kStatRows, 1ull);
-  }
+  // The q group is no longer needed: its shared memory holds the keys.
+  select_row_tail(a, b, hk, nb, s_sel);
+}
+
+// Scores by quest_scores_kernel (a warp per (request, block), all KV heads), then the rows' tails
+// in a launch of their own: a CTA per (request, KV head) row. No fence, ticket or candidate
+// workspace, which the one-pass kernel pays per CTA; the launcher takes this path where asked
+// (SGLANG_PRR_SELECT_KERNEL=split).
+__global__ void __launch_bounds__(kSelThreads)
+quest_select_rows_kernel(SelectArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
+  extern __shared__ __align__(16) uint32_t s_key[];  // [NB]
+  const int hk = blockIdx.x, b = blockIdx.y;
+  const int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
+  const int nb = (int)(nb64 < a.NB ? (nb64 < 0 ? 0 : nb64) : a.NB);
+  select_row_tail(a, b, hk, nb, s_key);
 }
 
 // ============================================================================ set difference
@@ -398,6 +438,25 @@ cudaError_t launch_quest_select_rowtail(const SelectArgs& a, cudaStream_t s) {
     if (e != cudaSuccess) return e;
     launch_kernel(quest_select_kernel<float>, grid, kSelThreads, smem, s, a);
   }
+  return cudaGetLastError();
+}
+
+cudaError_t launch_quest_select_split(const SelectArgs& a, cudaStream_t s) {
+  QuestArgs q{};
+  q.q = a.q; q.q_dtype = a.q_dtype; q.q_stride = a.q_stride;
+  q.kmin = a.kmin; q.kmax = a.kmax; q.s_dtype = a.s_dtype;
+  q.table = a.table; q.table64 = a.table64; q.table_stride = a.table_stride;
+  q.nblk = a.nblk; q.nblk64 = a.nblk64;
+  q.out = a.scores;
+  q.B = a.B; q.Hq = a.Hq; q.Hk = a.Hk; q.NB = a.NB; q.D = a.D;
+  q.new_k = a.new_k; q.new_k_dtype = a.new_k_dtype; q.new_k_stride = a.new_k_stride;
+  q.new_pos = a.new_pos; q.new_pos64 = a.new_pos64; q.page_size = a.page_size;
+  cudaError_t e = launch_quest_scores(q, s);
+  if (e != cudaSuccess) return e;
+  const size_t smem = (size_t)std::max(a.NB, 1) * sizeof(uint32_t);
+  e = set_smem_limit(quest_select_rows_kernel, smem);
+  if (e != cudaSuccess) return e;
+  launch_kernel(quest_select_rows_kernel, dim3(a.Hk, a.B), kSelThreads, smem, s, a);
   return cudaGetLastError();
 }
 

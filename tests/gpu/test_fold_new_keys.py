@@ -1,6 +1,6 @@
 """Quest's selection kernels with the step's new keys folded in (``new_k`` / ``new_pos``), on the
-GPU: both selection kernels (``SGLANG_PRR_SELECT_KERNEL``: one-pass, row-tail), bf16 and float32
-summaries, keys of every float dtype. The kernel's scores, A and M with the keys folded equal, bit
+GPU: every selection path (``SGLANG_PRR_SELECT_KERNEL``: one-pass, row-tail, split), bf16 and
+float32 summaries, keys of every float dtype. The kernel's scores, A and M with the keys folded equal, bit
 for bit, the kernel's own selection after the decode update (``quest_update``), whether the update
 ran before, not at all, or on another stream at the same time (the fold is idempotent); the
 scores match the reference's. Negative control: without the new keys the newest blocks' scores
@@ -28,7 +28,7 @@ from test_kernels import DEV, rel_err, seeded  # noqa: E402
 CUDA = torch.ops.sglang_prr_cuda
 
 
-@pytest.fixture(params=["onepass", "rowtail"])
+@pytest.fixture(params=["onepass", "rowtail", "split"])
 def select_kernel(request, monkeypatch):
     monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", request.param)
     return request.param

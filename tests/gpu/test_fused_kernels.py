@@ -2,8 +2,9 @@
 
 * ``sparse_attn_merge``: attention over a block list and the merge of its partials, optionally with
   speculative partials filtered to ``P n A`` (the PRR repair + exact merge) or all kept (union);
-* ``quest_select``: Quest scores + top-K (A) + ``M = A \\ P``, each shape through both selection
-  kernels (``SGLANG_PRR_SELECT_KERNEL``: the one-pass kernel where it fits, the row-tail kernels);
+* ``quest_select``: Quest scores + top-K (A) + ``M = A \\ P``, each shape through every selection
+  path (``SGLANG_PRR_SELECT_KERNEL``: the one-pass kernel where it fits, the row-tail kernels,
+  the scores and the rows' tails in two launches);
 * ``predict_update``: Holt update + P(t+1).
 
 The kernels finish with "the last CTA of a group merges", through counters that must return to
@@ -35,7 +36,7 @@ from test_kernels import (ATTN_CASES, DEV, make_pool, poison, random_lists, rel_
 CUDA = torch.ops.sglang_prr_cuda
 
 
-@pytest.fixture(params=["onepass", "rowtail"])
+@pytest.fixture(params=["onepass", "rowtail", "split"])
 def select_kernel(request, monkeypatch):
     """The selection kernel the launcher is asked for (read at each launch; sizes the one-pass
     kernel does not take run the row-tail kernels either way)."""
