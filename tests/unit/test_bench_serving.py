@@ -108,6 +108,22 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     assert bench._label(bench.Server("serial", "quest", "m"), a) == "serial DSA"
 
 
+@pytest.mark.parametrize("env,want", [
+    ({}, ""), ({"SGLANG_PRR_PDL": "1"}, "pdl"), ({"SGLANG_PRR_FOLD_NEW_KEYS": "0"}, "update-first"),
+    ({"SGLANG_PRR_SELECT_KERNEL": "split"}, "select-split"),
+    ({"SGLANG_PRR_SELECT_KERNEL": "bogus"}, ""),  # the launcher ignores it too
+    ({"SGLANG_PRR_PDL": "1", "SGLANG_PRR_FOLD_NEW_KEYS": "0",
+      "SGLANG_PRR_SELECT_KERNEL": "rowtail"}, "pdl+update-first+select-rowtail")])
+def test_launch_column_names_the_knobs(bench, monkeypatch, env, want):
+    """The ``launch`` column says which measuring knobs the servers inherit, so that their rows
+    sit beside the default ones instead of replacing them."""
+    for k in ("SGLANG_PRR_PDL", "SGLANG_PRR_FOLD_NEW_KEYS", "SGLANG_PRR_SELECT_KERNEL"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert bench._launch() == want
+
+
 LOG = """\
 [2026-12-01 14:43:36] Decode batch, #running-req: 2, #token: 0, token usage: 0.00, cpu graph: False, gen throughput (token/s): 2.79, #queue-req: 0
 [2026-12-01 14:43:37] Prefill batch, #new-seq: 2, #new-token: 32, #cached-token: 576, token usage: 0.00, #running-req: 0, #queue-req: 0, #pending-token: 0, cpu graph: False, input throughput (token/s): 72.27
