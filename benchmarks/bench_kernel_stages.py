@@ -16,16 +16,15 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
   its epilogue (``quest_select_predict``), bf16 summaries, and the predictor's step as its own
   launch (``predict_update_rows``: ``--prr-predictor side``); serial DSA's selection with the
   step's new keys folded in (``new_k``), alone and with the decode update (``quest_update``)
-  running beside it on a second stream (CUDA only: in the server that placement made the
-  selection 7 µs a layer longer; the row asks whether it does so in isolation). The kernel the
-  launcher picks
-  is the one-pass kernel where it fits; ``SGLANG_PRR_SELECT_KERNEL=rowtail`` runs the row-tail
-  kernels instead, ``=split`` the scores and the rows' tails in two launches, and ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass
-  kernel after its chunks' pass / the tail's loads / the tail's merges (timing probes of where
-  the time goes; the outputs are then incomplete; read once per process). One run per setting,
-  the ``select_kernel`` and ``debug_stop`` columns say which. ``SGLANG_PRR_ATTN_DEBUG_STOP=1|2|3``
-  ends the attention's merge tail after the last CTA's ticket / the lists' sort / the lse loads
-  and weights (the same kind of probe).
+  running beside it on a second stream (CUDA only: in the server that placement made the selection
+  7 µs a layer longer; the row asks whether it does so in isolation). The kernel the launcher picks is
+  the one-pass kernel where it fits; ``SGLANG_PRR_SELECT_KERNEL=rowtail`` runs the row-tail kernels
+  instead, ``=split`` the scores and the rows' tails in two launches, and
+  ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass kernel after its chunks' pass / the
+  tail's loads / the tail's merges (timing probes of where the time goes; the outputs are then
+  incomplete; read once per process). One run per setting, the ``select_kernel`` and ``debug_stop``
+  columns say which. ``SGLANG_PRR_ATTN_DEBUG_STOP=1|2|3`` ends the attention's merge tail after the
+  last CTA's ticket / the lists' sort / the lse loads and weights (the same kind of probe).
 
 Shape: Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16), page 64, K = 2048 tokens
 (32 blocks + sink + local), |P| = 48 blocks (delta 1.5).

@@ -251,7 +251,7 @@ Tensor quest_scores(const Tensor& q_in, const Tensor& kmin, const Tensor& kmax,
                 NB = table.size(1);
   auto out = at::empty({B, Hk, NB}, q.options().dtype(at::kFloat));
   prr::QuestArgs a{};
-  a.q = q.data_ptr(); a.q_dtype = dtype_code(q); a.q_stride = Hq * D;
+  a.q = q.data_ptr(); a.q_dtype = dtype_code(q); a.q_stride = q.stride(0);
   a.kmin = kmin.data_ptr(); a.kmax = kmax.data_ptr(); a.s_dtype = s_dtype;
   a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
   a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");

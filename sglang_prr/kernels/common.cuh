@@ -140,6 +140,15 @@ __device__ __forceinline__ void fold_key(float x, bool first, float& lo, float& 
   if (first || h > hi) hi = h;
 }
 
+// fold_key over the 4 values of a float4 (the selection kernels' 16-byte summary pieces).
+template <typename S>
+__device__ __forceinline__ void fold_key4(float4 x, bool first, float4& lo, float4& hi) {
+  fold_key<S>(x.x, first, lo.x, hi.x);
+  fold_key<S>(x.y, first, lo.y, hi.y);
+  fold_key<S>(x.z, first, lo.z, hi.z);
+  fold_key<S>(x.w, first, lo.w, hi.w);
+}
+
 // Where row b's new key enters its selection (SelectArgs::new_k): its block, or -1 (none), and
 // whether it is the first token of its page.
 __device__ __forceinline__ int new_key_block(const void* new_k, const void* new_pos, bool pos64,

@@ -89,10 +89,7 @@ quest_scores_kernel(QuestArgs a) {
           if (h0 + j >= a.Hk) continue;
           const float4 x = load4_any(a.new_k, b * a.new_k_stride + (int64_t)(h0 + j) * a.D + 4 * c,
                                      a.new_k_dtype);
-          fold_key<S>(x.x, first_tok, vl[j].x, vh[j].x);
-          fold_key<S>(x.y, first_tok, vl[j].y, vh[j].y);
-          fold_key<S>(x.z, first_tok, vl[j].z, vh[j].z);
-          fold_key<S>(x.w, first_tok, vl[j].w, vh[j].w);
+          fold_key4<S>(x, first_tok, vl[j], vh[j]);
         }
       }
 #pragma unroll
@@ -253,10 +250,7 @@ quest_select_kernel(SelectArgs a) {
         if (base + j * kSelWarps == newest) {  // the step's new key (SelectArgs::new_k)
           const float4 x = load4_any(a.new_k, b * a.new_k_stride + (int64_t)hk * a.D + 4 * c,
                                      a.new_k_dtype);
-          fold_key<S>(x.x, first_tok, lo[j].x, hi[j].x);
-          fold_key<S>(x.y, first_tok, lo[j].y, hi[j].y);
-          fold_key<S>(x.z, first_tok, lo[j].z, hi[j].z);
-          fold_key<S>(x.w, first_tok, lo[j].w, hi[j].w);
+          fold_key4<S>(x, first_tok, lo[j], hi[j]);
         }
       }
     }

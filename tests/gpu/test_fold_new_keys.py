@@ -1,9 +1,9 @@
 """Quest's selection kernels with the step's new keys folded in (``new_k`` / ``new_pos``), on the
 GPU: every selection path (``SGLANG_PRR_SELECT_KERNEL``: one-pass, row-tail, split), bf16 and
-float32 summaries, keys of every float dtype. The kernel's scores, A and M with the keys folded equal, bit
-for bit, the kernel's own selection after the decode update (``quest_update``), whether the update
-ran before, not at all, or on another stream at the same time (the fold is idempotent); the
-scores match the reference's. Negative control: without the new keys the newest blocks' scores
+float32 summaries, keys of every float dtype. The kernel's scores, A and M with the keys folded
+equal, bit for bit, the kernel's own selection after the decode update (``quest_update``), whether
+the update ran before, not at all, or on another stream at the same time (the fold is idempotent);
+the scores match the reference's. Negative control: without the new keys the newest blocks' scores
 differ. Conventions as in ``test_fused_kernels.py``.
 """
 

@@ -349,8 +349,8 @@ def _bf16_bounds(kmin, kmax):
     (2, 16, 2, 256, 130, 7, 3, 2, 0, torch.float32),       # head dim 256, no local block
     (3, 64, 8, 128, 9000, 700, 1000, 4, 4, torch.bfloat16),  # too wide: the row-tail kernels
     (1, 8, 2, 64, 250, 70, 90, 3, 2, torch.bfloat16),     # K, |P| above a chunk's blocks
-    (1, 32, 8, 128, 4000, 32, 48, 1, 1, torch.bfloat16),  # 63 chunks: a merge, then the tournament
-    (2, 32, 8, 128, 1999, 129, 20, 1, 1, torch.bfloat16),  # K past the tournament's: merges
+    (1, 32, 8, 128, 4000, 32, 48, 1, 1, torch.bfloat16),  # 63 chunks: six merge rounds
+    (2, 32, 8, 128, 1999, 129, 20, 1, 1, torch.bfloat16),  # K above two chunks' blocks
     (2, 12, 4, 96, 200, 8, 12, 1, 1, torch.float32),       # head dim 96: the row-tail kernels
 ])
 def test_quest_select_predict(B, Hq, Hk, D, NB, k, n_pred, sink, local, sdt, select_kernel):
