@@ -124,6 +124,9 @@ cudaError_t launch_quest_select_rowtail(const SelectArgs& a, cudaStream_t s);
 // The same results in two launches (no predictor): the scores (quest_scores' kernel, new keys
 // folded), then a CTA per row for its top-K, M and counters.
 cudaError_t launch_quest_select_split(const SelectArgs& a, cudaStream_t s);
+// Whether launch_quest_select takes the two launches for a batch of B rows over NB table blocks,
+// with or without the predictor's step (the shape's rule, or SGLANG_PRR_SELECT_KERNEL where set).
+bool select_takes_split(int64_t B, int NB, bool predictor);
 int max_select_group_dim();  // largest G * D of quest_select (shared-memory bound)
 
 // Fused predictor: Holt update (eq 3) + P(t+1) (eq 2 + top-K), one launch.

@@ -135,7 +135,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
   int nch = 0, kca = 0, kcp = 0;
   size_t smem = 0;
   Tensor ws, ws_cnt;
-  if (prr::select_one_pass((int)D, (int)(Hq / Hk), (int)NB, (int)k, pr ? (int)pr->n_pred : 0,
+  if (!prr::select_takes_split(B, (int)NB, pr != nullptr) &&
+      prr::select_one_pass((int)D, (int)(Hq / Hk), (int)NB, (int)k, pr ? (int)pr->n_pred : 0,
                            a.Np, (int)n_out, &nch, &kca, &kcp, &smem)) {
     ws = at::empty({B * Hk * nch * std::max(kca + kcp, 1)}, q.options().dtype(at::kLong));
     ws_cnt = at::empty({B * Hk * nch * 2}, q.options().dtype(at::kInt));

@@ -442,7 +442,8 @@ cudaError_t onepass_dispatch(const SelectArgs& a, size_t smem, cudaStream_t s) {
 // SGLANG_PRR_SELECT_KERNEL=rowtail|onepass|split forces one selection path where it applies (a
 // tuning and test knob, read at each launch on the host: a captured graph keeps the kernel it was
 // captured with): the row-tail kernel, the one-pass kernel, or the scores and the rows' tails in
-// two launches; by default the one-pass kernel runs when it fits.
+// two launches; by default the shape picks (select_takes_split), and the one-pass kernel runs
+// where it fits and the shape does not split.
 inline int select_kernel_env() {
   const char* e = getenv("SGLANG_PRR_SELECT_KERNEL");
   if (!e) return 0;
@@ -452,7 +453,23 @@ inline int select_kernel_env() {
   return 0;
 }
 
+// Batch x table blocks from which the scores and the rows' tails in two launches beat the one-pass
+// kernel for serial DSA (H200, bf16 summaries, cold L2, bench_kernel_stages --parts selection): at
+// 128K (2048 blocks) the one-pass kernel wins at batch 1 (17.0 vs 17.3 us), the two launches from
+// batch 8 (47.6 vs 59.3) and at 32K / 16 (29.2 vs 34.9); in the server at 32K / 16 they take 32.8
+// us a layer against 36.5 (ITL 7.94 vs 8.08 ms). The one-pass kernel's per-CTA fence, ticket and
+// candidate merge cost more once a row's chunks fill waves of their own. With the predictor the
+// one-pass kernel stays: its fused update beats the two launches plus the predictor's own in the
+// server (ITL 9.18 vs 9.32 ms at 32K / 16) although isolation favours the split (39.4 vs 42.9).
+constexpr int64_t kSplitMinBlocks = 8192;
+
 }  // namespace
+
+bool select_takes_split(int64_t B, int NB, bool predictor) {
+  const int forced = select_kernel_env();
+  if (forced != 0) return forced == 3;
+  return !predictor && B * (int64_t)NB >= kSplitMinBlocks;
+}
 
 bool select_one_pass(int D, int G, int NB, int k, int n_pred, int Np, int n_out, int* nch,
                      int* kca, int* kcp, size_t* smem) {
@@ -475,7 +492,8 @@ cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
   int nch, kca, kcp;
   size_t smem;
   const int forced = select_kernel_env();
-  if (a.ws && (forced == 0 || forced == 2) &&
+  const bool split = select_takes_split(a.B, a.NB, a.level != nullptr);
+  if (a.ws && !split && forced != 1 &&
       select_one_pass(a.D, a.Hq / a.Hk, a.NB, a.k, a.level ? a.n_pred : 0, a.Np,
                       a.n_out, &nch, &kca, &kcp, &smem)) {
     if (nch != a.nch || kca != a.kca || kcp != a.kcp) return cudaErrorInvalidValue;
@@ -486,7 +504,7 @@ cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
     return c.s_dtype == kBF16 ? onepass_dispatch<__nv_bfloat16>(c, smem, s)
                               : onepass_dispatch<float>(c, smem, s);
   }
-  cudaError_t e = forced == 3 ? launch_quest_select_split(a, s) : launch_quest_select_rowtail(a, s);
+  cudaError_t e = split ? launch_quest_select_split(a, s) : launch_quest_select_rowtail(a, s);
   if (e != cudaSuccess || !a.level) return e;
   // The predictor's own kernel, after the scores (sizes the one-pass kernel does not take).
   PredictArgs p{};

@@ -28,9 +28,12 @@ from test_kernels import DEV, rel_err, seeded  # noqa: E402
 CUDA = torch.ops.sglang_prr_cuda
 
 
-@pytest.fixture(params=["onepass", "rowtail", "split"])
+@pytest.fixture(params=["auto", "onepass", "rowtail", "split"])
 def select_kernel(request, monkeypatch):
-    monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", request.param)
+    if request.param == "auto":  # the launcher's shape rule
+        monkeypatch.delenv("SGLANG_PRR_SELECT_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", request.param)
     return request.param
 
 
@@ -55,7 +58,8 @@ def _case(B, Hq, Hk, D, NB, page, sdt, kdt):
 @pytest.mark.parametrize("sdt", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kdt", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("B,Hq,Hk,D,NB,page", [
-    (1, 32, 8, 128, 2048, 64), (3, 12, 3, 64, 300, 16), (5, 8, 2, 256, 77, 32)])
+    (1, 32, 8, 128, 2048, 64), (3, 12, 3, 64, 300, 16), (5, 8, 2, 256, 77, 32),
+    (4, 32, 8, 128, 2048, 64)])  # batch x blocks = 8192: auto takes the two launches
 def test_quest_select_folds_new_keys(B, Hq, Hk, D, NB, page, sdt, kdt, select_kernel):
     seeded(f"fold B={B} D={D} NB={NB} {sdt} {kdt} {select_kernel}")
     q, kmin, kmax, table, nblk, k, loc, pos = _case(B, Hq, Hk, D, NB, page, sdt, kdt)

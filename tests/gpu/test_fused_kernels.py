@@ -36,11 +36,15 @@ from test_kernels import (ATTN_CASES, DEV, make_pool, poison, random_lists, rel_
 CUDA = torch.ops.sglang_prr_cuda
 
 
-@pytest.fixture(params=["onepass", "rowtail", "split"])
+@pytest.fixture(params=["auto", "onepass", "rowtail", "split"])
 def select_kernel(request, monkeypatch):
     """The selection kernel the launcher is asked for (read at each launch; sizes the one-pass
-    kernel does not take run the row-tail kernels either way)."""
-    monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", request.param)
+    kernel does not take run the row-tail kernels either way); ``auto``: the launcher's shape
+    rule (serial DSA's selection over batch x blocks >= 8192 takes the two launches)."""
+    if request.param == "auto":
+        monkeypatch.delenv("SGLANG_PRR_SELECT_KERNEL", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", request.param)
     return request.param
 
 

@@ -107,7 +107,7 @@ def test_update_scores_and_selection_kernels_equal_the_reference(name, B, group,
     for b, r in enumerate(p_rows.tolist()):  # P of the batch: ascending distinct block ids
         nb_b = -(-int(seq[b]) // page)
         for h in range(hk):
-            ids = sorted(random.sample(range(nb_b), random.randint(0, width)))
+            ids = sorted(random.sample(range(nb_b), random.randint(0, min(width, nb_b))))
             p_idx[r, h] = torch.tensor(ids + [-1] * (width - len(ids)), dtype=torch.int32)
             p_cnt[r, h] = len(ids)
     dense = torch.zeros(B, dtype=torch.bool)
