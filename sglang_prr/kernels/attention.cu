@@ -21,6 +21,7 @@
 #include <cute/swizzle.hpp>
 #include <algorithm>
 #include <climits>
+#include <cstring>
 #include <cmath>
 
 namespace prr {
@@ -389,7 +390,9 @@ block_attn_kernel(AttnArgs a, int nq) {
   extern __shared__ __align__(128) unsigned char s_dyn[];  // K/V stages; combine; merge tail
   __shared__ float s_m[kAttnWarps][kHeadsN], s_l[kAttnWarps][kHeadsN];
 
-  const int n = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  // The grid's x is the KV head where a.heads_x (see attn_launch), else the list entry.
+  const int n = a.heads_x ? blockIdx.y : blockIdx.x, hk = a.heads_x ? blockIdx.x : blockIdx.y;
+  const int b = blockIdx.z;
   const int G = a.Hq / a.Hk;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;
@@ -641,9 +644,16 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
     c.merge_rows = (int)std::min<size_t>(std::max<size_t>(fit, 1), (size_t)std::max(E, 1));
     smem = std::max(smem, arrays + (size_t)c.merge_rows * per);
   }
+  // SGLANG_PRR_ATTN_GRID=heads (a measuring knob, read at each launch; a captured graph keeps its
+  // order): the KV heads of one entry in consecutive CTAs, which run together and read a page's
+  // slots, whose K (V) rows of all heads are adjacent, together; by default the entries of one
+  // head are consecutive (each CTA reads a 256-byte row of every 2 KB slot).
+  const char* order = getenv("SGLANG_PRR_ATTN_GRID");
+  c.heads_x = a.N <= 65535 && order && !strcmp(order, "heads");
   cudaError_t e = set_smem_limit(block_attn_kernel<T, D>, smem);
   if (e != cudaSuccess) return e;
-  launch_kernel(block_attn_kernel<T, D>, dim3(a.N, a.Hk, a.B), kAttnThreads, smem, s, c, nq);
+  const dim3 grid = c.heads_x ? dim3(a.Hk, a.N, a.B) : dim3(a.N, a.Hk, a.B);
+  launch_kernel(block_attn_kernel<T, D>, grid, kAttnThreads, smem, s, c, nq);
   return cudaGetLastError();
 }
 
