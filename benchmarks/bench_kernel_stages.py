@@ -25,6 +25,8 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
   incomplete; read once per process). One run per setting, the ``select_kernel`` and ``debug_stop``
   columns say which. ``SGLANG_PRR_ATTN_DEBUG_STOP=1|2|3`` ends the attention's merge tail after the
   last CTA's ticket / the lists' sort / the lse loads and weights (the same kind of probe).
+  ``SGLANG_PRR_ATTN_GRID=heads`` and ``SGLANG_PRR_ATTN_MERGE=split`` (the attention launch's
+  measuring knobs) are named in the ``attn_launch`` column.
 
 Shape: Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16), page 64, K = 2048 tokens
 (32 blocks + sink + local), |P| = 48 blocks (delta 1.5).
@@ -55,7 +57,8 @@ from sglang_prr.kernels import build  # noqa: E402
 
 HQ, HK, D = 32, 8, 128
 COLUMNS = ["part", "case", "batch", "ctx", "tokens", "m_blocks", "cold_us", "warm_us",
-           "bytes", "cold_GBps", "pct_copy", "copy_GBps", "select_kernel", "debug_stop",
+           "bytes", "cold_GBps", "pct_copy", "copy_GBps", "select_kernel", "attn_launch",
+           "debug_stop",
            "library"]
 
 
@@ -245,6 +248,18 @@ def bench_selection(a, dev, g, bw, rows):
         del sets
 
 
+def attn_launch() -> str:
+    """The attention launch's measuring knobs in this environment: ``grid-heads``
+    (``SGLANG_PRR_ATTN_GRID=heads``), ``merge-split`` (``SGLANG_PRR_ATTN_MERGE=split``), joined by
+    ``+``, else ``""``."""
+    parts = []
+    if os.environ.get("SGLANG_PRR_ATTN_GRID") == "heads":
+        parts.append("grid-heads")
+    if os.environ.get("SGLANG_PRR_ATTN_MERGE") == "split":
+        parts.append("merge-split")
+    return "+".join(parts)
+
+
 def _row(part, case, B, ctx, tokens, m, nbytes, R, sets, fn, a, dev, bw):
     return _timed_row(part, case, B, ctx, tokens, m, nbytes,
                       [lambda s=s: fn(s) for s in sets], a, dev, bw)
@@ -259,6 +274,7 @@ def _timed_row(part, case, B, ctx, tokens, m, nbytes, calls, a, dev, bw):
                cold_GBps=round(gbps, 1), pct_copy=round(100 * gbps / bw, 1) if bw else None,
                copy_GBps=round(bw, 1), select_kernel=os.environ.get("SGLANG_PRR_SELECT_KERNEL",
                                                                     "auto"),
+               attn_launch=attn_launch(),
                debug_stop=int(os.environ.get(DEBUG_STOP_ENV[part], "0")),
                library=build.library_tag())
     print(f"{part:10s} {case:30s} B={B:<3d} ctx={ctx:<7d} tok={tokens:<5d} cold {cold:9.2f} us"

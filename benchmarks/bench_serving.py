@@ -70,7 +70,8 @@ it) launches PRR's kernels with programmatic dependent launch; those rows have `
 the selection (the order before Quest's selection folded the new keys): ``update-first``;
 ``SGLANG_PRR_SELECT_KERNEL=split`` (or ``onepass``, ``rowtail``) forces Quest's selection path:
 ``select-split``; ``SGLANG_PRR_ATTN_GRID=heads`` runs the attention's grid over KV heads first:
-``grid-heads``.
+``grid-heads``; ``SGLANG_PRR_ATTN_MERGE=split`` merges in a launch after the partials:
+``merge-split``.
 ``--predictor side`` starts the PRR and auto servers with
 ``--prr-predictor side``; their rows have ``predictor`` = ``side``. Rows of servers that load a
 kernel library built from other sources than this tree's (``SGLANG_PRR_KERNEL_LIB``) carry its
@@ -642,8 +643,9 @@ def _launch() -> str:
     when they run the summary update before the selection instead of folding the new keys into
     it (``SGLANG_PRR_FOLD_NEW_KEYS=0``), ``select-<kernel>`` when they force a selection kernel
     (``SGLANG_PRR_SELECT_KERNEL``: ``onepass``, ``rowtail`` or ``split``), ``grid-heads`` when
-    the attention's grid runs over KV heads first (``SGLANG_PRR_ATTN_GRID=heads``), joined by
-    ``+``, else ``""``."""
+    the attention's grid runs over KV heads first (``SGLANG_PRR_ATTN_GRID=heads``),
+    ``merge-split`` when its merge is a launch of its own (``SGLANG_PRR_ATTN_MERGE=split``),
+    joined by ``+``, else ``""``."""
     parts = ["pdl"] if os.environ.get("SGLANG_PRR_PDL") == "1" else []
     if os.environ.get("SGLANG_PRR_FOLD_NEW_KEYS") == "0":
         parts.append("update-first")
@@ -652,6 +654,8 @@ def _launch() -> str:
         parts.append(f"select-{kernel}")
     if os.environ.get("SGLANG_PRR_ATTN_GRID") == "heads":
         parts.append("grid-heads")
+    if os.environ.get("SGLANG_PRR_ATTN_MERGE") == "split":
+        parts.append("merge-split")
     return "+".join(parts)
 
 

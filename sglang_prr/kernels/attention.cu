@@ -378,7 +378,9 @@ __device__ __forceinline__ bool repeats_earlier(const int32_t* list, int n, int 
 }
 
 // ============================================================================ block attention
-template <typename T, int D>
+// HeadsX: the grid's x runs over KV heads and its y over list entries (launch_partials), else the
+// other way round; a template argument, not a branch, so that D = 256 keeps its registers.
+template <typename T, int D, bool HeadsX>
 __global__ void __launch_bounds__(kAttnThreads)
 block_attn_kernel(AttnArgs a, int nq) {
   pdl_begin();  // before any global-memory access (PDL)
@@ -390,8 +392,7 @@ block_attn_kernel(AttnArgs a, int nq) {
   extern __shared__ __align__(128) unsigned char s_dyn[];  // K/V stages; combine; merge tail
   __shared__ float s_m[kAttnWarps][kHeadsN], s_l[kAttnWarps][kHeadsN];
 
-  // The grid's x is the KV head where a.heads_x (see attn_launch), else the list entry.
-  const int n = a.heads_x ? blockIdx.y : blockIdx.x, hk = a.heads_x ? blockIdx.x : blockIdx.y;
+  const int n = HeadsX ? blockIdx.y : blockIdx.x, hk = HeadsX ? blockIdx.x : blockIdx.y;
   const int b = blockIdx.z;
   const int G = a.Hq / a.Hk;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -608,6 +609,23 @@ block_attn_kernel(AttnArgs a, int nq) {
   if (a.sem) merge_tail(a, b, hk, s_dyn, parts, D);  // its first barrier orders the s_o reads
 }
 
+// The merge alone, a CTA per (request, KV head) group: the fused tail's code (merge_loads,
+// merge_entries, merge_rows) on the partials a block_attn_kernel launch without counters wrote,
+// so its output bits are the fused launch's. Launched after that kernel where the merge is split
+// off (attn_launch).
+__global__ void __launch_bounds__(kAttnThreads)
+attn_merge_kernel(AttnArgs a) {
+  pdl_begin();  // before any global-memory access (PDL)
+  extern __shared__ __align__(128) unsigned char s_dyn[];  // merge arrays, then the row stage
+  const int hk = blockIdx.x, b = blockIdx.y;
+  const MergeLoads l = merge_loads(a, b, hk);
+  const int nk = merge_entries(a, b, hk, l, s_dyn);
+  const MergeShape m(a);
+  merge_rows(a, b, hk, s_dyn,
+             reinterpret_cast<float4*>(s_dyn + merge_arrays_bytes(m.N, m.N1, m.Na, m.G)), nk,
+             a.D);
+}
+
 // Shared memory a fused-merge CTA may take for the merge tail: kMergeSmemBudget, or, when the
 // grid is one wave of at most 3 CTAs an SM (batch 1), a third of an SM's shared memory, so that
 // the row stage holds every entry of a K = 32-block merge in one round trip instead of two.
@@ -628,32 +646,70 @@ size_t merge_smem_budget(int64_t ctas) {
 }
 
 template <typename T, int D>
+cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, cudaStream_t s);
+
+// The merge kernel's shared memory for its row stage (one CTA per group and few groups, so it
+// may take most of an SM: every entry of a K = 2048-token list in one round trip).
+constexpr size_t kMergeKernelSmem = 160 * 1024;
+
+template <typename T, int D>
 cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
   const int stages = a.page_size > kChunk ? 2 : 1;
   size_t smem = (size_t)stages * AttnSmem<T, D>::kStageBytes +
                 (size_t)nq * kHeadsN * AttnSmem<T, D>::kQRow * sizeof(T);
   AttnArgs c = a;
+  // SGLANG_PRR_ATTN_MERGE=split (a measuring knob, read at each launch; a captured graph keeps
+  // what it was captured with): the partials in one launch without counters, tickets or merge
+  // tail (the attention's own shared memory, so more CTAs an SM), then attn_merge_kernel; by
+  // default the group's last CTA merges (the fused tail).
+  const char* mk = getenv("SGLANG_PRR_ATTN_MERGE");
+  const bool split_merge = a.sem && mk && !strcmp(mk, "split");
+  if (split_merge) c.sem = nullptr;
   if (a.sem) {
     // The merge tail's row stage: as many entries a round as fit beside its arrays in the larger
-    // of the attention's shared memory and merge_smem_budget, at least one, at most every entry.
+    // of the attention's shared memory and merge_smem_budget, at least one, at most every entry
+    // (split off: as many as the merge kernel's shared memory takes, at most every entry).
     const int N1 = a.o1 ? a.N1 : 0, G = a.Hq / a.Hk, E = a.N + N1;
     const size_t arrays = merge_arrays_bytes(a.N, N1, a.Na, G);
     const size_t per = (size_t)G * D * sizeof(float);  // one entry's rows of the group
-    const size_t budget = std::max(smem, merge_smem_budget((int64_t)a.B * a.Hk * a.N));
+    const size_t budget =
+        split_merge ? kMergeKernelSmem
+                    : std::max(smem, merge_smem_budget((int64_t)a.B * a.Hk * a.N));
     const size_t fit = budget > arrays ? (budget - arrays) / per : 0;
     c.merge_rows = (int)std::min<size_t>(std::max<size_t>(fit, 1), (size_t)std::max(E, 1));
-    smem = std::max(smem, arrays + (size_t)c.merge_rows * per);
+    const size_t merge_bytes = arrays + (size_t)c.merge_rows * per;
+    if (split_merge) {
+      cudaError_t e = set_smem_limit(attn_merge_kernel, merge_bytes);
+      if (e != cudaSuccess) return e;
+      e = launch_partials<T, D>(c, nq, smem, s);
+      if (e != cudaSuccess) return e;
+      launch_kernel(attn_merge_kernel, dim3(a.Hk, a.B), kAttnThreads, merge_bytes, s, c);
+      return cudaGetLastError();
+    }
+    smem = std::max(smem, merge_bytes);
   }
+  return launch_partials<T, D>(c, nq, smem, s);
+}
+
+// block_attn_kernel's launch in the grid order SGLANG_PRR_ATTN_GRID asks for.
+template <typename T, int D>
+cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, cudaStream_t s) {
   // SGLANG_PRR_ATTN_GRID=heads (a measuring knob, read at each launch; a captured graph keeps its
   // order): the KV heads of one entry in consecutive CTAs, which run together and read a page's
   // slots, whose K (V) rows of all heads are adjacent, together; by default the entries of one
   // head are consecutive (each CTA reads a 256-byte row of every 2 KB slot).
   const char* order = getenv("SGLANG_PRR_ATTN_GRID");
-  c.heads_x = a.N <= 65535 && order && !strcmp(order, "heads");
-  cudaError_t e = set_smem_limit(block_attn_kernel<T, D>, smem);
+  if (c.N <= 65535 && order && !strcmp(order, "heads")) {
+    cudaError_t e = set_smem_limit(block_attn_kernel<T, D, true>, smem);
+    if (e != cudaSuccess) return e;
+    launch_kernel(block_attn_kernel<T, D, true>, dim3(c.Hk, c.N, c.B), kAttnThreads, smem, s, c,
+                  nq);
+    return cudaGetLastError();
+  }
+  cudaError_t e = set_smem_limit(block_attn_kernel<T, D, false>, smem);
   if (e != cudaSuccess) return e;
-  const dim3 grid = c.heads_x ? dim3(a.Hk, a.N, a.B) : dim3(a.N, a.Hk, a.B);
-  launch_kernel(block_attn_kernel<T, D>, grid, kAttnThreads, smem, s, c, nq);
+  launch_kernel(block_attn_kernel<T, D, false>, dim3(c.N, c.Hk, c.B), kAttnThreads, smem, s, c,
+                nq);
   return cudaGetLastError();
 }
 

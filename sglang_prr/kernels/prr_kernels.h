@@ -43,7 +43,6 @@ struct AttnArgs {
   bool p_exact;  // with p_idx: keep only P n A (else P u A); a repeated id of P counts once
   void* out_o; int out_dtype; float* out_lse;                // [B, Hq, D] (f32/f16/bf16), [B, Hq] or null
   int merge_rows;  // set by the launch: the merge tail's row-stage entries a round
-  bool heads_x;    // set by the launch: the grid's x runs over KV heads (else list entries)
   int debug_stop;  // timing probes only (SGLANG_PRR_ATTN_DEBUG_STOP): 0 runs everything
 };
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s);

@@ -155,14 +155,22 @@ def test_repair_merge_with_arbitrary_prediction(B, Hq, Hk, D, page, dtype, pages
     assert rel_err(o_other.cpu()[rows], o.cpu()[rows]) > 1e-4
 
 
+# The attention launch's measuring knobs: the KV heads first in the grid, the merge in a launch
+# of its own after the partials.
+LAUNCH_KNOBS = {"default": {}, "grid heads": {"SGLANG_PRR_ATTN_GRID": "heads"},
+                "merge split": {"SGLANG_PRR_ATTN_MERGE": "split"},
+                "both": {"SGLANG_PRR_ATTN_GRID": "heads", "SGLANG_PRR_ATTN_MERGE": "split"}}
+
+
 @pytest.mark.parametrize("B,Hq,Hk,D,page,dtype,pages", [
     (3, 32, 8, 128, 64, torch.bfloat16, 40), (2, 16, 4, 64, 16, torch.float16, 9),
-    (5, 8, 2, 256, 128, torch.bfloat16, 12)])
-def test_grid_order_keeps_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatch):
-    """The KV heads fastest in the attention's grid (SGLANG_PRR_ATTN_GRID=heads) give the default
-    order's bits: the partials, serial DSA's attention + merge, PRR's repair + exact merge (which
-    also equals serial DSA bit for bit)."""
-    seeded(f"grid order B={B} D={D} page={page}")
+    (5, 8, 2, 256, 128, torch.bfloat16, 12), (2, 16, 4, 128, 16, torch.bfloat16, 600)])
+def test_launch_knobs_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatch):
+    """Every setting of the attention's launch knobs (SGLANG_PRR_ATTN_GRID=heads,
+    SGLANG_PRR_ATTN_MERGE=split) gives the default launch's bits: the partials, serial DSA's
+    attention + merge, PRR's repair + exact merge (which also equals serial DSA bit for bit) and
+    the union merge."""
+    seeded(f"launch knobs B={B} D={D} page={page} pages={pages}")
     q, k_buf, v_buf, table, sl, NB, nblk = _attn_case(B, Hq, Hk, D, page, dtype, pages)
     N = min(nblk) // 2 + 5
     idx, cnt = random_lists(B, Hk, N, nblk)
@@ -174,31 +182,39 @@ def test_grid_order_keeps_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatch
     sm = 1.0 / math.sqrt(D)
     qd, kd, vd, td, sld = _dev(q, k_buf, v_buf, table, sl)
     outs = {}
-    for order in ("blocks", "heads"):
-        monkeypatch.setenv("SGLANG_PRR_ATTN_GRID", order)
+    for name, env in LAUNCH_KNOBS.items():
+        for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
         poison(((B, Hq, N, D), torch.float32), ((B, Hq, D), torch.float32))
         o_p, l_p = CUDA.sparse_attn_partials(qd, kd, vd, td, sld, *_dev(idx, cnt), page, sm)
         o_m, l_m = CUDA.sparse_attn_merge(qd, kd, vd, td, sld, *_dev(idx, cnt), page, sm,
                                           None, None, None, None, None, None, 0, True)
         o_s, l_s = CUDA.sparse_attn_partials(qd, kd, vd, td, sld, *_dev(p_idx, p_cnt), page, sm)
-        o_r, l_r = CUDA.sparse_attn_merge(qd, kd, vd, td, sld, *_dev(m_idx, m_cnt), page, sm,
-                                          o_s, l_s, *_dev(p_idx, p_cnt, idx, cnt), NB, True)
-        outs[order] = [x.cpu() for x in (o_p, l_p, o_m, l_m, o_r, l_r)]
+        rep = [CUDA.sparse_attn_merge(qd, kd, vd, td, sld, *_dev(m_idx, m_cnt), page, sm, o_s,
+                                      l_s, *_dev(p_idx, p_cnt, idx, cnt), NB, exact)
+               for exact in (True, False)]
+        outs[name] = [x.cpu() for x in (o_p, l_p, o_m, l_m, *rep[0], *rep[1])]
     listed = (torch.arange(N)[None, None, :] < cnt[:, :, None]).repeat_interleave(Hq // Hk, 1)
-    got, base = outs["heads"], outs["blocks"]
-    assert torch.equal(got[0][listed], base[0][listed]) and torch.equal(got[1][listed],
-                                                                       base[1][listed])
-    for i in (2, 3, 4, 5):
-        assert torch.equal(got[i], base[i]), f"output {i}"
-    assert torch.equal(got[4], got[2])  # PRR (exact) == serial DSA
+    base = outs["default"]
+    for name, got in outs.items():
+        assert torch.equal(got[0][listed], base[0][listed]), f"partials o, {name}"
+        assert torch.equal(got[1][listed], base[1][listed]), f"partials lse, {name}"
+        for i in range(2, 8):
+            assert torch.equal(got[i], base[i]), f"output {i}, {name}"
+        assert torch.equal(got[4], got[2]), f"PRR (exact) != serial DSA, {name}"
     o_ref, _ = ref.attend_set(q.float(), k_buf, v_buf, table, sl, idx, cnt, page, sm)
-    assert rel_err(got[2], o_ref) < 3e-5
-    # Negative control: a row without its last entry differs.
+    assert rel_err(base[2], o_ref) < 3e-5
+    # Negative controls: union differs from exact where P adds blocks; a row without its last
+    # entry differs (under the split merge, the knob that changes the most code).
+    assert not torch.equal(base[6], base[4])
+    monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE", "split")
     cnt2 = cnt.clone()
     cnt2[0, 0] -= 1
     o_c, _ = CUDA.sparse_attn_merge(qd, kd, vd, td, sld, *_dev(idx, cnt2), page, sm,
                                     None, None, None, None, None, None, 0, True)
-    assert not torch.equal(o_c.cpu()[0, :Hq // Hk], got[2][0, :Hq // Hk])
+    assert not torch.equal(o_c.cpu()[0, :Hq // Hk], base[2][0, :Hq // Hk])
 
 
 @pytest.mark.parametrize("B,Hq,Hk,D,NB,k,sink,local", [
