@@ -19,7 +19,8 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
   running beside it on a second stream (CUDA only: in the server that placement made the selection
   7 µs a layer longer; the row asks whether it does so in isolation). The kernel the launcher picks is
   the one-pass kernel where it fits; ``SGLANG_PRR_SELECT_KERNEL=rowtail`` runs the row-tail kernels
-  instead, ``=split`` the scores and the rows' tails in two launches, and
+  instead, ``=split`` the scores and the rows' tails in two launches,
+  ``SGLANG_PRR_SELECT_MERGE_RUN=n`` gives the one-pass tail's merges runs of n outputs a search, and
   ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass kernel after its chunks' pass / the
   tail's loads / the tail's merges (timing probes of where the time goes; the outputs are then
   incomplete; read once per process). One run per setting, the ``select_kernel`` and ``debug_stop``
@@ -248,6 +249,13 @@ def bench_selection(a, dev, g, bw, rows):
         del sets
 
 
+def select_kernel() -> str:
+    """The selection path this environment forces (``SGLANG_PRR_SELECT_KERNEL``, else ``auto``),
+    with ``+run<n>`` where ``SGLANG_PRR_SELECT_MERGE_RUN`` sets the one-pass tail's merge runs."""
+    run = os.environ.get("SGLANG_PRR_SELECT_MERGE_RUN", "")
+    return os.environ.get("SGLANG_PRR_SELECT_KERNEL", "auto") + (f"+run{run}" if run else "")
+
+
 def attn_launch() -> str:
     """The attention launch's measuring knobs in this environment: ``grid-heads``
     (``SGLANG_PRR_ATTN_GRID=heads``), ``merge-split`` (``SGLANG_PRR_ATTN_MERGE=split``), joined by
@@ -272,8 +280,7 @@ def _timed_row(part, case, B, ctx, tokens, m, nbytes, calls, a, dev, bw):
     row = dict(part=part, case=case, batch=B, ctx=ctx, tokens=tokens, m_blocks=m,
                cold_us=round(cold, 2), warm_us=round(warm, 2), bytes=nbytes,
                cold_GBps=round(gbps, 1), pct_copy=round(100 * gbps / bw, 1) if bw else None,
-               copy_GBps=round(bw, 1), select_kernel=os.environ.get("SGLANG_PRR_SELECT_KERNEL",
-                                                                    "auto"),
+               copy_GBps=round(bw, 1), select_kernel=select_kernel(),
                attn_launch=attn_launch(),
                debug_stop=int(os.environ.get(DEBUG_STOP_ENV[part], "0")),
                library=build.library_tag())

@@ -69,17 +69,22 @@ template <> struct Sum8<__nv_bfloat16> {
   }
 };
 
-// out[p] for p < min(K, cx + cy): the (p+1)-th largest of two descending lists (merge path).
-__device__ __forceinline__ unsigned long long merge_at(const unsigned long long* X, int cx,
-                                                      const unsigned long long* Y, int cy,
-                                                      int p) {
-  int lo = p - cy > 0 ? p - cy : 0, hi = p < cx ? p : cx;
+// out[p] for p0 <= p < p1 <= cx + cy: the (p+1)-th largest of two descending lists of distinct
+// keys. A merge-path search finds how many of the first p0 outputs come from X, then each output
+// is one compare.
+__device__ __forceinline__ void merge_run(const unsigned long long* X, int cx,
+                                          const unsigned long long* Y, int cy, int p0, int p1,
+                                          unsigned long long* out) {
+  int lo = p0 - cy > 0 ? p0 - cy : 0, hi = p0 < cx ? p0 : cx;
   while (lo < hi) {
     const int mid = (lo + hi) >> 1;
-    if (X[mid] > Y[p - mid - 1]) lo = mid + 1; else hi = mid;
+    if (X[mid] > Y[p0 - mid - 1]) lo = mid + 1; else hi = mid;
   }
-  const int j = p - lo;
-  return (lo < cx && (j >= cy || X[lo] > Y[j])) ? X[lo] : Y[j];
+  int x = lo, y = p0 - lo;
+  for (int p = p0; p < p1; ++p) {
+    const bool take_x = x < cx && (y >= cy || X[x] > Y[y]);
+    out[p] = take_x ? X[x++] : Y[y++];
+  }
 }
 
 // Writes the ascending list [0, lo) ++ ids ++ [hi, n) (ids ascending, lo <= ids < hi) clamped
@@ -325,25 +330,29 @@ quest_select_onepass_kernel(SelectArgs a) {
   }
   __syncthreads();
   if (a.debug_stop == 2) return;  // timing probe: up to the tail's loads
-  // pairwise merges, both kinds in the same rounds
+  // pairwise merges, both kinds in the same rounds; a work item is a run of R consecutive
+  // outputs of one merged list: one merge-path search for its first output, then R steps
+  // (R = 1: a search per output)
   int n = nch, SA = a.kca, SP = a.kcp, cur = 0;
+  const int R = max(a.merge_run, 1);
   while (n > 1) {
     const int nn = (n + 1) / 2;
     const int SA2 = min(KA, 2 * SA), SP2 = min(KP, 2 * SP);
-    const int itemsA = nn * SA2, items = itemsA + nn * SP2;
+    const int RA = (SA2 + R - 1) / R, RP = (SP2 + R - 1) / R;  // runs per merged list
+    const int itemsA = nn * RA, items = itemsA + nn * RP;
     for (int e = tid; e < items; e += kOpThreads) {
       const bool isA = e < itemsA;
       const int W1 = isA ? SA : SP, S2 = isA ? SA2 : SP2, K = isA ? KA : KP;
+      const int NR = isA ? RA : RP;
       const int ee = isA ? e : e - itemsA;
-      const int i = ee / S2, p = ee % S2;
+      const int i = ee / NR, p0 = (ee % NR) * R;
       const unsigned long long* in = isA ? BUF_A(cur) : BUF_P(cur);
       const int* cin = isA ? CNT_A(cur) : CNT_P(cur);
       const int cx = cin[2 * i], cy = 2 * i + 1 < n ? cin[2 * i + 1] : 0;
       const int co = min(K, cx + cy);
-      if (p < co) {
-        const unsigned long long v = merge_at(in + (size_t)(2 * i) * W1, cx,
-                                              in + (size_t)(2 * i + 1) * W1, cy, p);
-        (isA ? BUF_A(cur ^ 1) : BUF_P(cur ^ 1))[(size_t)i * S2 + p] = v;
+      if (p0 < co) {
+        merge_run(in + (size_t)(2 * i) * W1, cx, in + (size_t)(2 * i + 1) * W1, cy, p0,
+                  min(p0 + R, co), (isA ? BUF_A(cur ^ 1) : BUF_P(cur ^ 1)) + (size_t)i * S2);
       }
     }
     for (int e = tid; e < 2 * nn; e += kOpThreads) {
@@ -463,6 +472,14 @@ inline int select_kernel_env() {
 // server (ITL 9.18 vs 9.32 ms at 32K / 16) although isolation favours the split (39.4 vs 42.9).
 constexpr int64_t kSplitMinBlocks = 8192;
 
+// SGLANG_PRR_SELECT_MERGE_RUN=n (1..64): outputs a thread of the one-pass kernel's tail takes
+// per merge-path search (a measuring knob, read at each launch; default 1: a search per output).
+inline int select_merge_run_env() {
+  const char* e = getenv("SGLANG_PRR_SELECT_MERGE_RUN");
+  const int v = e ? atoi(e) : 1;
+  return v < 1 ? 1 : (v > 64 ? 64 : v);
+}
+
 }  // namespace
 
 bool select_takes_split(int64_t B, int NB, bool predictor) {
@@ -501,6 +518,7 @@ cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
     static const int stop = debug_stop_env("SGLANG_PRR_SELECT_DEBUG_STOP");
     SelectArgs c = a;
     c.debug_stop = stop;
+    c.merge_run = select_merge_run_env();
     return c.s_dtype == kBF16 ? onepass_dispatch<__nv_bfloat16>(c, smem, s)
                               : onepass_dispatch<float>(c, smem, s);
   }

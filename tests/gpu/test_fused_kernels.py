@@ -36,13 +36,19 @@ from test_kernels import (ATTN_CASES, DEV, make_pool, poison, random_lists, rel_
 CUDA = torch.ops.sglang_prr_cuda
 
 
-@pytest.fixture(params=["auto", "onepass", "rowtail", "split"])
+@pytest.fixture(params=["auto", "onepass", "rowtail", "split", "onepass-run5"])
 def select_kernel(request, monkeypatch):
     """The selection kernel the launcher is asked for (read at each launch; sizes the one-pass
     kernel does not take run the row-tail kernels either way); ``auto``: the launcher's shape
-    rule (serial DSA's selection over batch x blocks >= 8192 takes the two launches)."""
+    rule (serial DSA's selection over batch x blocks >= 8192 takes the two launches);
+    ``onepass-run5``: the one-pass kernel whose tail merges runs of 5 outputs a search
+    (``SGLANG_PRR_SELECT_MERGE_RUN``)."""
+    monkeypatch.delenv("SGLANG_PRR_SELECT_MERGE_RUN", raising=False)
     if request.param == "auto":
         monkeypatch.delenv("SGLANG_PRR_SELECT_KERNEL", raising=False)
+    elif request.param == "onepass-run5":
+        monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", "onepass")
+        monkeypatch.setenv("SGLANG_PRR_SELECT_MERGE_RUN", "5")
     else:
         monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", request.param)
     return request.param
