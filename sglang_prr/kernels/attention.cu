@@ -93,9 +93,6 @@ struct AttnSmem {
 // speculative entry before the repair entry of the same id. The order, the max and the sums are
 // the same for any split of A between P and M, so the output bits are too. Natural-log lse, as
 // every state of the ops. Called by every thread of the group's `group` CTAs.
-__device__ __forceinline__ int clampi(int64_t x, int hi) {
-  return (int)(x < 0 ? 0 : (x > hi ? hi : x));
-}
 
 // Bytes of the merge's arrays (its lists, keys, entries and weights: the bytes
 // dispatch.attn_merge_smem checks) rounded up to 16, so that a row stage after them is aligned.
@@ -180,9 +177,9 @@ __device__ int merge_entries(const AttnArgs& a, int b, int hk, const MergeLoads&
   int* const s_ent = arr.ent;
   int* const s_srt = arr.srt;
 
-  const int c2 = clampi(c2_raw, N);
-  const int pc = filt ? clampi(pc_raw, N1) : N1;
-  const int ca = Na ? clampi(ca_raw, Na) : 0;
+  const int c2 = clamp_count(c2_raw, N);
+  const int pc = filt ? clamp_count(pc_raw, N1) : N1;
+  const int ca = Na ? clamp_count(ca_raw, Na) : 0;
   if (tid < N) s_list[tid] = x_list;
   if (filt && tid < N1) s_p[tid] = x_p;
   if (tid < Na) s_a[tid] = x_a;
@@ -645,8 +642,27 @@ size_t merge_smem_budget(int64_t ctas) {
   return std::max(kMergeSmemBudget, (size_t)sm.y / kPerSm - kReserve);
 }
 
+// block_attn_kernel's launch in the grid order SGLANG_PRR_ATTN_GRID asks for.
 template <typename T, int D>
-cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, cudaStream_t s);
+cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, cudaStream_t s) {
+  // SGLANG_PRR_ATTN_GRID=heads (a measuring knob, read at each launch; a captured graph keeps its
+  // order): the KV heads of one entry in consecutive CTAs, which run together and read a page's
+  // slots, whose K (V) rows of all heads are adjacent, together; by default the entries of one
+  // head are consecutive (each CTA reads a 256-byte row of every 2 KB slot).
+  const char* order = getenv("SGLANG_PRR_ATTN_GRID");
+  if (c.N <= 65535 && order && !strcmp(order, "heads")) {
+    cudaError_t e = set_smem_limit(block_attn_kernel<T, D, true>, smem);
+    if (e != cudaSuccess) return e;
+    launch_kernel(block_attn_kernel<T, D, true>, dim3(c.Hk, c.N, c.B), kAttnThreads, smem, s, c,
+                  nq);
+    return cudaGetLastError();
+  }
+  cudaError_t e = set_smem_limit(block_attn_kernel<T, D, false>, smem);
+  if (e != cudaSuccess) return e;
+  launch_kernel(block_attn_kernel<T, D, false>, dim3(c.N, c.Hk, c.B), kAttnThreads, smem, s, c,
+                nq);
+  return cudaGetLastError();
+}
 
 // The merge kernel's shared memory for its row stage (one CTA per group and few groups, so it
 // may take most of an SM: every entry of a K = 2048-token list in one round trip).
@@ -689,28 +705,6 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
     smem = std::max(smem, merge_bytes);
   }
   return launch_partials<T, D>(c, nq, smem, s);
-}
-
-// block_attn_kernel's launch in the grid order SGLANG_PRR_ATTN_GRID asks for.
-template <typename T, int D>
-cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, cudaStream_t s) {
-  // SGLANG_PRR_ATTN_GRID=heads (a measuring knob, read at each launch; a captured graph keeps its
-  // order): the KV heads of one entry in consecutive CTAs, which run together and read a page's
-  // slots, whose K (V) rows of all heads are adjacent, together; by default the entries of one
-  // head are consecutive (each CTA reads a 256-byte row of every 2 KB slot).
-  const char* order = getenv("SGLANG_PRR_ATTN_GRID");
-  if (c.N <= 65535 && order && !strcmp(order, "heads")) {
-    cudaError_t e = set_smem_limit(block_attn_kernel<T, D, true>, smem);
-    if (e != cudaSuccess) return e;
-    launch_kernel(block_attn_kernel<T, D, true>, dim3(c.Hk, c.N, c.B), kAttnThreads, smem, s, c,
-                  nq);
-    return cudaGetLastError();
-  }
-  cudaError_t e = set_smem_limit(block_attn_kernel<T, D, false>, smem);
-  if (e != cudaSuccess) return e;
-  launch_kernel(block_attn_kernel<T, D, false>, dim3(c.N, c.Hk, c.B), kAttnThreads, smem, s, c,
-                nq);
-  return cudaGetLastError();
 }
 
 template <typename T>

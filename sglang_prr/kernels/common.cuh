@@ -140,6 +140,12 @@ __device__ __forceinline__ void fold_key(float x, bool first, float& lo, float& 
   if (first || h > hi) hi = h;
 }
 
+// x clamped to [0, hi]: a count or length read from a tensor (garbage-tolerant: a negative or
+// oversized value cannot index past the arrays sized by hi).
+__device__ __forceinline__ int clamp_count(int64_t x, int hi) {
+  return (int)(x < 0 ? 0 : (x > hi ? hi : x));
+}
+
 // fold_key over the 4 values of a float4 (the selection kernels' 16-byte summary pieces).
 template <typename S>
 __device__ __forceinline__ void fold_key4(float4 x, bool first, float4& lo, float4& hi) {

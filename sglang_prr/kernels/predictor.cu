@@ -32,8 +32,7 @@ predict_update_kernel(PredictArgs a) {
   const int64_t srow = slot_of(a.rows, a.rows64, b);  // the request's state row
   const int64_t row = srow * a.Hk + hk;
   const int64_t brow = (int64_t)b * a.Hk + hk;        // this step's scores
-  const int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
-  const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
+  const int nb = clamp_count(ld_index(a.nblk, b, a.nblk64), NB);
   const int64_t nn64 = ld_index(a.nblk_next, b, a.nblk_next64);
   const int nbn = (int)(nn64 < NB ? (nn64 < 0 ? 0 : nn64) : NB);
   const int64_t ni64 = ld_index(a.n_init, srow, a.ninit64);

@@ -40,9 +40,6 @@ __device__ __forceinline__ unsigned long long comp_key(uint32_t key, int id) {
 __device__ __forceinline__ int comp_id(unsigned long long ck) {
   return (int)(0xFFFFFFFFu - (uint32_t)(ck & 0xFFFFFFFFull));
 }
-__device__ __forceinline__ int clamp_nb(int64_t x, int hi) {
-  return (int)(x < 0 ? 0 : (x > hi ? hi : x));
-}
 
 // 8 summary values as raw registers (loaded early, converted at use: half the registers of
 // floats for bf16).
@@ -132,8 +129,8 @@ quest_select_onepass_kernel(SelectArgs a) {
     const int blk = ch * kOpChunk + p * BPP + grp;
     page[p] = blk < NB ? ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64) : 0;
   }
-  const int nb = clamp_nb(ld_index(a.nblk, b, a.nblk64), NB);
-  const int nbn = pred ? clamp_nb(ld_index(a.nblk_next, b, a.nblk_next64), NB) : nb;
+  const int nb = clamp_count(ld_index(a.nblk, b, a.nblk64), NB);
+  const int nbn = pred ? clamp_count(ld_index(a.nblk_next, b, a.nblk_next64), NB) : nb;
   bool first_tok;
   const int newest = new_key_block(a.new_k, a.new_pos, a.new_pos64, a.page_size, b, first_tok);
   float qf8[8];
@@ -148,7 +145,7 @@ quest_select_onepass_kernel(SelectArgs a) {
     al = a.theta[srow * a.theta_stride];
     be = a.theta[srow * a.theta_stride + 1];
     gam = a.theta[srow * a.theta_stride + 2];
-    ninit = clamp_nb(ld_index(a.n_init, srow, a.ninit64), NB);
+    ninit = clamp_count(ld_index(a.n_init, srow, a.ninit64), NB);
   }
 #pragma unroll
   for (int p = 0; p < PASSES; ++p) {

@@ -123,8 +123,7 @@ select_topk_kernel(TopkArgs a) {
   const int tid = threadIdx.x;
   const int NB = a.NB;
   const int64_t row = (int64_t)b * a.Hk + hk;
-  int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
-  const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
+  const int nb = clamp_count(ld_index(a.nblk, b, a.nblk64), NB);
   const int keep_lo = a.sink, keep_hi = nb - a.local;  // kept: id < keep_lo or id >= keep_hi
   int ninit = 0;
   float gam = 0.f;
@@ -211,8 +210,7 @@ quest_select_kernel(SelectArgs a) {
   const int G = a.Hq / a.Hk, D4 = a.D / 4;
   const int NB = a.NB;
   const int64_t row = (int64_t)b * a.Hk + hk;
-  const int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
-  const int nb = (int)(nb64 < NB ? (nb64 < 0 ? 0 : nb64) : NB);
+  const int nb = clamp_count(ld_index(a.nblk, b, a.nblk64), NB);
   // Only the chunks holding the row's blocks take part (the table is as wide as the longest
   // context the server accepts, most rows are shorter); the others exit at once, with no fence.
   const int nch = max((nb + kSelChunk - 1) / kSelChunk, 1);
@@ -288,8 +286,7 @@ quest_select_rows_kernel(SelectArgs a) {
   pdl_begin();  // before any global-memory access (PDL)
   extern __shared__ __align__(16) uint32_t s_key[];  // [NB]
   const int hk = blockIdx.x, b = blockIdx.y;
-  const int64_t nb64 = ld_index(a.nblk, b, a.nblk64);
-  const int nb = (int)(nb64 < a.NB ? (nb64 < 0 ? 0 : nb64) : a.NB);
+  const int nb = clamp_count(ld_index(a.nblk, b, a.nblk64), a.NB);
   select_row_tail(a, b, hk, nb, s_key);
 }
 
