@@ -26,8 +26,9 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
   incomplete; read once per process). One run per setting, the ``select_kernel`` and ``debug_stop``
   columns say which. ``SGLANG_PRR_ATTN_DEBUG_STOP=1|2|3`` ends the attention's merge tail after the
   last CTA's ticket / the lists' sort / the lse loads and weights (the same kind of probe).
-  ``SGLANG_PRR_ATTN_GRID=heads`` and ``SGLANG_PRR_ATTN_MERGE=split`` (the attention launch's
-  measuring knobs) are named in the ``attn_launch`` column.
+  ``SGLANG_PRR_ATTN_GRID=heads|entries`` and ``SGLANG_PRR_ATTN_MERGE=split|fused`` (which force
+  the attention launch's grid order and merge; by default its shape decides) are named in the
+  ``attn_launch`` column.
 
 Shape: Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16), page 64, K = 2048 tokens
 (32 blocks + sink + local), |P| = 48 blocks (delta 1.5).
@@ -257,14 +258,16 @@ def select_kernel() -> str:
 
 
 def attn_launch() -> str:
-    """The attention launch's measuring knobs in this environment: ``grid-heads``
-    (``SGLANG_PRR_ATTN_GRID=heads``), ``merge-split`` (``SGLANG_PRR_ATTN_MERGE=split``), joined by
-    ``+``, else ``""``."""
+    """The attention launch's forced settings in this environment: ``grid-heads`` /
+    ``grid-entries`` (``SGLANG_PRR_ATTN_GRID``), ``merge-split`` / ``merge-fused``
+    (``SGLANG_PRR_ATTN_MERGE``), joined by ``+``, else ``""`` (the launch's shape rule)."""
     parts = []
-    if os.environ.get("SGLANG_PRR_ATTN_GRID") == "heads":
-        parts.append("grid-heads")
-    if os.environ.get("SGLANG_PRR_ATTN_MERGE") == "split":
-        parts.append("merge-split")
+    grid = os.environ.get("SGLANG_PRR_ATTN_GRID", "")
+    if grid in ("heads", "entries"):
+        parts.append(f"grid-{grid}")
+    merge = os.environ.get("SGLANG_PRR_ATTN_MERGE", "")
+    if merge in ("split", "fused"):
+        parts.append(f"merge-{merge}")
     return "+".join(parts)
 
 

@@ -69,9 +69,9 @@ it) launches PRR's kernels with programmatic dependent launch; those rows have `
 ``pdl`` and sit beside the others; ``SGLANG_PRR_FOLD_NEW_KEYS=0`` runs the summary update before
 the selection (the order before Quest's selection folded the new keys): ``update-first``;
 ``SGLANG_PRR_SELECT_KERNEL=split`` (or ``onepass``, ``rowtail``) forces Quest's selection path:
-``select-split``; ``SGLANG_PRR_ATTN_GRID=heads`` runs the attention's grid over KV heads first:
-``grid-heads``; ``SGLANG_PRR_ATTN_MERGE=split`` merges in a launch after the partials:
-``merge-split``.
+``select-split``; ``SGLANG_PRR_ATTN_GRID=heads|entries`` forces the attention grid's order:
+``grid-heads`` / ``grid-entries``; ``SGLANG_PRR_ATTN_MERGE=split|fused`` forces its merge into a
+launch after the partials or into their tail: ``merge-split`` / ``merge-fused``.
 ``--predictor side`` starts the PRR and auto servers with
 ``--prr-predictor side``; their rows have ``predictor`` = ``side``. Rows of servers that load a
 kernel library built from other sources than this tree's (``SGLANG_PRR_KERNEL_LIB``) carry its
@@ -642,9 +642,9 @@ def _launch() -> str:
     (``SGLANG_PRR_PDL=1`` in this environment, which the servers inherit), ``update-first``
     when they run the summary update before the selection instead of folding the new keys into
     it (``SGLANG_PRR_FOLD_NEW_KEYS=0``), ``select-<kernel>`` when they force a selection kernel
-    (``SGLANG_PRR_SELECT_KERNEL``: ``onepass``, ``rowtail`` or ``split``), ``grid-heads`` when
-    the attention's grid runs over KV heads first (``SGLANG_PRR_ATTN_GRID=heads``),
-    ``merge-split`` when its merge is a launch of its own (``SGLANG_PRR_ATTN_MERGE=split``),
+    (``SGLANG_PRR_SELECT_KERNEL``: ``onepass``, ``rowtail`` or ``split``), ``grid-heads`` /
+    ``grid-entries`` when they force the attention grid's order (``SGLANG_PRR_ATTN_GRID``),
+    ``merge-split`` / ``merge-fused`` when they force its merge (``SGLANG_PRR_ATTN_MERGE``),
     joined by ``+``, else ``""``."""
     parts = ["pdl"] if os.environ.get("SGLANG_PRR_PDL") == "1" else []
     if os.environ.get("SGLANG_PRR_FOLD_NEW_KEYS") == "0":
@@ -652,10 +652,12 @@ def _launch() -> str:
     kernel = os.environ.get("SGLANG_PRR_SELECT_KERNEL", "")
     if kernel in ("onepass", "rowtail", "split"):
         parts.append(f"select-{kernel}")
-    if os.environ.get("SGLANG_PRR_ATTN_GRID") == "heads":
-        parts.append("grid-heads")
-    if os.environ.get("SGLANG_PRR_ATTN_MERGE") == "split":
-        parts.append("merge-split")
+    grid = os.environ.get("SGLANG_PRR_ATTN_GRID", "")
+    if grid in ("heads", "entries"):
+        parts.append(f"grid-{grid}")
+    merge = os.environ.get("SGLANG_PRR_ATTN_MERGE", "")
+    if merge in ("split", "fused"):
+        parts.append(f"merge-{merge}")
     return "+".join(parts)
 
 

@@ -642,15 +642,16 @@ size_t merge_smem_budget(int64_t ctas) {
   return std::max(kMergeSmemBudget, (size_t)sm.y / kPerSm - kReserve);
 }
 
-// block_attn_kernel's launch in the grid order SGLANG_PRR_ATTN_GRID asks for.
+// block_attn_kernel's launch, the KV heads of one list entry in consecutive CTAs: they run
+// together and read a page's slots, whose K (V) rows of all heads are adjacent, together (cold
+// L2 at 2048 tokens, run 16: 15.7 -> 14.9 us at batch 1, level at batch 8 / 32). The entries of
+// one head in consecutive CTAs (each CTA reads a 256-byte row of every 2 KB slot) where
+// SGLANG_PRR_ATTN_GRID=entries asks (a measuring knob, read at each launch; a captured graph
+// keeps its order) or the list is wider than a grid's y (65535).
 template <typename T, int D>
 cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, cudaStream_t s) {
-  // SGLANG_PRR_ATTN_GRID=heads (a measuring knob, read at each launch; a captured graph keeps its
-  // order): the KV heads of one entry in consecutive CTAs, which run together and read a page's
-  // slots, whose K (V) rows of all heads are adjacent, together; by default the entries of one
-  // head are consecutive (each CTA reads a 256-byte row of every 2 KB slot).
   const char* order = getenv("SGLANG_PRR_ATTN_GRID");
-  if (c.N <= 65535 && order && !strcmp(order, "heads")) {
+  if (c.N <= 65535 && !(order && !strcmp(order, "entries"))) {
     cudaError_t e = set_smem_limit(block_attn_kernel<T, D, true>, smem);
     if (e != cudaSuccess) return e;
     launch_kernel(block_attn_kernel<T, D, true>, dim3(c.Hk, c.N, c.B), kAttnThreads, smem, s, c,
@@ -664,6 +665,13 @@ cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, cudaStream_t s) {
   return cudaGetLastError();
 }
 
+// The split merge's shape rule: a partials grid of at least kSplitMergeMinCtas CTAs (about two
+// waves of 4 CTAs an SM on 132 SMs; batch 1 at 2048 tokens is 272).
+constexpr int64_t kSplitMergeMinCtas = 1024;
+bool attn_takes_split_merge(int64_t B, int64_t Hk, int64_t N) {
+  return B * Hk * N >= kSplitMergeMinCtas;
+}
+
 // The merge kernel's shared memory for its row stage (one CTA per group and few groups, so it
 // may take most of an SM: every entry of a K = 2048-token list in one round trip).
 constexpr size_t kMergeKernelSmem = 160 * 1024;
@@ -674,12 +682,16 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
   size_t smem = (size_t)stages * AttnSmem<T, D>::kStageBytes +
                 (size_t)nq * kHeadsN * AttnSmem<T, D>::kQRow * sizeof(T);
   AttnArgs c = a;
-  // SGLANG_PRR_ATTN_MERGE=split (a measuring knob, read at each launch; a captured graph keeps
-  // what it was captured with): the partials in one launch without counters, tickets or merge
-  // tail (the attention's own shared memory, so more CTAs an SM), then attn_merge_kernel; by
-  // default the group's last CTA merges (the fused tail).
+  // Where the grid is several waves, the partials in one launch without counters, tickets or
+  // merge tail (the attention's own shared memory, so 5 CTAs an SM instead of 4), then
+  // attn_merge_kernel; else the group's last CTA merges (the fused tail, a launch fewer). Cold L2
+  // at 2048 tokens (run 16): 45.6 -> 38.0 us at batch 8 and 138.8 -> 110.9 at batch 32, while a
+  // repair over |M| = 1 at batch 1 costs 11.9 fused against 13.1 split.
+  // SGLANG_PRR_ATTN_MERGE=split|fused forces one (a measuring knob, read at each launch).
   const char* mk = getenv("SGLANG_PRR_ATTN_MERGE");
-  const bool split_merge = a.sem && mk && !strcmp(mk, "split");
+  const bool force_split = mk && !strcmp(mk, "split"), force_fused = mk && !strcmp(mk, "fused");
+  const bool split_merge =
+      a.sem && (force_split || (!force_fused && attn_takes_split_merge(a.B, a.Hk, a.N)));
   if (split_merge) c.sem = nullptr;
   if (a.sem) {
     // The merge tail's row stage: as many entries a round as fit beside its arrays in the larger

@@ -161,19 +161,23 @@ def test_repair_merge_with_arbitrary_prediction(B, Hq, Hk, D, page, dtype, pages
     assert rel_err(o_other.cpu()[rows], o.cpu()[rows]) > 1e-4
 
 
-# The attention launch's measuring knobs: the KV heads first in the grid, the merge in a launch
-# of its own after the partials.
-LAUNCH_KNOBS = {"default": {}, "grid heads": {"SGLANG_PRR_ATTN_GRID": "heads"},
+# The attention launch's knobs: the grid's order (KV heads first by default, list entries first
+# forced) and the merge (split off by the grid's size by default, forced either way); the last
+# setting is the launch before the shape rule.
+LAUNCH_KNOBS = {"default": {}, "grid entries": {"SGLANG_PRR_ATTN_GRID": "entries"},
                 "merge split": {"SGLANG_PRR_ATTN_MERGE": "split"},
-                "both": {"SGLANG_PRR_ATTN_GRID": "heads", "SGLANG_PRR_ATTN_MERGE": "split"}}
+                "merge fused": {"SGLANG_PRR_ATTN_MERGE": "fused"},
+                "entries, fused": {"SGLANG_PRR_ATTN_GRID": "entries",
+                                   "SGLANG_PRR_ATTN_MERGE": "fused"}}
 
 
 @pytest.mark.parametrize("B,Hq,Hk,D,page,dtype,pages", [
     (3, 32, 8, 128, 64, torch.bfloat16, 40), (2, 16, 4, 64, 16, torch.float16, 9),
     (5, 8, 2, 256, 128, torch.bfloat16, 12), (2, 16, 4, 128, 16, torch.bfloat16, 600)])
 def test_launch_knobs_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatch):
-    """Every setting of the attention's launch knobs (SGLANG_PRR_ATTN_GRID=heads,
-    SGLANG_PRR_ATTN_MERGE=split) gives the default launch's bits: the partials, serial DSA's
+    """Every setting of the attention's launch knobs (SGLANG_PRR_ATTN_GRID=entries,
+    SGLANG_PRR_ATTN_MERGE=split|fused) gives the default launch's bits (the cases' grids fall on
+    both sides of the split merge's shape rule): the partials, serial DSA's
     attention + merge, PRR's repair + exact merge (which also equals serial DSA bit for bit) and
     the union merge."""
     seeded(f"launch knobs B={B} D={D} page={page} pages={pages}")

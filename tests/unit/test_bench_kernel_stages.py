@@ -42,3 +42,21 @@ def test_rows_bytes_and_append(tmp_path):
     assert len(_read(out)) == len(got) + 10  # 2 batch sizes x 5 selection cases
     bks.main(["--device", "cpu", "--quick", "--parts", "selection", "--csv", str(out)])
     assert len(_read(out)) == 10
+
+
+def test_attn_launch_names_forced_settings_only(monkeypatch):
+    """The attn_launch column names what the environment forces (the launch's shape rule runs
+    unnamed); unknown values force nothing, as in the launcher."""
+    for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE"):
+        monkeypatch.delenv(k, raising=False)
+    assert bks.attn_launch() == ""
+    monkeypatch.setenv("SGLANG_PRR_ATTN_GRID", "blocks")
+    monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE", "x")
+    assert bks.attn_launch() == ""
+    monkeypatch.setenv("SGLANG_PRR_ATTN_GRID", "entries")
+    assert bks.attn_launch() == "grid-entries"
+    monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE", "fused")
+    assert bks.attn_launch() == "grid-entries+merge-fused"
+    monkeypatch.setenv("SGLANG_PRR_ATTN_GRID", "heads")
+    monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE", "split")
+    assert bks.attn_launch() == "grid-heads+merge-split"

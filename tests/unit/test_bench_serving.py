@@ -113,7 +113,9 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     ({"SGLANG_PRR_SELECT_KERNEL": "split"}, "select-split"),
     ({"SGLANG_PRR_SELECT_KERNEL": "bogus"}, ""),  # the launcher ignores it too
     ({"SGLANG_PRR_ATTN_GRID": "heads"}, "grid-heads"), ({"SGLANG_PRR_ATTN_GRID": "blocks"}, ""),
-    ({"SGLANG_PRR_ATTN_MERGE": "split"}, "merge-split"), ({"SGLANG_PRR_ATTN_MERGE": "fused"}, ""),
+    ({"SGLANG_PRR_ATTN_GRID": "entries"}, "grid-entries"),
+    ({"SGLANG_PRR_ATTN_MERGE": "split"}, "merge-split"),
+    ({"SGLANG_PRR_ATTN_MERGE": "fused"}, "merge-fused"), ({"SGLANG_PRR_ATTN_MERGE": "x"}, ""),
     ({"SGLANG_PRR_PDL": "1", "SGLANG_PRR_FOLD_NEW_KEYS": "0",
       "SGLANG_PRR_SELECT_KERNEL": "rowtail"}, "pdl+update-first+select-rowtail")])
 def test_launch_column_names_the_knobs(bench, monkeypatch, env, want):
