@@ -20,7 +20,9 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
   7 µs a layer longer; the row asks whether it does so in isolation). The kernel the launcher picks is
   the one-pass kernel where it fits; ``SGLANG_PRR_SELECT_KERNEL=rowtail`` runs the row-tail kernels
   instead, ``=split`` the scores and the rows' tails in two launches,
-  ``SGLANG_PRR_SELECT_MERGE_RUN=n`` gives the one-pass tail's merges runs of n outputs a search, and
+  ``SGLANG_PRR_SELECT_MERGE_RUN=n`` gives the one-pass tail's merges runs of n outputs a search,
+  ``SGLANG_PRR_SELECT_GRID=rows`` caps the selection grids at about two waves (CTAs loop over
+  their rows' chunks), and
   ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass kernel after its chunks' pass / the
   tail's loads / the tail's merges (timing probes of where the time goes; the outputs are then
   incomplete; read once per process). One run per setting, the ``select_kernel`` and ``debug_stop``
@@ -28,7 +30,8 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
   last CTA's ticket / the lists' sort / the lse loads and weights (the same kind of probe).
   ``SGLANG_PRR_ATTN_GRID=heads|entries`` and ``SGLANG_PRR_ATTN_MERGE=split|fused`` (which force
   the attention launch's grid order and merge; by default its shape decides) are named in the
-  ``attn_launch`` column.
+  ``attn_launch`` column. ``--table-ctx`` makes the selection's block tables wider than the
+  requests' contexts, as a server's are (its context length; the ``table_ctx`` column).
 
 Shape: Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16), page 64, K = 2048 tokens
 (32 blocks + sink + local), |P| = 48 blocks (delta 1.5).
@@ -58,8 +61,8 @@ from sglang_prr import ops  # noqa: E402
 from sglang_prr.kernels import build  # noqa: E402
 
 HQ, HK, D = 32, 8, 128
-COLUMNS = ["part", "case", "batch", "ctx", "tokens", "m_blocks", "cold_us", "warm_us",
-           "bytes", "cold_GBps", "pct_copy", "copy_GBps", "select_kernel", "attn_launch",
+COLUMNS = ["part", "case", "batch", "ctx", "table_ctx", "tokens", "m_blocks", "cold_us",
+           "warm_us", "bytes", "cold_GBps", "pct_copy", "copy_GBps", "select_kernel", "attn_launch",
            "debug_stop",
            "library"]
 
@@ -155,15 +158,20 @@ def bench_attention(a, dev, g, bw, rows):
         del k_buf, v_buf, sets
 
 
-def selection_sets(B, NB, R, n_pred, dev, g, page):
+def selection_sets(B, NB, R, n_pred, dev, g, page, NBt=None):
+    """R input sets of B requests of NB blocks each, in block tables NBt >= NB wide (a server's
+    table is as wide as its context length; the columns past a request's blocks hold page 0)."""
+    NBt = max(NBt or NB, NB)
     sets = []
     for _ in range(R):
         P = B * NB + 1
         lo = torch.randn(P, HK, D, generator=g)
         hi = lo + torch.rand(P, HK, D, generator=g)
+        table = torch.zeros(B, NBt, dtype=torch.int32)
+        table[:, :NB] = torch.arange(B * NB, dtype=torch.int32).view(B, NB) + 1
         sets.append(dict(
             kmin=lo.to(dev, torch.bfloat16), kmax=hi.to(dev, torch.bfloat16),
-            table=(torch.arange(B * NB, dtype=torch.int32).view(B, NB) + 1).to(dev),
+            table=table.to(dev),
             nblk=torch.full((B,), NB, dtype=torch.int64, device=dev),
             nblk_next=torch.full((B,), NB + 1, dtype=torch.int64, device=dev),
             q=torch.randn(B, HQ, D, generator=g).to(dev, torch.bfloat16),
@@ -171,14 +179,14 @@ def selection_sets(B, NB, R, n_pred, dev, g, page):
             # P's double-buffer rows (2 r + par), made here: inside the timed call they would add
             # an elementwise launch to the PRR rows only.
             p_cur=2 * torch.arange(B, device=dev), p_nxt=2 * torch.arange(B, device=dev) + 1,
-            level=torch.randn(B, HK, NB, generator=g).to(dev),
-            trend=(torch.randn(B, HK, NB, generator=g) * 0.1).to(dev),
+            level=torch.randn(B, HK, NBt, generator=g).to(dev),
+            trend=(torch.randn(B, HK, NBt, generator=g) * 0.1).to(dev),
             n_init=torch.full((B,), NB, dtype=torch.int64, device=dev),
             p_idx=torch.sort(torch.randint(0, NB, (2 * B, HK, n_pred + 2), generator=g,
                                            dtype=torch.int32), -1).values.to(dev),
             p_cnt=torch.full((2 * B, HK), n_pred + 2, dtype=torch.int32, device=dev),
             theta=torch.tensor([[0.6, 0.3, 0.5]] * B, device=dev),
-            scores=torch.randn(B, HK, NB, generator=g).to(dev),
+            scores=torch.randn(B, HK, NBt, generator=g).to(dev),
             # The step's new key of each row, in its last block (row b's pages are b NB + 1 ..).
             new_k=torch.randn(B, HK, D, generator=g).to(dev, torch.bfloat16),
             new_pos=torch.full((B,), NB * page - 5, dtype=torch.int64, device=dev),
@@ -191,9 +199,10 @@ def bench_selection(a, dev, g, bw, rows):
     n_out = k + sink + local
     for B, ctx in a.sel_points:
         NB = ctx // a.page
+        NBt = max(a.table_ctx, ctx) // a.page
         per = B * NB * HK * D * 2 * 2  # bf16 kmin and kmax of every block
         R = 2 if a.quick else n_sets(per, dev)
-        sets = selection_sets(B, NB, R, n_pred, dev, g, a.page)
+        sets = selection_sets(B, NB, R, n_pred, dev, g, a.page, NBt)
 
         def select(s):
             return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"],
@@ -243,18 +252,22 @@ def bench_selection(a, dev, g, bw, rows):
         if side is not None:
             cases.append(("select + fold, update beside", select_fold_beside_update))
         for name, fn in cases:
-            rows.append(_row("selection", name, B, ctx, 0, 0, per, R, sets, fn, a, dev, bw))
+            rows.append(_row("selection", name, B, ctx, 0, 0, per, R, sets, fn, a, dev, bw,
+                             NBt * a.page))
         # The predictor's bytes: scores read, level and trend read and written.
         rows.append(_row("selection", "predictor (side)", B, ctx, 0, 0, B * HK * NB * 4 * 5, R,
-                         sets, predictor, a, dev, bw))
+                         sets, predictor, a, dev, bw, NBt * a.page))
         del sets
 
 
 def select_kernel() -> str:
     """The selection path this environment forces (``SGLANG_PRR_SELECT_KERNEL``, else ``auto``),
-    with ``+run<n>`` where ``SGLANG_PRR_SELECT_MERGE_RUN`` sets the one-pass tail's merge runs."""
+    with ``+run<n>`` where ``SGLANG_PRR_SELECT_MERGE_RUN`` sets the one-pass tail's merge runs
+    and ``+grid-<v>`` where ``SGLANG_PRR_SELECT_GRID`` caps the selection grids."""
     run = os.environ.get("SGLANG_PRR_SELECT_MERGE_RUN", "")
-    return os.environ.get("SGLANG_PRR_SELECT_KERNEL", "auto") + (f"+run{run}" if run else "")
+    grid = os.environ.get("SGLANG_PRR_SELECT_GRID", "")
+    return (os.environ.get("SGLANG_PRR_SELECT_KERNEL", "auto") + (f"+run{run}" if run else "")
+            + (f"+grid-{grid}" if grid else ""))
 
 
 def attn_launch() -> str:
@@ -271,24 +284,26 @@ def attn_launch() -> str:
     return "+".join(parts)
 
 
-def _row(part, case, B, ctx, tokens, m, nbytes, R, sets, fn, a, dev, bw):
+def _row(part, case, B, ctx, tokens, m, nbytes, R, sets, fn, a, dev, bw, table_ctx=None):
     return _timed_row(part, case, B, ctx, tokens, m, nbytes,
-                      [lambda s=s: fn(s) for s in sets], a, dev, bw)
+                      [lambda s=s: fn(s) for s in sets], a, dev, bw, table_ctx)
 
 
-def _timed_row(part, case, B, ctx, tokens, m, nbytes, calls, a, dev, bw):
+def _timed_row(part, case, B, ctx, tokens, m, nbytes, calls, a, dev, bw, table_ctx=None):
     cold = common.time_graph(calls, a.reps, cold=True, device=dev)[0]
     warm = common.time_graph(calls[:1] * len(calls), a.reps, device=dev)[0]
     gbps = nbytes / cold / 1e3
-    row = dict(part=part, case=case, batch=B, ctx=ctx, tokens=tokens, m_blocks=m,
+    row = dict(part=part, case=case, batch=B, ctx=ctx, table_ctx=table_ctx or "",
+               tokens=tokens, m_blocks=m,
                cold_us=round(cold, 2), warm_us=round(warm, 2), bytes=nbytes,
                cold_GBps=round(gbps, 1), pct_copy=round(100 * gbps / bw, 1) if bw else None,
                copy_GBps=round(bw, 1), select_kernel=select_kernel(),
                attn_launch=attn_launch(),
                debug_stop=int(os.environ.get(DEBUG_STOP_ENV[part], "0")),
                library=build.library_tag())
-    print(f"{part:10s} {case:30s} B={B:<3d} ctx={ctx:<7d} tok={tokens:<5d} cold {cold:9.2f} us"
-          f"  warm {warm:9.2f} us  {gbps:7.0f} GB/s", flush=True)
+    wide = f" table={table_ctx}" if table_ctx and table_ctx != ctx else ""
+    print(f"{part:10s} {case:30s} B={B:<3d} ctx={ctx:<7d}{wide} tok={tokens:<5d} "
+          f"cold {cold:9.2f} us  warm {warm:9.2f} us  {gbps:7.0f} GB/s", flush=True)
     return row
 
 
@@ -342,6 +357,9 @@ def main(argv=None):
     ap.add_argument("--sel-points", type=_point, nargs="+",
                     default=[(1, 32768), (1, 131072), (8, 131072), (32, 131072)],
                     metavar="BATCHxCTX", help="selection: batch x context tokens")
+    ap.add_argument("--table-ctx", type=int, default=0,
+                    help="selection: the block tables' width in tokens, when wider than the "
+                         "context (a server's tables are as wide as its context length)")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=2048, help="K in tokens")
     ap.add_argument("--n-pred", type=int, default=48, help="|P| in blocks")

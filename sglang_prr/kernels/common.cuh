@@ -1,11 +1,13 @@
 // Device helpers shared by the kernel sources: index loads of int32/int64 tensors, 8-wide loads
-// and 4-wide stores of any float dtype, request-slot rows, and the shared-memory limit.
+// and 4-wide stores of any float dtype, request-slot rows, the shared-memory limit and the
+// selection grids' width.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <climits>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <utility>
 
 #include "prr_kernels.h"
@@ -77,6 +79,37 @@ cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_
     cfg.numAttrs = 1;
   }
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+}
+
+// The device's SM count, read once per process (0 when the query fails).
+inline int sm_count() {
+  static const int n = [] {
+    int dev = 0, v = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      return 0;
+    return v;
+  }();
+  return n;
+}
+
+// The x of a selection grid whose CTAs take `units` pieces of each of `rows` rows (table chunks
+// or groups of blocks): by default `units`, the block table's width (SGLang's tables are as wide
+// as the server's context length; the CTAs past a row's blocks exit after their first loads).
+// SGLANG_PRR_SELECT_GRID=rows (a measuring knob, read at each launch; a captured graph keeps its
+// grid) caps it at about two waves of `per_sm` CTAs an SM, at least one a row, and the kernels'
+// CTAs then loop over their row's pieces; =N (a positive integer, a test knob) caps it at N.
+inline int select_grid_x(int64_t rows, int units, int per_sm) {
+  const char* e = std::getenv("SGLANG_PRR_SELECT_GRID");
+  if (!e || rows <= 0) return units;
+  int64_t cap = std::atoi(e);
+  if (std::strcmp(e, "rows") == 0) {
+    const int sms = sm_count();
+    if (sms <= 0) return units;
+    cap = (2 * (int64_t)sms * per_sm + rows - 1) / rows;
+  }
+  if (cap < 1) return units;  // unset, unknown or not positive: the table's width
+  return (int)(cap < units ? cap : units);
 }
 
 __device__ __forceinline__ int64_t ld_index(const void* p, int64_t i, bool is64) {

@@ -103,8 +103,12 @@ __device__ int write_kept_list(const int* ids, int nid, int lo, int hi, int n, i
 }
 
 // Three CTAs per SM (<= 85 registers): more requests in flight for the latency-bound chain.
-template <typename S, int D>
-__global__ void __launch_bounds__(kOpThreads, 3)
+// Loop: the grid's x may be narrower than the row's chunks (select_grid_x), and a CTA loops over
+// chunks blockIdx.x, + gridDim.x, ...; without it a CTA takes one chunk (the loop's state stays
+// out of the default kernel's registers).
+constexpr int kOpCtasPerSm = 3;
+template <typename S, int D, bool Loop>
+__global__ void __launch_bounds__(kOpThreads, kOpCtasPerSm)
 quest_select_onepass_kernel(SelectArgs a) {
   pdl_begin();  // before any global-memory access (PDL)
   constexpr int L = D / 8;               // lanes per block (8 dims each)
@@ -113,7 +117,8 @@ quest_select_onepass_kernel(SelectArgs a) {
   extern __shared__ __align__(16) unsigned char s_dyn[];
   __shared__ unsigned long long s_ck[2][kOpChunk];
   __shared__ __align__(16) float s_q[kMaxGroup * D];  // q of the GQA group (few registers)
-  const int ch = blockIdx.x, hk = blockIdx.y, b = blockIdx.z;
+  int ch = blockIdx.x;
+  const int hk = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, grp = tid / L, ln = tid % L;
   const int G = a.Hq / a.Hk, NB = a.NB;
   const bool pred = a.level != nullptr;
@@ -124,11 +129,14 @@ quest_select_onepass_kernel(SelectArgs a) {
   // Issue order matters: the pages first (the summaries wait on them), q kept in registers until
   // the summary loads are out, the state (which waits on the request's row) last.
   int64_t page[PASSES];
+  const auto load_pages = [&](int c) {
 #pragma unroll
-  for (int p = 0; p < PASSES; ++p) {
-    const int blk = ch * kOpChunk + p * BPP + grp;
-    page[p] = blk < NB ? ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64) : 0;
-  }
+    for (int p = 0; p < PASSES; ++p) {
+      const int blk = c * kOpChunk + p * BPP + grp;
+      page[p] = blk < NB ? ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64) : 0;
+    }
+  };
+  load_pages(ch);
   const int nb = clamp_count(ld_index(a.nblk, b, a.nblk64), NB);
   const int nbn = pred ? clamp_count(ld_index(a.nblk_next, b, a.nblk_next64), NB) : nb;
   bool first_tok;
@@ -147,114 +155,131 @@ quest_select_onepass_kernel(SelectArgs a) {
     gam = a.theta[srow * a.theta_stride + 2];
     ninit = clamp_count(ld_index(a.n_init, srow, a.ninit64), NB);
   }
+  const auto load_state = [&](int c) {
 #pragma unroll
-  for (int p = 0; p < PASSES; ++p) {
-    const int blk = ch * kOpChunk + p * BPP + grp;
-    l0[p] = v0[p] = 0.f;
-    if (pred && ln == 0 && blk < NB) { l0[p] = a.level[srow_hk + blk]; v0[p] = a.trend[srow_hk + blk]; }
-  }
+    for (int p = 0; p < PASSES; ++p) {
+      const int blk = c * kOpChunk + p * BPP + grp;
+      l0[p] = v0[p] = 0.f;
+      if (pred && ln == 0 && blk < NB) {
+        l0[p] = a.level[srow_hk + blk];
+        v0[p] = a.trend[srow_hk + blk];
+      }
+    }
+  };
+  load_state(ch);
   const int Lr = max(nb, nbn);
   const int nch = max((Lr + kOpChunk - 1) / kOpChunk, 1);
   if (ch >= nch) return;  // chunks past the row's blocks (the table is as wide as the longest)
-  // ---- the summaries (second round trip), all passes in flight
-  Sum8<S> rlo[PASSES], rhi[PASSES];
-  const S* kmin = reinterpret_cast<const S*>(a.kmin);
-  const S* kmax = reinterpret_cast<const S*>(a.kmax);
-#pragma unroll
-  for (int p = 0; p < PASSES; ++p) {
-    const int blk = ch * kOpChunk + p * BPP + grp;
-    if (blk < nb) {
-      const int64_t off = (page[p] * a.Hk + hk) * D + ln * 8;
-      rlo[p].load(kmin + off);
-      rhi[p].load(kmax + off);
-    }
-  }
-  // The new key's 8 values of this lane, with the summaries' round trip (one block a row).
-  float kf[8];
-  const int rel = newest - ch * kOpChunk - grp;
-  const bool has_new = newest >= 0 && newest < nb && rel >= 0 && rel < kOpChunk && rel % BPP == 0;
-  if (has_new) load8_any(a.new_k, b * a.new_k_stride + (int64_t)hk * D + ln * 8, a.new_k_dtype, kf);
+  // The CTAs of the row that hold chunks: the group the last-CTA counters wait for.
+  const int nwork = Loop ? min((int)gridDim.x, nch) : nch;
   const int ninit_new = max(ninit, nb);
   float* srow_out = a.scores ? a.scores + row * NB : nullptr;
-  if (qe < G * D) {
-    *reinterpret_cast<float4*>(s_q + qe) = make_float4(qf8[0], qf8[1], qf8[2], qf8[3]);
-    *reinterpret_cast<float4*>(s_q + qe + 4) = make_float4(qf8[4], qf8[5], qf8[6], qf8[7]);
-  }
-  __syncthreads();  // s_q
-#pragma unroll
-  for (int p = 0; p < PASSES; ++p) {
-    const int blk = ch * kOpChunk + p * BPP + grp;
-    float part = 0.f;
-    if (blk < nb) {
-      float lo[8], hi[8];
-      rlo[p].get(lo);
-      rhi[p].get(hi);
-      if (has_new && blk == newest) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) fold_key<S>(kf[i], first_tok, lo[i], hi[i]);
-      }
-      for (int g = 0; g < G; ++g) {
-        const float4 qa = *reinterpret_cast<const float4*>(s_q + g * D + ln * 8);
-        const float4 qb = *reinterpret_cast<const float4*>(s_q + g * D + ln * 8 + 4);
-        const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) part += fmaxf(qv[i] * hi[i], qv[i] * lo[i]);
-      }
-    }
-#pragma unroll
-    for (int off = L / 2; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
-    if (ln == 0) {
-      const int li = p * BPP + grp;
-      if (srow_out && blk < NB) srow_out[blk] = blk < nb ? part : -INFINITY;
-      uint32_t ka = 0, kp = 0;
-      if (blk < nb && is_middle(blk, nb, a.sink, nb - a.local)) ka = order_key(part);
-      if (pred && blk < Lr) {
-        float l = 0.f, v = 0.f;
-        if (blk < nb) {  // eq 3, rounded op by op like the reference
-          // A level that is not finite (InfLLM-v2 scores -inf before a complete compressed
-          // key) restarts like a new block, as in the reference.
-          if (blk < ninit && isfinite(l0[p])) {
-            v = __fadd_rn(__fmul_rn(be, __fsub_rn(part, l0[p])),
-                          __fmul_rn(__fsub_rn(1.f, be), v0[p]));
-            l = __fadd_rn(__fmul_rn(al, part), __fmul_rn(__fsub_rn(1.f, al), l0[p]));
-          } else {
-            l = part;
-          }
-          a.level[srow_hk + blk] = l;
-          a.trend[srow_hk + blk] = v;
-        } else if (blk < ninit_new) {
-          l = l0[p];
-          v = v0[p];
-        }
-        if (is_middle(blk, nbn, a.sink, nbn - a.local))
-          kp = order_key(blk < ninit_new ? __fadd_rn(l, __fmul_rn(gam, v)) : -INFINITY);
-      }
-      s_ck[0][li] = comp_key(ka, blk);
-      s_ck[1][li] = comp_key(kp, blk);
-    }
-  }
-  __syncthreads();
-  // n_init: raised once every CTA of the request has read it (every read above was used). The
-  // ticket is taken here, its answer used at the end, so its round trip overlaps the rest.
   int ticket = -1;
-  if (pred && tid == 0) ticket = atomicAdd(a.req_sem + b, 1);
-  // ---- the chunk's candidates: rank among the chunk (keys are distinct), keep the best kc
-  const int na = __syncthreads_count(tid < kOpChunk && s_ck[0][tid] != 0);
-  const int np = __syncthreads_count(tid < kOpChunk && s_ck[1][tid] != 0);
-  if (tid < 2 * kOpChunk) {
-    const int kind = tid / kOpChunk, i = tid % kOpChunk;
-    const unsigned long long x = s_ck[kind][i];
-    const int kc = kind == 0 ? a.kca : a.kcp;
-    if (x != 0 && (kind == 0 || pred)) {
-      int r = 0;
-#pragma unroll 8
-      for (int j = 0; j < kOpChunk; ++j) r += s_ck[kind][j] > x;
-      if (r < kc) a.ws[(row * a.nch + ch) * (a.kca + a.kcp) + kind * a.kca + r] = x;
+  bool first = true;
+  for (;;) {  // this CTA's chunks
+    // ---- the summaries (second round trip), all passes in flight
+    Sum8<S> rlo[PASSES], rhi[PASSES];
+    const S* kmin = reinterpret_cast<const S*>(a.kmin);
+    const S* kmax = reinterpret_cast<const S*>(a.kmax);
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+      const int blk = ch * kOpChunk + p * BPP + grp;
+      if (blk < nb) {
+        const int64_t off = (page[p] * a.Hk + hk) * D + ln * 8;
+        rlo[p].load(kmin + off);
+        rhi[p].load(kmax + off);
+      }
     }
-  }
-  if (tid == 0) {
-    a.ws_cnt[(row * a.nch + ch) * 2] = min(na, a.kca);
-    a.ws_cnt[(row * a.nch + ch) * 2 + 1] = pred ? min(np, a.kcp) : 0;
+    // The new key's 8 values of this lane, with the summaries' round trip (one block a row).
+    float kf[8];
+    const int rel = newest - ch * kOpChunk - grp;
+    const bool has_new = newest >= 0 && newest < nb && rel >= 0 && rel < kOpChunk && rel % BPP == 0;
+    if (has_new)
+      load8_any(a.new_k, b * a.new_k_stride + (int64_t)hk * D + ln * 8, a.new_k_dtype, kf);
+    if (first && qe < G * D) {
+      *reinterpret_cast<float4*>(s_q + qe) = make_float4(qf8[0], qf8[1], qf8[2], qf8[3]);
+      *reinterpret_cast<float4*>(s_q + qe + 4) = make_float4(qf8[4], qf8[5], qf8[6], qf8[7]);
+    }
+    __syncthreads();  // s_q (the first chunk); the previous chunk's s_ck reads (the others)
+#pragma unroll
+    for (int p = 0; p < PASSES; ++p) {
+      const int blk = ch * kOpChunk + p * BPP + grp;
+      float part = 0.f;
+      if (blk < nb) {
+        float lo[8], hi[8];
+        rlo[p].get(lo);
+        rhi[p].get(hi);
+        if (has_new && blk == newest) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) fold_key<S>(kf[i], first_tok, lo[i], hi[i]);
+        }
+        for (int g = 0; g < G; ++g) {
+          const float4 qa = *reinterpret_cast<const float4*>(s_q + g * D + ln * 8);
+          const float4 qb = *reinterpret_cast<const float4*>(s_q + g * D + ln * 8 + 4);
+          const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+#pragma unroll
+          for (int i = 0; i < 8; ++i) part += fmaxf(qv[i] * hi[i], qv[i] * lo[i]);
+        }
+      }
+#pragma unroll
+      for (int off = L / 2; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+      if (ln == 0) {
+        const int li = p * BPP + grp;
+        if (srow_out && blk < NB) srow_out[blk] = blk < nb ? part : -INFINITY;
+        uint32_t ka = 0, kp = 0;
+        if (blk < nb && is_middle(blk, nb, a.sink, nb - a.local)) ka = order_key(part);
+        if (pred && blk < Lr) {
+          float l = 0.f, v = 0.f;
+          if (blk < nb) {  // eq 3, rounded op by op like the reference
+            // A level that is not finite (InfLLM-v2 scores -inf before a complete compressed
+            // key) restarts like a new block, as in the reference.
+            if (blk < ninit && isfinite(l0[p])) {
+              v = __fadd_rn(__fmul_rn(be, __fsub_rn(part, l0[p])),
+                            __fmul_rn(__fsub_rn(1.f, be), v0[p]));
+              l = __fadd_rn(__fmul_rn(al, part), __fmul_rn(__fsub_rn(1.f, al), l0[p]));
+            } else {
+              l = part;
+            }
+            a.level[srow_hk + blk] = l;
+            a.trend[srow_hk + blk] = v;
+          } else if (blk < ninit_new) {
+            l = l0[p];
+            v = v0[p];
+          }
+          if (is_middle(blk, nbn, a.sink, nbn - a.local))
+            kp = order_key(blk < ninit_new ? __fadd_rn(l, __fmul_rn(gam, v)) : -INFINITY);
+        }
+        s_ck[0][li] = comp_key(ka, blk);
+        s_ck[1][li] = comp_key(kp, blk);
+      }
+    }
+    __syncthreads();
+    // n_init: raised once every CTA of the request has read it (every read above was used). The
+    // ticket is taken here, its answer used at the end, so its round trip overlaps the rest.
+    if (first && pred && tid == 0) ticket = atomicAdd(a.req_sem + b, 1);
+    // ---- the chunk's candidates: rank among the chunk (keys are distinct), keep the best kc
+    const int na = __syncthreads_count(tid < kOpChunk && s_ck[0][tid] != 0);
+    const int np = __syncthreads_count(tid < kOpChunk && s_ck[1][tid] != 0);
+    if (tid < 2 * kOpChunk) {
+      const int kind = tid / kOpChunk, i = tid % kOpChunk;
+      const unsigned long long x = s_ck[kind][i];
+      const int kc = kind == 0 ? a.kca : a.kcp;
+      if (x != 0 && (kind == 0 || pred)) {
+        int r = 0;
+#pragma unroll 8
+        for (int j = 0; j < kOpChunk; ++j) r += s_ck[kind][j] > x;
+        if (r < kc) a.ws[(row * a.nch + ch) * (a.kca + a.kcp) + kind * a.kca + r] = x;
+      }
+    }
+    if (tid == 0) {
+      a.ws_cnt[(row * a.nch + ch) * 2] = min(na, a.kca);
+      a.ws_cnt[(row * a.nch + ch) * 2 + 1] = pred ? min(np, a.kcp) : 0;
+    }
+    ch += gridDim.x;
+    if (!Loop || ch >= nch) break;
+    first = false;
+    load_pages(ch);  // the next chunk's round trips (the summaries wait on the pages)
+    load_state(ch);
   }
   if (a.debug_stop == 1) return;  // timing probe: the chunks' pass alone
   // P(t) is an input, not the row's result: every CTA issues its count and first entries before
@@ -265,8 +290,8 @@ quest_select_onepass_kernel(SelectArgs a) {
     pc_raw = a.p_cnt[prow];
     if (tid < a.Np) p_first = a.p_idx[prow * a.Np + tid];
   }
-  const bool last = last_of_group(a.sem + row, nch);
-  if (ticket == a.Hk * nch - 1) {
+  const bool last = last_of_group(a.sem + row, nwork);
+  if (ticket == a.Hk * nwork - 1) {
     atomicExch(a.req_sem + b, 0);
     if (a.ninit64) reinterpret_cast<long long*>(a.n_init)[srow] = ninit_new;
     else reinterpret_cast<int*>(a.n_init)[srow] = ninit_new;
@@ -429,12 +454,19 @@ quest_select_onepass_kernel(SelectArgs a) {
   }
 }
 
+template <typename S, int D, bool Loop>
+cudaError_t onepass_launch_grid(const SelectArgs& a, int gx, size_t smem, cudaStream_t s) {
+  cudaError_t e = set_smem_limit(quest_select_onepass_kernel<S, D, Loop>, smem);
+  if (e != cudaSuccess) return e;
+  launch_kernel(quest_select_onepass_kernel<S, D, Loop>, dim3(gx, a.Hk, a.B), kOpThreads, smem,
+                s, a);
+  return cudaGetLastError();
+}
 template <typename S, int D>
 cudaError_t onepass_launch(const SelectArgs& a, size_t smem, cudaStream_t s) {
-  cudaError_t e = set_smem_limit(quest_select_onepass_kernel<S, D>, smem);
-  if (e != cudaSuccess) return e;
-  launch_kernel(quest_select_onepass_kernel<S, D>, dim3(a.nch, a.Hk, a.B), kOpThreads, smem, s, a);
-  return cudaGetLastError();
+  const int gx = select_grid_x((int64_t)a.B * a.Hk, a.nch, kOpCtasPerSm);
+  return gx < a.nch ? onepass_launch_grid<S, D, true>(a, gx, smem, s)
+                    : onepass_launch_grid<S, D, false>(a, gx, smem, s);
 }
 template <typename S>
 cudaError_t onepass_dispatch(const SelectArgs& a, size_t smem, cudaStream_t s) {

@@ -28,12 +28,18 @@ from test_kernels import DEV, rel_err, seeded  # noqa: E402
 CUDA = torch.ops.sglang_prr_cuda
 
 
-@pytest.fixture(params=["auto", "onepass", "rowtail", "split"])
+@pytest.fixture(params=["auto", "onepass", "rowtail", "split", "onepass-grid2", "split-grid1"])
 def select_kernel(request, monkeypatch):
-    if request.param == "auto":  # the launcher's shape rule
+    """``auto``: the launcher's shape rule; ``-gridN``: grids of at most N CTAs a row that loop
+    over the row's chunks (blocks) (``SGLANG_PRR_SELECT_GRID``)."""
+    monkeypatch.delenv("SGLANG_PRR_SELECT_GRID", raising=False)
+    kernel, _, grid = request.param.partition("-grid")
+    if kernel == "auto":
         monkeypatch.delenv("SGLANG_PRR_SELECT_KERNEL", raising=False)
     else:
-        monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", request.param)
+        monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", kernel)
+    if grid:
+        monkeypatch.setenv("SGLANG_PRR_SELECT_GRID", grid)
     return request.param
 
 

@@ -60,3 +60,25 @@ def test_attn_launch_names_forced_settings_only(monkeypatch):
     monkeypatch.setenv("SGLANG_PRR_ATTN_GRID", "heads")
     monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE", "split")
     assert bks.attn_launch() == "grid-heads+merge-split"
+
+
+def test_selection_tables_wider_than_the_context():
+    """--table-ctx: the tables are as wide as asked, the requests keep their blocks (pages past
+    them are 0), and the per-block state follows the table's width; without it the table is the
+    context's width (the control)."""
+    import torch
+    g = torch.Generator().manual_seed(1)
+    s = bks.selection_sets(2, 8, 1, 3, torch.device("cpu"), g, 16, NBt=32)[0]
+    assert s["table"].shape == (2, 32) and s["level"].shape[-1] == 32
+    assert torch.equal(s["table"][:, :8], torch.arange(16, dtype=torch.int32).view(2, 8) + 1)
+    assert (s["table"][:, 8:] == 0).all() and (s["nblk"] == 8).all()
+    narrow = bks.selection_sets(2, 8, 1, 3, torch.device("cpu"), g, 16)[0]
+    assert narrow["table"].shape == (2, 8)
+
+
+def test_table_ctx_column(tmp_path):
+    out = tmp_path / "k.csv"
+    bks.main(["--device", "cpu", "--quick", "--parts", "selection", "--table-ctx", "2048",
+              "--csv", str(out)])
+    got = _read(out)
+    assert got and {r["table_ctx"] for r in got} == {"2048"}
