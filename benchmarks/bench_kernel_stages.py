@@ -57,6 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402  (the benchmarks' one graph timer)
+from knobs import attn_launch  # noqa: E402
 from sglang_prr import ops  # noqa: E402
 from sglang_prr.kernels import build  # noqa: E402
 
@@ -268,20 +269,6 @@ def select_kernel() -> str:
     grid = os.environ.get("SGLANG_PRR_SELECT_GRID", "")
     return (os.environ.get("SGLANG_PRR_SELECT_KERNEL", "auto") + (f"+run{run}" if run else "")
             + (f"+grid-{grid}" if grid else ""))
-
-
-def attn_launch() -> str:
-    """The attention launch's forced settings in this environment: ``grid-heads`` /
-    ``grid-entries`` (``SGLANG_PRR_ATTN_GRID``), ``merge-split`` / ``merge-fused``
-    (``SGLANG_PRR_ATTN_MERGE``), joined by ``+``, else ``""`` (the launch's shape rule)."""
-    parts = []
-    grid = os.environ.get("SGLANG_PRR_ATTN_GRID", "")
-    if grid in ("heads", "entries"):
-        parts.append(f"grid-{grid}")
-    merge = os.environ.get("SGLANG_PRR_ATTN_MERGE", "")
-    if merge in ("split", "fused"):
-        parts.append(f"merge-{merge}")
-    return "+".join(parts)
 
 
 def _row(part, case, B, ctx, tokens, m, nbytes, R, sets, fn, a, dev, bw, table_ctx=None):

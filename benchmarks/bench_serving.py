@@ -130,6 +130,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import profile_trace  # noqa: E402
+from knobs import attn_launch  # noqa: E402
 
 from sglang_prr.serving import harness  # noqa: E402  (start, readiness, stop, log)
 
@@ -656,12 +657,9 @@ def _launch() -> str:
         parts.append(f"select-{kernel}")
     if os.environ.get("SGLANG_PRR_SELECT_GRID") == "rows":
         parts.append("select-rows")
-    grid = os.environ.get("SGLANG_PRR_ATTN_GRID", "")
-    if grid in ("heads", "entries"):
-        parts.append(f"grid-{grid}")
-    merge = os.environ.get("SGLANG_PRR_ATTN_MERGE", "")
-    if merge in ("split", "fused"):
-        parts.append(f"merge-{merge}")
+    attn = attn_launch()
+    if attn:
+        parts.append(attn)
     return "+".join(parts)
 
 

@@ -1,0 +1,21 @@
+"""The kernels' measuring knobs that the benchmark rows name: which settings this environment
+forces (the servers a benchmark starts inherit it), as the labels of the rows' launch columns."""
+
+from __future__ import annotations
+
+import os
+
+
+def attn_launch() -> str:
+    """The attention launch's forced settings: ``grid-heads`` / ``grid-entries``
+    (``SGLANG_PRR_ATTN_GRID``), ``merge-split`` / ``merge-fused`` (``SGLANG_PRR_ATTN_MERGE``),
+    joined by ``+``, else ``""`` (the launch's shape rule). Other values force nothing, as in
+    the launcher."""
+    parts = []
+    grid = os.environ.get("SGLANG_PRR_ATTN_GRID", "")
+    if grid in ("heads", "entries"):
+        parts.append(f"grid-{grid}")
+    merge = os.environ.get("SGLANG_PRR_ATTN_MERGE", "")
+    if merge in ("split", "fused"):
+        parts.append(f"merge-{merge}")
+    return "+".join(parts)
