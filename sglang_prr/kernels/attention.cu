@@ -413,7 +413,7 @@ block_attn_kernel(AttnArgs a, int nq) {
   if (n < c && !repeat && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
     page = ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64);
     const int64_t rem = sl - (int64_t)blk * a.page_size;
-    ntok = (int)(rem < 0 ? 0 : (rem > a.page_size ? a.page_size : rem));
+    ntok = clamp_count(rem, a.page_size);
   }
   if (ntok == 0) {  // padding entry or block past the request: the empty state (0, -inf)
     for (int e = tid; e < G * D; e += kAttnThreads)
@@ -627,19 +627,11 @@ attn_merge_kernel(AttnArgs a) {
 // grid is one wave of at most 3 CTAs an SM (batch 1), a third of an SM's shared memory, so that
 // the row stage holds every entry of a K = 32-block merge in one round trip instead of two.
 size_t merge_smem_budget(int64_t ctas) {
-  static const int2 sm = [] {  // (SMs, shared memory bytes an SM)
-    int dev = 0, n = 0, bytes = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
-            cudaSuccess)
-      return make_int2(0, 0);
-    return make_int2(n, bytes);
-  }();
+  const DeviceShape sm = device_shape();
   constexpr int kPerSm = 3;
   constexpr size_t kReserve = 2 * 1024;  // the runtime's CTA reserve and the static arrays
-  if (sm.x <= 0 || ctas > (int64_t)kPerSm * sm.x) return kMergeSmemBudget;
-  return std::max(kMergeSmemBudget, (size_t)sm.y / kPerSm - kReserve);
+  if (sm.sms <= 0 || ctas > (int64_t)kPerSm * sm.sms) return kMergeSmemBudget;
+  return std::max(kMergeSmemBudget, (size_t)sm.smem_per_sm / kPerSm - kReserve);
 }
 
 // block_attn_kernel's launch, the KV heads of one list entry in consecutive CTAs: they run

@@ -60,7 +60,7 @@ calib_grid_terms_kernel(CalibArgs a) {
     if (phi > 0) {
       // P: the top n_pred middle blocks by IS_hat, uninitialised blocks ranked lowest (the
       // order key of -inf), ties to the lower id.
-      const int n = (int)(n_raw < 0 ? 0 : (n_raw > NB ? NB : n_raw));
+      const int n = clamp_count(n_raw, NB);
       const int keep_lo = a.sink, keep_hi = n - a.local;
       for (int i = tid; i < NB; i += kCalibThreads) {
         uint32_t key = 0;

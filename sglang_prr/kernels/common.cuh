@@ -81,16 +81,20 @@ cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
-// The device's SM count, read once per process (0 when the query fails).
-inline int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
+// The device's SMs and shared memory bytes an SM, read once per process (zeros when the
+// query fails): the launchers' wave arithmetic.
+struct DeviceShape { int sms, smem_per_sm; };
+inline DeviceShape device_shape() {
+  static const DeviceShape d = [] {
+    int dev = 0, n = 0, bytes = 0;
     if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      return 0;
-    return v;
+        cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) !=
+            cudaSuccess)
+      return DeviceShape{0, 0};
+    return DeviceShape{n, bytes};
   }();
-  return n;
+  return d;
 }
 
 // The x of a selection grid whose CTAs take `units` pieces of each of `rows` rows (table chunks
@@ -104,7 +108,7 @@ inline int select_grid_x(int64_t rows, int units, int per_sm) {
   if (!e || rows <= 0) return units;
   int64_t cap = std::atoi(e);
   if (std::strcmp(e, "rows") == 0) {
-    const int sms = sm_count();
+    const int sms = device_shape().sms;
     if (sms <= 0) return units;
     cap = (2 * (int64_t)sms * per_sm + rows - 1) / rows;
   }

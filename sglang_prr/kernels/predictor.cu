@@ -33,10 +33,9 @@ predict_update_kernel(PredictArgs a) {
   const int64_t row = srow * a.Hk + hk;
   const int64_t brow = (int64_t)b * a.Hk + hk;        // this step's scores
   const int nb = clamp_count(ld_index(a.nblk, b, a.nblk64), NB);
-  const int64_t nn64 = ld_index(a.nblk_next, b, a.nblk_next64);
-  const int nbn = (int)(nn64 < NB ? (nn64 < 0 ? 0 : nn64) : NB);
-  const int64_t ni64 = ld_index(a.n_init, srow, a.ninit64);
-  const int ninit = (int)(ni64 < NB ? ni64 : NB);
+  const int nbn = clamp_count(ld_index(a.nblk_next, b, a.nblk_next64), NB);
+  // (a negative n_init acts as 0 either way: it bounds block ids and is max'ed with nb)
+  const int ninit = clamp_count(ld_index(a.n_init, srow, a.ninit64), NB);
   const int ninit_new = max(ninit, nb);
   const float al = a.theta[srow * a.theta_stride], be = a.theta[srow * a.theta_stride + 1];
   const float gam = a.theta[srow * a.theta_stride + 2];
