@@ -57,7 +57,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import common  # noqa: E402  (the benchmarks' one graph timer)
-from knobs import attn_launch  # noqa: E402
+from knobs import attn_launch, select_kernel  # noqa: E402
 from sglang_prr import ops  # noqa: E402
 from sglang_prr.kernels import build  # noqa: E402
 
@@ -259,16 +259,6 @@ def bench_selection(a, dev, g, bw, rows):
         rows.append(_row("selection", "predictor (side)", B, ctx, 0, 0, B * HK * NB * 4 * 5, R,
                          sets, predictor, a, dev, bw, NBt * a.page))
         del sets
-
-
-def select_kernel() -> str:
-    """The selection path this environment forces (``SGLANG_PRR_SELECT_KERNEL``, else ``auto``),
-    with ``+run<n>`` where ``SGLANG_PRR_SELECT_MERGE_RUN`` sets the one-pass tail's merge runs
-    and ``+grid-<v>`` where ``SGLANG_PRR_SELECT_GRID`` caps the selection grids."""
-    run = os.environ.get("SGLANG_PRR_SELECT_MERGE_RUN", "")
-    grid = os.environ.get("SGLANG_PRR_SELECT_GRID", "")
-    return (os.environ.get("SGLANG_PRR_SELECT_KERNEL", "auto") + (f"+run{run}" if run else "")
-            + (f"+grid-{grid}" if grid else ""))
 
 
 def _row(part, case, B, ctx, tokens, m, nbytes, R, sets, fn, a, dev, bw, table_ctx=None):

@@ -23,7 +23,7 @@ from sm90 import require_sm90  # noqa: E402
 require_sm90()
 
 from sglang_prr import ops  # noqa: E402
-from test_kernels import DEV, rel_err, seeded  # noqa: E402
+from test_kernels import DEV, rel_err, seeded, set_select_path  # noqa: E402
 
 CUDA = torch.ops.sglang_prr_cuda
 
@@ -31,15 +31,8 @@ CUDA = torch.ops.sglang_prr_cuda
 @pytest.fixture(params=["auto", "onepass", "rowtail", "split", "onepass-grid2", "split-grid1"])
 def select_kernel(request, monkeypatch):
     """``auto``: the launcher's shape rule; ``-gridN``: grids of at most N CTAs a row that loop
-    over the row's chunks (blocks) (``SGLANG_PRR_SELECT_GRID``)."""
-    monkeypatch.delenv("SGLANG_PRR_SELECT_GRID", raising=False)
-    kernel, _, grid = request.param.partition("-grid")
-    if kernel == "auto":
-        monkeypatch.delenv("SGLANG_PRR_SELECT_KERNEL", raising=False)
-    else:
-        monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", kernel)
-    if grid:
-        monkeypatch.setenv("SGLANG_PRR_SELECT_GRID", grid)
+    over the row's chunks (blocks) (``set_select_path``)."""
+    set_select_path(monkeypatch, request.param)
     return request.param
 
 

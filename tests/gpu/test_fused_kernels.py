@@ -31,32 +31,22 @@ require_sm90()
 
 from sglang_prr import ops  # noqa: E402
 from test_kernels import (ATTN_CASES, DEV, make_pool, poison, random_lists, rel_err,  # noqa: E402
-                          seeded, _scores_with_ties)
+                          seeded, set_select_path, _scores_with_ties)
 
 CUDA = torch.ops.sglang_prr_cuda
 
 
 @pytest.fixture(params=["auto", "onepass", "rowtail", "split", "onepass-run5", "onepass-grid2",
-                        "split-grid3", "auto-rows"])
+                        "split-grid3", "auto-gridrows"])
 def select_kernel(request, monkeypatch):
     """The selection kernel the launcher is asked for (read at each launch; sizes the one-pass
     kernel does not take run the row-tail kernels either way); ``auto``: the launcher's shape
     rule (serial DSA's selection over batch x blocks >= 8192 takes the two launches);
     ``onepass-run5``: the one-pass kernel whose tail merges runs of 5 outputs a search
     (``SGLANG_PRR_SELECT_MERGE_RUN``); ``onepass-grid2`` / ``split-grid3``: grids of at most 2
-    (3) CTAs a row that loop over the row's chunks (blocks), ``auto-rows``: the shape rule with
-    grids capped at two waves (``SGLANG_PRR_SELECT_GRID``)."""
-    for k in ("SGLANG_PRR_SELECT_MERGE_RUN", "SGLANG_PRR_SELECT_GRID", "SGLANG_PRR_SELECT_KERNEL"):
-        monkeypatch.delenv(k, raising=False)
-    kernel, _, knob = request.param.partition("-")
-    if kernel != "auto":
-        monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", kernel)
-    if knob == "run5":
-        monkeypatch.setenv("SGLANG_PRR_SELECT_MERGE_RUN", "5")
-    elif knob.startswith("grid"):
-        monkeypatch.setenv("SGLANG_PRR_SELECT_GRID", knob[4:])
-    elif knob == "rows":
-        monkeypatch.setenv("SGLANG_PRR_SELECT_GRID", "rows")
+    (3) CTAs a row that loop over the row's chunks (blocks), ``auto-gridrows``: the shape rule
+    with grids capped at two waves (``SGLANG_PRR_SELECT_GRID``; ``set_select_path``)."""
+    set_select_path(monkeypatch, request.param)
     return request.param
 
 
