@@ -20,11 +20,11 @@ bytes) and every row reports GB/s over the bytes it must read and the share of t
   7 µs a layer longer; the row asks whether it does so in isolation). The kernel the launcher picks is
   the one-pass kernel where it fits; ``SGLANG_PRR_SELECT_KERNEL=rowtail`` runs the row-tail kernels
   instead, ``=split`` the scores and the rows' tails in two launches,
-  ``SGLANG_PRR_SELECT_MERGE_RUN=n`` gives the one-pass tail's merges runs of n outputs a search,
-  ``SGLANG_PRR_SELECT_GRID=rows`` caps the selection grids at about two waves (CTAs loop over
-  their rows' chunks), and
+  ``SGLANG_PRR_SELECT_GRID=rows|table`` forces every selection grid to about two waves (CTAs loop
+  over their rows' chunks) or to the block table's width (by default the scores kernel takes two
+  waves, the one-pass kernel the table), and
   ``SGLANG_PRR_SELECT_DEBUG_STOP=1|2|3`` ends the one-pass kernel after its chunks' pass / the
-  tail's loads / the tail's merges (timing probes of where the time goes; the outputs are then
+  tail's loads / the tail's top-K (timing probes of where the time goes; the outputs are then
   incomplete; read once per process). One run per setting, the ``select_kernel`` and ``debug_stop``
   columns say which. ``SGLANG_PRR_ATTN_DEBUG_STOP=1|2|3`` ends the attention's merge tail after the
   last CTA's ticket / the lists' sort / the lse loads and weights (the same kind of probe).

@@ -72,7 +72,8 @@ the selection (the order before Quest's selection folded the new keys): ``update
 ``select-split``; ``SGLANG_PRR_ATTN_GRID=heads|entries`` forces the attention grid's order:
 ``grid-heads`` / ``grid-entries``; ``SGLANG_PRR_ATTN_MERGE=split|fused`` forces its merge into a
 launch after the partials or into their tail: ``merge-split`` / ``merge-fused``;
-``SGLANG_PRR_SELECT_GRID=rows`` caps the selection grids at two waves: ``select-rows``.
+``SGLANG_PRR_SELECT_GRID=rows|table`` forces every selection grid to two waves or to the table's
+width: ``select-rows`` / ``select-table``.
 ``--predictor side`` starts the PRR and auto servers with
 ``--prr-predictor side``; their rows have ``predictor`` = ``side``. Rows of servers that load a
 kernel library built from other sources than this tree's (``SGLANG_PRR_KERNEL_LIB``) carry its
@@ -644,8 +645,9 @@ def _launch() -> str:
     (``SGLANG_PRR_PDL=1`` in this environment, which the servers inherit), ``update-first``
     when they run the summary update before the selection instead of folding the new keys into
     it (``SGLANG_PRR_FOLD_NEW_KEYS=0``), ``select-<kernel>`` when they force a selection kernel
-    (``SGLANG_PRR_SELECT_KERNEL``: ``onepass``, ``rowtail`` or ``split``), ``select-rows`` when
-    they cap the selection grids at two waves (``SGLANG_PRR_SELECT_GRID=rows``), ``grid-heads`` /
+    (``SGLANG_PRR_SELECT_KERNEL``: ``onepass``, ``rowtail`` or ``split``), ``select-rows`` /
+    ``select-table`` when they force every selection grid to two waves or to the block table's
+    width (``SGLANG_PRR_SELECT_GRID``), ``grid-heads`` /
     ``grid-entries`` when they force the attention grid's order (``SGLANG_PRR_ATTN_GRID``),
     ``merge-split`` / ``merge-fused`` when they force its merge (``SGLANG_PRR_ATTN_MERGE``),
     joined by ``+``, else ``""``."""
@@ -655,8 +657,9 @@ def _launch() -> str:
     kernel = os.environ.get("SGLANG_PRR_SELECT_KERNEL", "")
     if kernel in ("onepass", "rowtail", "split"):
         parts.append(f"select-{kernel}")
-    if os.environ.get("SGLANG_PRR_SELECT_GRID") == "rows":
-        parts.append("select-rows")
+    grid = os.environ.get("SGLANG_PRR_SELECT_GRID", "")
+    if grid in ("rows", "table"):
+        parts.append(f"select-{grid}")
     attn = attn_launch()
     if attn:
         parts.append(attn)

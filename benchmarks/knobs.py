@@ -23,9 +23,6 @@ def attn_launch() -> str:
 
 def select_kernel() -> str:
     """The selection path this environment forces (``SGLANG_PRR_SELECT_KERNEL``, else ``auto``),
-    with ``+run<n>`` where ``SGLANG_PRR_SELECT_MERGE_RUN`` sets the one-pass tail's merge runs
-    and ``+grid-<v>`` where ``SGLANG_PRR_SELECT_GRID`` caps the selection grids."""
-    run = os.environ.get("SGLANG_PRR_SELECT_MERGE_RUN", "")
+    with ``+grid-<v>`` where ``SGLANG_PRR_SELECT_GRID`` caps the selection grids."""
     grid = os.environ.get("SGLANG_PRR_SELECT_GRID", "")
-    return (os.environ.get("SGLANG_PRR_SELECT_KERNEL", "auto") + (f"+run{run}" if run else "")
-            + (f"+grid-{grid}" if grid else ""))
+    return os.environ.get("SGLANG_PRR_SELECT_KERNEL", "auto") + (f"+grid-{grid}" if grid else "")

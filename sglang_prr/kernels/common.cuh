@@ -98,16 +98,19 @@ inline DeviceShape device_shape() {
 }
 
 // The x of a selection grid whose CTAs take `units` pieces of each of `rows` rows (table chunks
-// or groups of blocks): by default `units`, the block table's width (SGLang's tables are as wide
-// as the server's context length; the CTAs past a row's blocks exit after their first loads).
-// SGLANG_PRR_SELECT_GRID=rows (a measuring knob, read at each launch; a captured graph keeps its
-// grid) caps it at about two waves of `per_sm` CTAs an SM, at least one a row, and the kernels'
-// CTAs then loop over their row's pieces; =N (a positive integer, a test knob) caps it at N.
-inline int select_grid_x(int64_t rows, int units, int per_sm) {
+// or groups of blocks): `units` is the block table's width (SGLang's tables are as wide as the
+// server's context length; the CTAs past a row's blocks exit after their first loads). Capped
+// ("rows"): about two waves of `per_sm` CTAs an SM, at least one a row, the kernels' CTAs then
+// looping over their row's pieces. `capped` says which a kernel takes by default (H200, cold L2,
+// 128K-wide tables: the scores kernel at 16 x 32K 47.2 -> 42.2 us capped, level at 4 and 8 x 128K;
+// the one-pass kernel, whose tail merges one candidate list a CTA, 49.9 -> 56.7 at 4 x 128K).
+// SGLANG_PRR_SELECT_GRID=rows|table (a measuring knob, read at each launch; a captured graph
+// keeps its grid) forces either; =N (a positive integer, a test knob) caps it at N.
+inline int select_grid_x(int64_t rows, int units, int per_sm, bool capped) {
   const char* e = std::getenv("SGLANG_PRR_SELECT_GRID");
-  if (!e || rows <= 0) return units;
-  int64_t cap = std::atoi(e);
-  if (std::strcmp(e, "rows") == 0) {
+  if (rows <= 0 || (e && std::strcmp(e, "table") == 0) || (!e && !capped)) return units;
+  int64_t cap = e ? std::atoi(e) : 0;
+  if (!e || std::strcmp(e, "rows") == 0) {
     const int sms = device_shape().sms;
     if (sms <= 0) return units;
     cap = (2 * (int64_t)sms * per_sm + rows - 1) / rows;

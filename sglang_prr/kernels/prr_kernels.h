@@ -107,7 +107,6 @@ struct SelectArgs {
   // Candidate workspace of the one-pass kernel: [B * Hk, nch, kca + kcp] keys, counts.
   unsigned long long* ws; int* ws_cnt; int nch, kca, kcp;
   int debug_stop;  // timing probes only (SGLANG_PRR_SELECT_DEBUG_STOP): 0 runs everything
-  int merge_run;   // set by the launch: outputs a thread takes per merge-path search (>= 1)
   // The step's new keys (new_k != nullptr): row b's key at position new_pos[b] enters the score
   // of its block (new_pos[b] / page_size) as the decode update folds it into the summary (the
   // first position of a page: the key alone). Folded in registers, never written: a concurrent

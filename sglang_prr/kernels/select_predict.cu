@@ -25,9 +25,9 @@ namespace {
 // trend while the scores are in registers, and keeps its chunk's best min(K, chunk) blocks by score
 // and best min(|P|, chunk) by prediction: composite keys (order key << 32 | ~id: larger is better,
 // ties to the lower id, as the reference's stable sort), ranked among the chunk and written to a
-// candidate workspace. The last CTA of the row merges the chunks' sorted candidate lists pairwise
-// (merge path, truncated to K) in log2(chunks) rounds, then writes A, M and P(t+1) as ascending
-// lists with the kept sink/local blocks. Every CTA of a request counts itself out on a second
+// candidate workspace. The last CTA of the row takes the K best of the chunks' sorted candidate
+// lists (a threshold from a sample of their heads, then the survivors ranked), then writes A, M
+// and P(t+1) as ascending lists with the kept sink/local blocks. Every CTA of a request counts itself out on a second
 // counter, and the last one raises n_init, after every CTA has read it.
 constexpr int kOpThreads = 256;
 constexpr int kOpChunk = 64;
@@ -66,22 +66,17 @@ template <> struct Sum8<__nv_bfloat16> {
   }
 };
 
-// out[p] for p0 <= p < p1 <= cx + cy: the (p+1)-th largest of two descending lists of distinct
-// keys. A merge-path search finds how many of the first p0 outputs come from X, then each output
-// is one compare.
-__device__ __forceinline__ void merge_run(const unsigned long long* X, int cx,
-                                          const unsigned long long* Y, int cy, int p0, int p1,
-                                          unsigned long long* out) {
-  int lo = p0 - cy > 0 ? p0 - cy : 0, hi = p0 < cx ? p0 : cx;
-  while (lo < hi) {
-    const int mid = (lo + hi) >> 1;
-    if (X[mid] > Y[p0 - mid - 1]) lo = mid + 1; else hi = mid;
+// How many of v[0, n) exceed x (shared memory; every thread of a warp reads the same entry:
+// broadcast loads, eight in flight).
+__device__ __forceinline__ int count_above(const unsigned long long* v, int n,
+                                           unsigned long long x) {
+  int r = 0, i = 0;
+  for (; i + 8 <= n; i += 8) {
+#pragma unroll
+    for (int u = 0; u < 8; ++u) r += v[i + u] > x;
   }
-  int x = lo, y = p0 - lo;
-  for (int p = p0; p < p1; ++p) {
-    const bool take_x = x < cx && (y >= cy || X[x] > Y[y]);
-    out[p] = take_x ? X[x++] : Y[y++];
-  }
+  for (; i < n; ++i) r += v[i] > x;
+  return r;
 }
 
 // Writes the ascending list [0, lo) ++ ids ++ [hi, n) (ids ascending, lo <= ids < hi) clamped
@@ -352,47 +347,66 @@ quest_select_onepass_kernel(SelectArgs a) {
   }
   __syncthreads();
   if (a.debug_stop == 2) return;  // timing probe: up to the tail's loads
-  // pairwise merges, both kinds in the same rounds; a work item is a run of R consecutive
-  // outputs of one merged list: one merge-path search for its first output, then R steps
-  // (R = 1: a search per output)
-  int n = nch, SA = a.kca, SP = a.kcp, cur = 0;
-  const int R = max(a.merge_run, 1);
-  while (n > 1) {
-    const int nn = (n + 1) / 2;
-    const int SA2 = min(KA, 2 * SA), SP2 = min(KP, 2 * SP);
-    const int RA = (SA2 + R - 1) / R, RP = (SP2 + R - 1) / R;  // runs per merged list
-    const int itemsA = nn * RA, items = itemsA + nn * RP;
-    for (int e = tid; e < items; e += kOpThreads) {
-      const bool isA = e < itemsA;
-      const int W1 = isA ? SA : SP, S2 = isA ? SA2 : SP2, K = isA ? KA : KP;
-      const int NR = isA ? RA : RP;
-      const int ee = isA ? e : e - itemsA;
-      const int i = ee / NR, p0 = (ee % NR) * R;
-      const unsigned long long* in = isA ? BUF_A(cur) : BUF_P(cur);
-      const int* cin = isA ? CNT_A(cur) : CNT_P(cur);
-      const int cx = cin[2 * i], cy = 2 * i + 1 < n ? cin[2 * i + 1] : 0;
-      const int co = min(K, cx + cy);
-      if (p0 < co) {
-        merge_run(in + (size_t)(2 * i) * W1, cx, in + (size_t)(2 * i + 1) * W1, cy, p0,
-                  min(p0 + R, co), (isA ? BUF_A(cur ^ 1) : BUF_P(cur ^ 1)) + (size_t)i * S2);
-      }
-    }
-    for (int e = tid; e < 2 * nn; e += kOpThreads) {
-      const bool isA = e < nn;
-      const int i = isA ? e : e - nn;
-      const int* cin = isA ? CNT_A(cur) : CNT_P(cur);
-      const int cy = 2 * i + 1 < n ? cin[2 * i + 1] : 0;
-      (isA ? CNT_A(cur ^ 1) : CNT_P(cur ^ 1))[i] = min(isA ? KA : KP, cin[2 * i] + cy);
-    }
-    __syncthreads();
-    n = nn; SA = SA2; SP = SP2; cur ^= 1;
+  // The K best candidates of each kind without log2(chunks) rounds of merges:
+  // (1) a sample S, every list's first j (|S| ~ 2K), flat in the second buffer with 0 (below
+  //     every key) where a list is shorter; T = S's K-th best. S holds >= K candidates, so T is
+  //     at most the K-th best of all and the top K are >= T (T = 0, every candidate, when S
+  //     holds fewer than K);
+  // (2) the survivors (>= T: about K to 2K when the best blocks spread over the chunks, every
+  //     candidate at worst) gathered over S in the second buffer;
+  // (3) each survivor's rank among the survivors, which is its rank among all candidates for the
+  //     top K (distinct keys); rank < K writes it at its place in the first buffer.
+  // A rank is a flat loop of broadcast loads (independent, unrolled), not a chain of searches.
+  __shared__ unsigned long long s_thr[2];
+  __shared__ int s_nsurv[2];
+  const int jA = min(a.kca, max(1, (2 * KA + nch - 1) / nch));
+  const int jP = min(a.kcp, max(1, (2 * KP + nch - 1) / nch));
+  const int nsa = nch * jA, nsp = nch * jP;
+  for (int e = tid; e < nsa + nsp; e += kOpThreads) {
+    const bool isA = e < nsa;
+    const int j = isA ? jA : jP, ee = isA ? e : e - nsa, c = ee / j, i = ee % j;
+    const unsigned long long* lst = (isA ? BUF_A(0) : BUF_P(0)) + c * (isA ? a.kca : a.kcp);
+    (isA ? BUF_A(1) : BUF_P(1))[ee] = i < (isA ? CNT_A(0) : CNT_P(0))[c] ? lst[i] : 0ull;
   }
-  if (a.debug_stop == 3) return;  // timing probe: up to the merges
-  const int ca = min(CNT_A(cur)[0], KA), cp = min(CNT_P(cur)[0], KP);
+  if (tid < 2) { s_thr[tid] = 0ull; s_nsurv[tid] = 0; }
+  __syncthreads();
+  for (int e = tid; e < nsa + nsp; e += kOpThreads) {
+    const bool isA = e < nsa;
+    const unsigned long long* sv = isA ? BUF_A(1) : BUF_P(1);
+    const unsigned long long x = sv[isA ? e : e - nsa];
+    // one key at most has rank K - 1 (distinct keys)
+    if (x != 0 && count_above(sv, isA ? nsa : nsp, x) == (isA ? KA : KP) - 1)
+      s_thr[isA ? 0 : 1] = x;
+  }
+  __syncthreads();
+  for (int e = tid; e < nch * (a.kca + a.kcp); e += kOpThreads) {
+    const bool isA = e < nch * a.kca;
+    const int W1 = isA ? a.kca : a.kcp, ee = isA ? e : e - nch * a.kca;
+    if (ee % W1 >= (isA ? CNT_A(0) : CNT_P(0))[ee / W1]) continue;
+    const unsigned long long x = (isA ? BUF_A(0) : BUF_P(0))[ee];
+    if (x >= s_thr[isA ? 0 : 1])
+      (isA ? BUF_A(1) : BUF_P(1))[atomicAdd(s_nsurv + (isA ? 0 : 1), 1)] = x;
+  }
+  __syncthreads();
+  const int nsA = s_nsurv[0], nsP = s_nsurv[1];
+  for (int e = tid; e < nsA + nsP; e += kOpThreads) {
+    const bool isA = e < nsA;
+    const unsigned long long* sv = isA ? BUF_A(1) : BUF_P(1);
+    const unsigned long long x = sv[isA ? e : e - nsA];
+    const int r = count_above(sv, isA ? nsA : nsP, x);
+    if (r < (isA ? KA : KP)) (isA ? BUF_A(0) : BUF_P(0))[r] = x;
+  }
+  if (tid == 0) {
+    CNT_A(0)[0] = min(KA, nsA);
+    CNT_P(0)[0] = min(KP, nsP);
+  }
+  __syncthreads();
+  if (a.debug_stop == 3) return;  // timing probe: up to the top-K
+  const int ca = min(CNT_A(0)[0], KA), cp = min(CNT_P(0)[0], KP);
   // the chosen ids in ascending order (rank sort: distinct ids)
   for (int e = tid; e < ca + cp; e += kOpThreads) {
     const bool isA = e < ca;
-    const unsigned long long* lst = isA ? BUF_A(cur) : BUF_P(cur);
+    const unsigned long long* lst = isA ? BUF_A(0) : BUF_P(0);
     const int c = isA ? ca : cp, i = isA ? e : e - ca;
     const int id = comp_id(lst[i]);
     int r = 0;
@@ -464,7 +478,7 @@ cudaError_t onepass_launch_grid(const SelectArgs& a, int gx, size_t smem, cudaSt
 }
 template <typename S, int D>
 cudaError_t onepass_launch(const SelectArgs& a, size_t smem, cudaStream_t s) {
-  const int gx = select_grid_x((int64_t)a.B * a.Hk, a.nch, kOpCtasPerSm);
+  const int gx = select_grid_x((int64_t)a.B * a.Hk, a.nch, kOpCtasPerSm, false);
   return gx < a.nch ? onepass_launch_grid<S, D, true>(a, gx, smem, s)
                     : onepass_launch_grid<S, D, false>(a, gx, smem, s);
 }
@@ -500,14 +514,6 @@ inline int select_kernel_env() {
 // one-pass kernel stays: its fused update beats the two launches plus the predictor's own in the
 // server (ITL 9.18 vs 9.32 ms at 32K / 16) although isolation favours the split (39.4 vs 42.9).
 constexpr int64_t kSplitMinBlocks = 8192;
-
-// SGLANG_PRR_SELECT_MERGE_RUN=n (1..64): outputs a thread of the one-pass kernel's tail takes
-// per merge-path search (a measuring knob, read at each launch; default 1: a search per output).
-inline int select_merge_run_env() {
-  const char* e = getenv("SGLANG_PRR_SELECT_MERGE_RUN");
-  const int v = e ? atoi(e) : 1;
-  return v < 1 ? 1 : (v > 64 ? 64 : v);
-}
 
 }  // namespace
 
@@ -547,7 +553,6 @@ cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
     static const int stop = debug_stop_env("SGLANG_PRR_SELECT_DEBUG_STOP");
     SelectArgs c = a;
     c.debug_stop = stop;
-    c.merge_run = select_merge_run_env();
     return c.s_dtype == kBF16 ? onepass_dispatch<__nv_bfloat16>(c, smem, s)
                               : onepass_dispatch<float>(c, smem, s);
   }

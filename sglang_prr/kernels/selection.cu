@@ -395,7 +395,7 @@ cudaError_t launch_quest_scores(const QuestArgs& a, cudaStream_t s) {
   if (a.B == 0 || a.NB == 0) return cudaSuccess;
   const size_t smem = (size_t)a.Hq * a.D * sizeof(float);
   // 256-thread CTAs: 8 an SM by threads.
-  dim3 grid(select_grid_x(a.B, (a.NB + kQuestWarps - 1) / kQuestWarps, 8), a.B);
+  dim3 grid(select_grid_x(a.B, (a.NB + kQuestWarps - 1) / kQuestWarps, 8, true), a.B);
   if (a.s_dtype == kBF16) {
     cudaError_t e = set_smem_limit(quest_scores_kernel<__nv_bfloat16>, smem);
     if (e != cudaSuccess) return e;

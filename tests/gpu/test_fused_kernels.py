@@ -36,16 +36,17 @@ from test_kernels import (ATTN_CASES, DEV, make_pool, poison, random_lists, rel_
 CUDA = torch.ops.sglang_prr_cuda
 
 
-@pytest.fixture(params=["auto", "onepass", "rowtail", "split", "onepass-run5", "onepass-grid2",
-                        "split-grid3", "auto-gridrows"])
+@pytest.fixture(params=["auto", "onepass", "rowtail", "split", "onepass-grid2",
+                        "split-grid3", "auto-gridrows", "auto-gridtable"])
 def select_kernel(request, monkeypatch):
     """The selection kernel the launcher is asked for (read at each launch; sizes the one-pass
     kernel does not take run the row-tail kernels either way); ``auto``: the launcher's shape
     rule (serial DSA's selection over batch x blocks >= 8192 takes the two launches);
-    ``onepass-run5``: the one-pass kernel whose tail merges runs of 5 outputs a search
-    (``SGLANG_PRR_SELECT_MERGE_RUN``); ``onepass-grid2`` / ``split-grid3``: grids of at most 2
-    (3) CTAs a row that loop over the row's chunks (blocks), ``auto-gridrows``: the shape rule
-    with grids capped at two waves (``SGLANG_PRR_SELECT_GRID``; ``set_select_path``)."""
+    ``onepass-grid2`` / ``split-grid3``: grids of at most 2
+    (3) CTAs a row that loop over the row's chunks (blocks), ``auto-gridrows`` /
+    ``auto-gridtable``: the shape rule with every grid at two waves / at the table's width
+    (``SGLANG_PRR_SELECT_GRID``; by default the scores kernel takes two waves, the one-pass
+    kernel the table; ``set_select_path``)."""
     set_select_path(monkeypatch, request.param)
     return request.param
 
@@ -425,12 +426,15 @@ def _bf16_bounds(kmin, kmax):
     (2, 32, 8, 128, 1999, 129, 20, 1, 1, torch.bfloat16),  # K above two chunks' blocks
     (2, 12, 4, 96, 200, 8, 12, 1, 1, torch.float32),       # head dim 96: the row-tail kernels
 ])
-def test_quest_select_predict(B, Hq, Hk, D, NB, k, n_pred, sink, local, sdt, select_kernel):
+@pytest.mark.parametrize("hot", [False, True])
+def test_quest_select_predict(B, Hq, Hk, D, NB, k, n_pred, sink, local, sdt, hot, select_kernel):
     """Selection and the predictor's step in one launch against the reference, bit for bit from
     the kernel's own scores: A, M = A \\ P(t) (P read at pool rows p_rows), the Holt state of the
     state rows, n_init, and P(t+1) written at rows p_next_rows (the other half of a double
-    buffer); every other row untouched. Ties, -inf and NaN scores, levels stuck at -inf."""
-    seeded(f"select_predict B={B} NB={NB} k={k} P={n_pred} D={D} {sdt} {select_kernel}")
+    buffer); every other row untouched. Ties, -inf and NaN scores, levels stuck at -inf. ``hot``:
+    the best blocks in one run of 64 (most of the top K and |P| from few chunks' candidate lists:
+    the one-pass tail's threshold is low and most candidates survive it)."""
+    seeded(f"select_predict B={B} NB={NB} k={k} P={n_pred} D={D} {sdt} hot={hot} {select_kernel}")
     P = NB * B + 5
     kmin = torch.randn(P, Hk, D)
     kmax = kmin + torch.rand(P, Hk, D)
@@ -439,6 +443,8 @@ def test_quest_select_predict(B, Hq, Hk, D, NB, k, n_pred, sink, local, sdt, sel
     kmin[::7] = kmin[3]  # equal summaries: tied scores
     kmax[::7] = kmax[3]
     table = torch.randint(1, P, (B, NB))
+    if hot:
+        kmax[table[:, NB // 3:NB // 3 + 64]] += 4.0
     nblk = torch.randint(0, NB + 1, (B,))
     nblk[0] = NB - 1
     nxt = torch.minimum(nblk + torch.randint(0, 2, (B,)), torch.tensor(NB))

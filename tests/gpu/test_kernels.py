@@ -41,17 +41,15 @@ def seeded(tag: str) -> torch.Generator:
 def set_select_path(monkeypatch, param: str) -> None:
     """The selection path a test parameter names, ``kernel[-knob]``: ``kernel`` is ``auto`` (the
     launcher's shape rule) or the path SGLANG_PRR_SELECT_KERNEL forces (``onepass``, ``rowtail``,
-    ``split``); ``run<n>`` sets SGLANG_PRR_SELECT_MERGE_RUN=n (the one-pass tail's merge runs),
-    ``grid<v>`` SGLANG_PRR_SELECT_GRID=v (grids capped, their CTAs looping over a row's chunks:
-    ``rows`` about two waves, N at most N CTAs a row)."""
-    for k in ("SGLANG_PRR_SELECT_KERNEL", "SGLANG_PRR_SELECT_MERGE_RUN", "SGLANG_PRR_SELECT_GRID"):
+    ``split``); ``grid<v>`` sets SGLANG_PRR_SELECT_GRID=v (``rows``: every grid about two waves,
+    its CTAs looping over a row's chunks; ``table``: the table's width; N: at most N CTAs a
+    row)."""
+    for k in ("SGLANG_PRR_SELECT_KERNEL", "SGLANG_PRR_SELECT_GRID"):
         monkeypatch.delenv(k, raising=False)
     kernel, _, knob = param.partition("-")
     if kernel != "auto":
         monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", kernel)
-    if knob.startswith("run"):
-        monkeypatch.setenv("SGLANG_PRR_SELECT_MERGE_RUN", knob[3:])
-    elif knob.startswith("grid"):
+    if knob.startswith("grid"):
         monkeypatch.setenv("SGLANG_PRR_SELECT_GRID", knob[4:])
 
 
