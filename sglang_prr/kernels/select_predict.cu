@@ -357,50 +357,53 @@ quest_select_onepass_kernel(SelectArgs a) {
   // (3) each survivor's rank among the survivors, which is its rank among all candidates for the
   //     top K (distinct keys); rank < K writes it at its place in the first buffer.
   // A rank is a flat loop of broadcast loads (independent, unrolled), not a chain of searches.
+  // One chunk: its lists are the answer (kca <= K, kcp <= |P|).
   __shared__ unsigned long long s_thr[2];
   __shared__ int s_nsurv[2];
-  const int jA = min(a.kca, max(1, (2 * KA + nch - 1) / nch));
-  const int jP = min(a.kcp, max(1, (2 * KP + nch - 1) / nch));
-  const int nsa = nch * jA, nsp = nch * jP;
-  for (int e = tid; e < nsa + nsp; e += kOpThreads) {
-    const bool isA = e < nsa;
-    const int j = isA ? jA : jP, ee = isA ? e : e - nsa, c = ee / j, i = ee % j;
-    const unsigned long long* lst = (isA ? BUF_A(0) : BUF_P(0)) + c * (isA ? a.kca : a.kcp);
-    (isA ? BUF_A(1) : BUF_P(1))[ee] = i < (isA ? CNT_A(0) : CNT_P(0))[c] ? lst[i] : 0ull;
+  if (nch > 1) {
+    const int jA = min(a.kca, max(1, (2 * KA + nch - 1) / nch));
+    const int jP = min(a.kcp, max(1, (2 * KP + nch - 1) / nch));
+    const int nsa = nch * jA, nsp = nch * jP;
+    for (int e = tid; e < nsa + nsp; e += kOpThreads) {
+      const bool isA = e < nsa;
+      const int j = isA ? jA : jP, ee = isA ? e : e - nsa, c = ee / j, i = ee % j;
+      const unsigned long long* lst = (isA ? BUF_A(0) : BUF_P(0)) + c * (isA ? a.kca : a.kcp);
+      (isA ? BUF_A(1) : BUF_P(1))[ee] = i < (isA ? CNT_A(0) : CNT_P(0))[c] ? lst[i] : 0ull;
+    }
+    if (tid < 2) { s_thr[tid] = 0ull; s_nsurv[tid] = 0; }
+    __syncthreads();
+    for (int e = tid; e < nsa + nsp; e += kOpThreads) {
+      const bool isA = e < nsa;
+      const unsigned long long* sv = isA ? BUF_A(1) : BUF_P(1);
+      const unsigned long long x = sv[isA ? e : e - nsa];
+      // one key at most has rank K - 1 (distinct keys)
+      if (x != 0 && count_above(sv, isA ? nsa : nsp, x) == (isA ? KA : KP) - 1)
+        s_thr[isA ? 0 : 1] = x;
+    }
+    __syncthreads();
+    for (int e = tid; e < nch * (a.kca + a.kcp); e += kOpThreads) {
+      const bool isA = e < nch * a.kca;
+      const int W1 = isA ? a.kca : a.kcp, ee = isA ? e : e - nch * a.kca;
+      if (ee % W1 >= (isA ? CNT_A(0) : CNT_P(0))[ee / W1]) continue;
+      const unsigned long long x = (isA ? BUF_A(0) : BUF_P(0))[ee];
+      if (x >= s_thr[isA ? 0 : 1])
+        (isA ? BUF_A(1) : BUF_P(1))[atomicAdd(s_nsurv + (isA ? 0 : 1), 1)] = x;
+    }
+    __syncthreads();
+    const int nsA = s_nsurv[0], nsP = s_nsurv[1];
+    for (int e = tid; e < nsA + nsP; e += kOpThreads) {
+      const bool isA = e < nsA;
+      const unsigned long long* sv = isA ? BUF_A(1) : BUF_P(1);
+      const unsigned long long x = sv[isA ? e : e - nsA];
+      const int r = count_above(sv, isA ? nsA : nsP, x);
+      if (r < (isA ? KA : KP)) (isA ? BUF_A(0) : BUF_P(0))[r] = x;
+    }
+    if (tid == 0) {
+      CNT_A(0)[0] = min(KA, nsA);
+      CNT_P(0)[0] = min(KP, nsP);
+    }
+    __syncthreads();
   }
-  if (tid < 2) { s_thr[tid] = 0ull; s_nsurv[tid] = 0; }
-  __syncthreads();
-  for (int e = tid; e < nsa + nsp; e += kOpThreads) {
-    const bool isA = e < nsa;
-    const unsigned long long* sv = isA ? BUF_A(1) : BUF_P(1);
-    const unsigned long long x = sv[isA ? e : e - nsa];
-    // one key at most has rank K - 1 (distinct keys)
-    if (x != 0 && count_above(sv, isA ? nsa : nsp, x) == (isA ? KA : KP) - 1)
-      s_thr[isA ? 0 : 1] = x;
-  }
-  __syncthreads();
-  for (int e = tid; e < nch * (a.kca + a.kcp); e += kOpThreads) {
-    const bool isA = e < nch * a.kca;
-    const int W1 = isA ? a.kca : a.kcp, ee = isA ? e : e - nch * a.kca;
-    if (ee % W1 >= (isA ? CNT_A(0) : CNT_P(0))[ee / W1]) continue;
-    const unsigned long long x = (isA ? BUF_A(0) : BUF_P(0))[ee];
-    if (x >= s_thr[isA ? 0 : 1])
-      (isA ? BUF_A(1) : BUF_P(1))[atomicAdd(s_nsurv + (isA ? 0 : 1), 1)] = x;
-  }
-  __syncthreads();
-  const int nsA = s_nsurv[0], nsP = s_nsurv[1];
-  for (int e = tid; e < nsA + nsP; e += kOpThreads) {
-    const bool isA = e < nsA;
-    const unsigned long long* sv = isA ? BUF_A(1) : BUF_P(1);
-    const unsigned long long x = sv[isA ? e : e - nsA];
-    const int r = count_above(sv, isA ? nsA : nsP, x);
-    if (r < (isA ? KA : KP)) (isA ? BUF_A(0) : BUF_P(0))[r] = x;
-  }
-  if (tid == 0) {
-    CNT_A(0)[0] = min(KA, nsA);
-    CNT_P(0)[0] = min(KP, nsP);
-  }
-  __syncthreads();
   if (a.debug_stop == 3) return;  // timing probe: up to the top-K
   const int ca = min(CNT_A(0)[0], KA), cp = min(CNT_P(0)[0], KP);
   // the chosen ids in ascending order (rank sort: distinct ids)
