@@ -111,7 +111,10 @@ quest_select_onepass_kernel(SelectArgs a) {
   constexpr int PASSES = kOpChunk / BPP;
   extern __shared__ __align__(16) unsigned char s_dyn[];
   __shared__ unsigned long long s_ck[2][kOpChunk];
-  __shared__ __align__(16) float s_q[kMaxGroup * D];  // q of the GQA group (few registers)
+  // q of the GQA group (few registers), each head's row in halves: a lane's dims [8 ln, 8 ln + 4)
+  // at 4 ln, [8 ln + 4, 8 ln + 8) at D / 2 + 4 ln, so that the float4 reads of a quarter-warp's
+  // eight lanes are 128 contiguous bytes (no bank conflict).
+  __shared__ __align__(16) float s_q[kMaxGroup * D];
   int ch = blockIdx.x;
   const int hk = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, grp = tid / L, ln = tid % L;
@@ -192,8 +195,10 @@ quest_select_onepass_kernel(SelectArgs a) {
     if (has_new)
       load8_any(a.new_k, b * a.new_k_stride + (int64_t)hk * D + ln * 8, a.new_k_dtype, kf);
     if (first && qe < G * D) {
-      *reinterpret_cast<float4*>(s_q + qe) = make_float4(qf8[0], qf8[1], qf8[2], qf8[3]);
-      *reinterpret_cast<float4*>(s_q + qe + 4) = make_float4(qf8[4], qf8[5], qf8[6], qf8[7]);
+      const int qrow = qe - qe % D, ql = (qe % D) / 8;  // the head's row, the lane of the dims
+      *reinterpret_cast<float4*>(s_q + qrow + ql * 4) = make_float4(qf8[0], qf8[1], qf8[2], qf8[3]);
+      *reinterpret_cast<float4*>(s_q + qrow + D / 2 + ql * 4) =
+          make_float4(qf8[4], qf8[5], qf8[6], qf8[7]);
     }
     __syncthreads();  // s_q (the first chunk); the previous chunk's s_ck reads (the others)
 #pragma unroll
@@ -209,8 +214,8 @@ quest_select_onepass_kernel(SelectArgs a) {
           for (int i = 0; i < 8; ++i) fold_key<S>(kf[i], first_tok, lo[i], hi[i]);
         }
         for (int g = 0; g < G; ++g) {
-          const float4 qa = *reinterpret_cast<const float4*>(s_q + g * D + ln * 8);
-          const float4 qb = *reinterpret_cast<const float4*>(s_q + g * D + ln * 8 + 4);
+          const float4 qa = *reinterpret_cast<const float4*>(s_q + g * D + ln * 4);
+          const float4 qb = *reinterpret_cast<const float4*>(s_q + g * D + D / 2 + ln * 4);
           const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
 #pragma unroll
           for (int i = 0; i < 8; ++i) part += fmaxf(qv[i] * hi[i], qv[i] * lo[i]);
