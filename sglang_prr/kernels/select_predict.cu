@@ -21,14 +21,15 @@ namespace {
 // Quest scores, top-K (A), M = A \ P(t), and with the predictor set the Holt update of the
 // row's state and P(t+1), in one launch and one pass over the bf16 (or fp32) summaries.
 // Grid (chunks of kOpChunk blocks, Hk, B), kOpThreads threads. A CTA scores its chunk with D/8
-// lanes per block (16-byte loads; q of the GQA group in registers), updates the chunk's level and
-// trend while the scores are in registers, and keeps its chunk's best min(K, chunk) blocks by score
-// and best min(|P|, chunk) by prediction: composite keys (order key << 32 | ~id: larger is better,
-// ties to the lower id, as the reference's stable sort), ranked among the chunk and written to a
-// candidate workspace. The last CTA of the row takes the K best of the chunks' sorted candidate
-// lists (a threshold from a sample of their heads, then the survivors ranked), then writes A, M
-// and P(t+1) as ascending lists with the kept sink/local blocks. Every CTA of a request counts itself out on a second
-// counter, and the last one raises n_init, after every CTA has read it.
+// lanes per block (16-byte loads; q of the GQA group in shared memory), updates the chunk's level
+// and trend while the scores are in registers, and keeps its chunk's best min(K, chunk) blocks by
+// score and best min(|P|, chunk) by prediction: composite keys (order key << 32 | ~id: larger is
+// better, ties to the lower id, as the reference's stable sort), ranked among the chunk and
+// written to a candidate workspace. The last CTA of the row takes the K best of the chunks'
+// sorted candidate lists (a threshold from a sample of their heads, then the survivors ranked),
+// then writes A, M and P(t+1) as ascending lists with the kept sink/local blocks. Every CTA of a
+// request counts itself out on a second counter, and the last one raises n_init, after every CTA
+// has read it.
 constexpr int kOpThreads = 256;
 constexpr int kOpChunk = 64;
 constexpr size_t kOpMaxSmem = 160 * 1024;
