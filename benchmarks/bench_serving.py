@@ -55,7 +55,8 @@ request of its longest context, so JIT compilation and first-use costs stay out 
 from the radix cache) and, once each has its first token, ``/start_profile`` records the next
 ``--profile-steps`` forward steps with the torch profiler (CUPTI sees the kernels of CUDA-graph
 replays); ``profile_trace.py`` turns the trace into kernels and GPU-busy time per decode step and
-per layer (CSV columns), one markdown file of the top kernels per point and one summary table
+per layer (CSV columns), one markdown file of the top kernels per point (with PRR's kernels'
+starts and ends inside a layer's sparse path) and one summary table
 (``<csv stem>_profile*.md``). The profiler's start and trace export stall the scheduler for
 hundreds of milliseconds, so no timing column comes from the profiled pass (in CSVs of serving
 runs 1-7 they did: TPOT, p90 ITL and ``output_tok_s`` include that stall there; the median ITL

@@ -14,7 +14,10 @@ until a kernel of another namespace starts after all of its kernels ended (the l
 the clusters' spans from first start to last end are the time a layer's sparse path holds the
 GPU, so two streams that overlap count once (``sparse_wall_us_per_layer``: their sum per step and
 layer). Serial DSA's and PRR's critical paths compare through it, where summed kernel times
-double-count the overlap.
+double-count the overlap. Inside the clusters, each of PRR's kernels (by name and by its place
+among the cluster's kernels of that name: PRR's speculative attention and its repair are the same
+kernel) gets its mean start and end from the cluster's start and its stream
+(``sparse_layout``): which launch waits on which, and what the critical path is made of.
 
 The per-step numbers divide by the caller's step count (the N the profiler was asked for).
 SGLang also marks each forward step with a span ``step[DECODE bs=8]`` (``user_annotation``);
@@ -58,14 +61,15 @@ def summarize(path, num_layers: int, steps: int, top: int = TOP) -> dict:
     if steps < 1 or num_layers < 1:
         raise ValueError(f"steps ({steps}) and num_layers ({num_layers}) must be >= 1")
     count, us, spans = defaultdict(int), defaultdict(float), defaultdict(int)
-    kernels_at = []  # (start, end, PRR's own) of every kernel, for the sparse path's wall time
+    kernels_at = []  # (start, end, PRR's own, name, stream) of every kernel: the sparse path
     for e in load_events(path):
         cat, name = str(e.get("cat", "")).lower(), e.get("name", "?")
         if cat == "kernel":
             count[name] += 1
             us[name] += float(e.get("dur", 0.0))
             t0 = float(e.get("ts", 0.0))
-            kernels_at.append((t0, t0 + float(e.get("dur", 0.0)), OWN in name))
+            kernels_at.append((t0, t0 + float(e.get("dur", 0.0)), OWN in name, name,
+                               e.get("tid", "?")))
         elif cat == "user_annotation" and name.startswith("step["):
             spans[name] += 1  # the CPU span only: its gpu_user_annotation twin is the same step
     kernels = sum(count.values())
@@ -77,24 +81,69 @@ def summarize(path, num_layers: int, steps: int, top: int = TOP) -> dict:
         kernels_per_layer=kernels / steps / num_layers,
         top=[(n, count[n] / steps, us[n] / steps) for n in ranked],
         step_spans=dict(sorted(spans.items())),
-        sparse_wall_us_per_layer=sum(sparse_spans(kernels_at)) / steps / num_layers)
+        sparse_wall_us_per_layer=sum(sparse_spans(kernels_at)) / steps / num_layers,
+        sparse_layout=sparse_layout(kernels_at))
+
+
+def sparse_clusters(kernels_at) -> list:
+    """The clusters of PRR's own kernels: ``kernels_at`` holds ``(start, end, own, ...)`` per
+    kernel; a cluster starts at an own kernel and ends when a kernel of another kind starts after
+    every kernel of the cluster has ended (kernels of another kind that overlap it, on another
+    stream, do not end it). Each cluster: ``(start, end, its own kernels' tuples in start
+    order)``."""
+    out, cur = [], None
+    for k in sorted(kernels_at, key=lambda k: (k[0], k[1])):
+        t0, t1, own = k[0], k[1], k[2]
+        if own:
+            cur = [t0, t1, [k]] if cur is None else [cur[0], max(cur[1], t1), cur[2] + [k]]
+        elif cur is not None and t0 >= cur[1]:
+            out.append(tuple(cur))
+            cur = None
+    if cur is not None:
+        out.append(tuple(cur))
+    return out
 
 
 def sparse_spans(kernels_at) -> list:
-    """Wall spans (µs) of the clusters of PRR's own kernels: ``kernels_at`` holds ``(start, end,
-    own)`` per kernel; a cluster starts at an own kernel and ends when a kernel of another kind
-    starts after every kernel of the cluster has ended (kernels of another kind that overlap it,
-    on another stream, do not end it)."""
-    out, cur = [], None
-    for t0, t1, own in sorted(kernels_at):
-        if own:
-            cur = [t0, t1] if cur is None else [cur[0], max(cur[1], t1)]
-        elif cur is not None and t0 >= cur[1]:
-            out.append(cur[1] - cur[0])
-            cur = None
-    if cur is not None:
-        out.append(cur[1] - cur[0])
-    return out
+    """Wall spans (µs) of the clusters of PRR's own kernels (``sparse_clusters``)."""
+    return [t1 - t0 for t0, t1, _ in sparse_clusters(kernels_at)]
+
+
+def short_name(name: str) -> str:
+    """A kernel's name without its namespace prefix and its argument list:
+    ``void prr::(anonymous namespace)::f<int, 1>(prr::A)`` -> ``f<int, 1>``."""
+    name = re.sub(r"^void\s+", "", name)
+    name = re.sub(r"^prr::", "", name.replace("(anonymous namespace)::", ""))
+    depth = 0
+    for i, c in enumerate(name):  # cut at the argument list: the first "(" outside <...>
+        depth += {"<": 1, ">": -1}.get(c, 0)
+        if c == "(" and depth == 0 and i > 0:
+            return name[:i]
+    return name
+
+
+def sparse_layout(kernels_at) -> list:
+    """PRR's kernels inside their clusters (``sparse_clusters``), each by short name and place
+    among the cluster's kernels of that name (1 = the first): the clusters that hold it, its mean
+    start and end (µs) from the cluster's start, its mean duration, and the stream it ran on most.
+    Sorted by mean start; ``kernels_at`` tuples need ``(start, end, own, name, stream)``."""
+    acc = {}
+    for c0, _, ks in sparse_clusters(kernels_at):
+        seen = defaultdict(int)
+        for k in ks:
+            name = short_name(k[3]) if len(k) > 3 else "?"
+            seen[name] += 1
+            a = acc.setdefault((name, seen[name]), dict(n=0, start=0.0, dur=0.0,
+                                                        streams=defaultdict(int)))
+            a["n"] += 1
+            a["start"] += k[0] - c0
+            a["dur"] += k[1] - k[0]
+            a["streams"][k[4] if len(k) > 4 else "?"] += 1
+    rows = [dict(kernel=name, place=place, clusters=a["n"], start_us=a["start"] / a["n"],
+                 dur_us=a["dur"] / a["n"], end_us=(a["start"] + a["dur"]) / a["n"],
+                 stream=max(a["streams"], key=a["streams"].get))
+            for (name, place), a in acc.items()]
+    return sorted(rows, key=lambda r: (r["start_us"], r["kernel"], r["place"]))
 
 
 STEP_RE = re.compile(r"step\[(\w+) bs=(\d+)\]")
@@ -136,6 +185,15 @@ def markdown(s: dict, title: str = "") -> str:
     for name, n, t in s["top"]:
         share = f"{100 * t / busy_us:.1f}%" if busy_us else "-"
         lines.append(f"| `{_cell(name)}` | {n:.2f} | {t:.1f} | {share} |")
+    if s.get("sparse_layout"):
+        lines += ["", "PRR's kernels in their clusters (mean µs from the cluster's start; #: the "
+                  "kernel's place among the cluster's launches of that name):", "",
+                  "| kernel | # | stream | clusters | starts | µs | ends |",
+                  "|---|---:|---|---:|---:|---:|---:|"]
+        for r in s["sparse_layout"]:
+            lines.append(f"| `{_cell(r['kernel'])}` | {r['place']} | {r['stream']} | "
+                         f"{r['clusters']} | {r['start_us']:.1f} | {r['dur_us']:.1f} | "
+                         f"{r['end_us']:.1f} |")
     return "\n".join(lines) + "\n"
 
 

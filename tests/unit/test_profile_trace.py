@@ -141,3 +141,34 @@ def test_prr_wall_time_counts_two_streams_once(tmp_path):
     # a trace without PRR's kernels (dense) says nothing of it
     dense = pt.summarize(_write(tmp_path, [_at("gemm", 0, 10, 7)], "d.json.gz"), 1, 1)
     assert dense["sparse_wall_us_per_layer"] == 0 and "wall/layer" not in pt.markdown(dense)
+
+
+def test_sparse_layout_places_each_launch_of_a_kernel_on_the_critical_path(tmp_path):
+    """PRR's speculative attention and its repair are one kernel launched twice a layer: the
+    layout keeps them apart by place (#1, #2), with their start and end from the cluster's start
+    and their stream, the mean over every cluster that holds them."""
+    pt = _load()
+    sel = "void prr::(anonymous namespace)::select<float, 128, false>(prr::A)"
+    spec = "void prr::(anonymous namespace)::attn<__half, 128, true>(prr::B, int)"
+    ev = []
+    for layer, (d_sel, d_rep) in enumerate([(18, 14), (20, 10)]):  # the layers' times differ
+        t = 1000 * layer
+        ev += [_at(sel, t + 7, d_sel, 9), _at(spec, t + 7, 13, 7),
+               _at(spec, t + 8 + d_sel, d_rep, 7), _at("gemm", t + 60, 30, 7)]
+    s = pt.summarize(_write(tmp_path, ev), num_layers=2, steps=1)
+    rows = {(r["kernel"], r["place"]): r for r in s["sparse_layout"]}
+    assert set(rows) == {("select<float, 128, false>", 1), ("attn<__half, 128, true>", 1),
+                         ("attn<__half, 128, true>", 2)}
+    rep = rows[("attn<__half, 128, true>", 2)]
+    assert rep["clusters"] == 2 and rep["stream"] == 7
+    assert rep["start_us"] == pytest.approx((19 + 21) / 2)  # after the selection, both layers
+    assert rep["dur_us"] == pytest.approx(12.0) and rep["end_us"] == pytest.approx(32.0)
+    assert rows[("select<float, 128, false>", 1)]["stream"] == 9
+    assert rows[("select<float, 128, false>", 1)]["dur_us"] == pytest.approx(19.0)
+    # negative control: by name alone the two launches would average to a start of ~10 µs
+    first = rows[("attn<__half, 128, true>", 1)]
+    assert first["start_us"] == pytest.approx(0.0) and first["start_us"] < rep["start_us"] - 15
+    assert [r["place"] for r in s["sparse_layout"]][-1] == 2  # sorted by mean start
+    md = pt.markdown(s)
+    assert "| `attn<__half, 128, true>` | 2 | 7 | 2 | 20.0 | 12.0 | 32.0 |" in md
+    assert pt.sparse_layout([]) == []
