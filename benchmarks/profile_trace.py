@@ -95,7 +95,10 @@ def sparse_clusters(kernels_at) -> list:
     for k in sorted(kernels_at, key=lambda k: (k[0], k[1])):
         t0, t1, own = k[0], k[1], k[2]
         if own:
-            cur = [t0, t1, [k]] if cur is None else [cur[0], max(cur[1], t1), cur[2] + [k]]
+            if cur is None:
+                cur = [t0, t1, []]
+            cur[1] = max(cur[1], t1)
+            cur[2].append(k)
         elif cur is not None and t0 >= cur[1]:
             out.append(tuple(cur))
             cur = None
@@ -131,14 +134,14 @@ def sparse_layout(kernels_at) -> list:
     for c0, _, ks in sparse_clusters(kernels_at):
         seen = defaultdict(int)
         for k in ks:
-            name = short_name(k[3]) if len(k) > 3 else "?"
+            name = short_name(k[3])
             seen[name] += 1
             a = acc.setdefault((name, seen[name]), dict(n=0, start=0.0, dur=0.0,
                                                         streams=defaultdict(int)))
             a["n"] += 1
             a["start"] += k[0] - c0
             a["dur"] += k[1] - k[0]
-            a["streams"][k[4] if len(k) > 4 else "?"] += 1
+            a["streams"][k[4]] += 1
     rows = [dict(kernel=name, place=place, clusters=a["n"], start_us=a["start"] / a["n"],
                  dur_us=a["dur"] / a["n"], end_us=(a["start"] + a["dur"]) / a["n"],
                  stream=max(a["streams"], key=a["streams"].get))
