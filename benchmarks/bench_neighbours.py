@@ -1,0 +1,317 @@
+"""One question: how long do the sparse path's kernels take among the neighbours they have in the
+server, and which neighbours make them slower?
+
+The server's profile (``bench_serving.py --profile``) gave serial DSA's selection 22.4 µs and its
+attention 19.0 µs a layer at 128K / 1, where ``bench_kernel_stages`` (cold L2, CUDA-graph replays
+of rotated input sets, CUDA events) gives ~16 and ~15. This benchmark runs one layer's sparse
+kernels in a CUDA graph of ``--layers`` layers with per-layer inputs (each layer's summaries and
+K/V its own, so every layer's data is cold), each layer's kernels among the neighbours a setting
+names, and reads every kernel's duration from CUPTI (the torch profiler), as the server's profile
+does. A setting is the stages of one layer, in order:
+
+* ``flushed``: one layer a replay, the L2 flushed before it (``common.L2Flush``; the flush's own
+  kernels are left out): ``bench_kernel_stages``' cold setting, read by CUPTI.
+* ``layers``: select, attention (the layers back to back).
+* ``server``: the qkv GEMM, select, attention, the gate/up GEMM, the down GEMM (a Llama-3-8B
+  decoder layer's weights at the batch: 50, 235 and 117 MB of fp16 a layer).
+* ``gemm_select``: gate/up GEMM, select, select (another layer's inputs).
+* ``gemm_attention``: gate/up GEMM, attention, attention (another layer's inputs).
+* ``gemm_attention_select``: gate/up GEMM, attention, select.
+* ``code``: other code with almost no data (Quest's selection over fp32 summaries of one 4K
+  request: another instantiation of the selection), select, attention.
+* ``pages``: first touches of 8192 pages 2 MB apart (8 KB of data: a TLB sweep), select,
+  attention.
+
+Variants: ``serial`` (Quest's selection with the step's new keys folded in, as serial DSA's
+server calls it; attention over A with its merge) and ``prr`` (the selection with the predictor's
+step in its epilogue; the same attention, whose kernel the repair runs too). Shape: Llama-3-8B
+(32 q / 8 KV heads, head dim 128, bf16 K/V and summaries), page 64, K = 2048 tokens, |P| = 48
+blocks. The CSV has one row per (variant, setting, place): the place of a kernel among its
+layer's kernels, its name and its mean and median µs over ``--reps`` replays of every layer.
+
+    python benchmarks/bench_neighbours.py --csv benchmarks/results/neighbours_h200.csv
+    python benchmarks/bench_neighbours.py --plot-only benchmarks/results/neighbours_h200.csv
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Sequence
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import bench_kernel_stages as stages  # noqa: E402  (the selection's and attention's input sets)
+import common  # noqa: E402  (the benchmarks' graph capture and L2 flush)
+from profile_trace import short_name  # noqa: E402
+from sglang_prr import ops  # noqa: E402
+from sglang_prr.kernels import build  # noqa: E402
+
+HIDDEN, INTER, QKV_O = 4096, 14336, 6144  # Llama-3-8B: hidden, MLP width, q + k + v + o columns
+SETTINGS: Dict[str, Sequence[str]] = {
+    "flushed": ("select", "attention"),
+    "layers": ("select", "attention"),
+    "server": ("gemm_qkv", "select", "attention", "gemm_up", "gemm_down"),
+    "gemm_select": ("gemm_up", "select", "select_other"),
+    "gemm_attention": ("gemm_up", "attention", "attention_other"),
+    "gemm_attention_select": ("gemm_up", "attention", "select"),
+    "code": ("other_code", "select", "attention"),
+    "pages": ("touch_pages", "select", "attention"),
+}
+COLUMNS = ["gpu", "date", "library", "variant", "setting", "batch", "ctx", "layers", "place",
+           "kernel", "mean_us", "median_us", "count"]
+
+
+def layer_means(events: Sequence[dict], replays: int, layers: int,
+                exclude: Sequence[str] = ()) -> List[dict]:
+    """Per place in a layer: the kernel's short name and its mean / median µs over every layer
+    of every replay. ``events``: the trace's events (those with ``cat == "kernel"`` count, in
+    start order, less those whose short name is in ``exclude``); each of the ``replays x layers``
+    layers must hold the same kernels in the same order, else ``ValueError``."""
+    ks = sorted((e for e in events if e.get("cat") == "kernel"
+                 and short_name(e["name"]) not in exclude), key=lambda e: e["ts"])
+    n = replays * layers
+    if n <= 0 or not ks or len(ks) % n:
+        raise ValueError(f"{len(ks)} kernels do not split into {replays} replays x {layers} "
+                         f"layers")
+    per = len(ks) // n
+    out = []
+    for p in range(per):
+        at = ks[p::per]
+        names = {short_name(e["name"]) for e in at}
+        if len(names) != 1:
+            raise ValueError(f"place {p} of a layer holds different kernels: {sorted(names)}")
+        durs = [float(e["dur"]) for e in at]
+        out.append(dict(place=p, kernel=names.pop(), mean_us=round(statistics.fmean(durs), 2),
+                        median_us=round(statistics.median(durs), 2), count=len(durs)))
+    return out
+
+
+class Layers:
+    """Per-layer inputs and the stages a setting strings together (``SETTINGS``)."""
+
+    def __init__(self, a, dev: torch.device, dims=(HIDDEN, INTER, QKV_O)):
+        g = torch.Generator().manual_seed(0)
+        hidden, inter, qkv_o = dims
+        self.a, self.dev, self.L = a, dev, a.layers
+        nb, nbt = a.ctx // a.page, a.ctx // a.page + 1  # the server's table holds one more block
+        self.sel = stages.selection_sets(a.batch, nb, a.layers, a.n_pred, dev, g, a.page, nbt)
+        self.k_buf, self.v_buf, self.att, _ = stages.attention_sets(
+            a.batch, a.top_k, a.page, nbt, a.layers, dev, g)
+        small = stages.selection_sets(1, 4096 // a.page, 1, a.n_pred, dev, g, a.page)[0]
+        small["kmin"], small["kmax"] = small["kmin"].float(), small["kmax"].float()
+        self.small = small
+        h = torch.float16
+        self.x = torch.randn(a.batch, hidden, device=dev, dtype=h)
+        self.xi = torch.randn(a.batch, inter, device=dev, dtype=h)
+        self.w = {"gemm_qkv": torch.randn(hidden, qkv_o, device=dev, dtype=h),
+                  "gemm_up": torch.randn(hidden, 2 * inter, device=dev, dtype=h),
+                  "gemm_down": torch.randn(inter, hidden, device=dev, dtype=h)}
+        span = 16 << 30 if dev.type == "cuda" else 1 << 20
+        self.pages = torch.empty(span, dtype=torch.uint8, device=dev)
+        self.touch = torch.arange(8192, device=dev) * (span // 8192)
+        self.stats = torch.zeros(4, dtype=torch.int64, device=dev)
+        self.k = a.top_k // a.page
+
+    def select(self, l: int, prr: bool):
+        s, k, a = self.sel[l], self.k, self.a
+        fold = dict(new_k=s["new_k"], new_pos=s["new_pos"], page_size=a.page, stats=self.stats)
+        if prr:
+            return ops.quest_select_predict(
+                s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], s["nblk_next"], s["p_idx"],
+                s["p_cnt"], s["p_cur"], s["p_nxt"], s["level"], s["trend"], s["n_init"],
+                s["theta"], s["rows"], k, a.n_pred, 1, 1, k + 2, **fold)
+        return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], None, None,
+                                k, 1, 1, k + 2, None, **fold)
+
+    def attention(self, l: int):
+        s = self.att[l]
+        return ops.sparse_attn_merge(s["q"], self.k_buf, self.v_buf, s["table"], s["sl"],
+                                     s["idx"], s["cnt"], self.a.page, 1.0 / math.sqrt(stages.D),
+                                     None, None, None, None, None, None, 0, True,
+                                     out_dtype=torch.bfloat16)
+
+    def stage(self, name: str, l: int, prr: bool) -> None:
+        other = (l + self.L // 2) % self.L
+        if name.startswith("gemm_"):
+            torch.matmul(self.xi if name == "gemm_down" else self.x, self.w[name])
+        elif name in ("select", "select_other"):
+            self.select(other if name == "select_other" else l, prr)
+        elif name in ("attention", "attention_other"):
+            self.attention(other if name == "attention_other" else l)
+        elif name == "other_code":
+            s = self.small
+            ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], None, None,
+                             self.k, 1, 1, self.k + 2, None)
+        elif name == "touch_pages":
+            torch.index_select(self.pages, 0, self.touch)
+        else:
+            raise ValueError(f"unknown stage {name!r}; stages: {sorted(_stage_names())}")
+
+    def calls(self, setting: str, prr: bool) -> List[Callable[[], None]]:
+        names = SETTINGS[setting]
+        n = 1 if setting == "flushed" else self.L
+
+        def layer(l):
+            for s in names:
+                self.stage(s, l, prr)
+        return [lambda l=l: layer(l) for l in range(n)]
+
+
+def _stage_names():
+    return {s for st in SETTINGS.values() for s in st}
+
+
+def trace(fn: Callable[[], None]) -> List[dict]:
+    """The torch profiler's trace events (CUPTI's kernels among them) of ``fn``'s GPU work."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as p:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "trace.json")
+        p.export_chrome_trace(path)
+        with open(path) as f:
+            return json.load(f)["traceEvents"]
+
+
+def profile(calls, reps: int, flush=None) -> List[dict]:
+    """Trace events of ``reps`` replays of ``calls`` captured in one graph (``flush`` before
+    each replay)."""
+    g, _ = common.capture(calls)
+
+    def replays(n):
+        for _ in range(n):
+            if flush is not None:
+                flush()
+            g.replay()
+    replays(2)
+    torch.cuda.synchronize()
+    events = trace(lambda: replays(reps))
+    del g
+    return events
+
+
+def flush_kernels(dev) -> List[str]:
+    """The short names of the L2 flush's kernels (left out of the ``flushed`` setting's layers)."""
+    fl = common.flusher(dev)
+    fl()
+    return sorted({short_name(e["name"]) for e in trace(fl) if e.get("cat") == "kernel"})
+
+
+def measure(a) -> List[dict]:
+    dev = torch.device("cuda")
+    t0 = time.time()
+    lay = Layers(a, dev)
+    print(f"inputs for {a.layers} layers in {time.time() - t0:.1f} s", flush=True)
+    fl_names = flush_kernels(dev)
+    rows = []
+    base = dict(gpu=torch.cuda.get_device_name(dev), date=time.strftime("%Y-%m-%d"),
+                library=build.library_tag(), batch=a.batch, ctx=a.ctx, layers=a.layers)
+    for variant in a.variants:
+        for setting in a.settings:
+            flushed = setting == "flushed"
+            ev = profile(lay.calls(setting, variant == "prr"), a.reps,
+                         common.flusher(dev) if flushed else None)
+            places = layer_means(ev, a.reps, 1 if flushed else a.layers,
+                                 fl_names if flushed else ())
+            for r in places:
+                rows.append(dict(base, variant=variant, setting=setting, **r))
+            print(f"{variant:6s} {setting:22s} " + "  ".join(
+                f"{r['kernel'][:28]} {r['mean_us']:.2f}" for r in places
+                if not r["kernel"].startswith(("nvjet", "gemm", "index", "cutlass"))), flush=True)
+    return rows
+
+
+def plot(rows, png: str) -> None:
+    """Mean µs of the sparse kernels (selection, attention) per setting, a panel per variant."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return
+    sparse = [r for r in rows if r["kernel"].startswith(("quest_select", "quest_scores",
+                                                         "block_attn", "attn_merge"))]
+    variants = sorted({r["variant"] for r in sparse})
+    fig, axes = plt.subplots(len(variants), 1, figsize=(10, 0.5 + 0.3 * len(sparse)),
+                             squeeze=False)
+    for ax, v in zip(axes[:, 0], variants):
+        rs = [r for r in sparse if r["variant"] == v]
+        ax.barh(range(len(rs)), [float(r["mean_us"]) for r in rs],
+                color=["tab:blue" if "select" in r["kernel"] or "scores" in r["kernel"]
+                       else "tab:orange" for r in rs])
+        ax.set_yticks(range(len(rs)))
+        ax.set_yticklabels([f"{r['setting']} #{r['place']}: {r['kernel'][:34]}" for r in rs],
+                           fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("µs per kernel (CUPTI)")
+        ax.set_title(f"{v}: the sparse kernels among their neighbours")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    print(f"wrote {png}")
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
+    ap.add_argument("--variants", nargs="+", choices=["serial", "prr"],
+                    default=["serial", "prr"])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--ctx", type=int, default=131200,
+                    help="tokens a request holds (128K of prompt and some decoded)")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=2048, help="K in tokens")
+    ap.add_argument("--n-pred", type=int, default=48, help="|P| in blocks")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--csv", default=str(ROOT / "benchmarks" / "results" / "neighbours.csv"))
+    ap.add_argument("--append", action="store_true", help="add rows to an existing CSV")
+    ap.add_argument("--plot-only", metavar="CSV", help="draw the plot of an existing CSV")
+    a = ap.parse_args(argv)
+    if a.plot_only:
+        with open(a.plot_only) as f:
+            rows = list(csv.DictReader(f))
+        missing = {"variant", "setting", "place", "kernel", "mean_us"} - set(rows[0] if rows
+                                                                             else ())
+        if missing:
+            raise KeyError(f"{a.plot_only} lacks the columns {sorted(missing)}")
+        plot(rows, os.path.splitext(a.plot_only)[0] + ".png")
+        return rows
+    for name, v in (("--layers", a.layers), ("--reps", a.reps), ("--batch", a.batch)):
+        if v < 1:
+            raise SystemExit(f"{name} must be >= 1, got {v}")
+    if a.ctx < a.top_k + 2 * a.page:
+        raise SystemExit(f"--ctx {a.ctx} must hold K + 2 blocks ({a.top_k + 2 * a.page} tokens)")
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_neighbours needs a CUDA GPU (CUPTI's kernel durations); "
+                         "--plot-only draws an existing CSV")
+    rows = measure(a)
+    old = []
+    if a.append and os.path.exists(a.csv):
+        with open(a.csv) as f:
+            old = list(csv.DictReader(f))
+    os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
+    with open(a.csv, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(old + rows)
+    print(f"wrote {len(rows)} rows to {a.csv}")
+    plot(old + rows, os.path.splitext(a.csv)[0] + ".png")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
