@@ -45,7 +45,6 @@ Shape: Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16), page 64, K = 20
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
 import sys
@@ -286,12 +285,8 @@ def _timed_row(part, case, B, ctx, tokens, m, nbytes, calls, a, dev, bw, table_c
 
 def plot(rows, png: str) -> None:
     """Cold µs per case, one panel per part (the bars' labels name batch and size)."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = common.pyplot()
+    if plt is None:
         return
     parts = sorted({r["part"] for r in rows})
     fig, axes = plt.subplots(len(parts), 1, figsize=(10, 3.2 * len(parts)), squeeze=False)
@@ -358,17 +353,8 @@ def main(argv=None):
         bench_attention(a, dev, g, bw, rows)
     if "selection" in a.parts:
         bench_selection(a, dev, g, bw, rows)
-    old = []
-    if a.append and os.path.exists(a.csv):
-        with open(a.csv) as f:
-            old = list(csv.DictReader(f))
-    os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
-    with open(a.csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(old + rows)
-    print(f"wrote {len(rows)} rows to {a.csv}")
-    plot(old + rows, os.path.splitext(a.csv)[0] + ".png")
+    every = common.write_rows(a.csv, rows, COLUMNS, append=a.append)
+    plot(every, os.path.splitext(a.csv)[0] + ".png")
     return rows
 
 

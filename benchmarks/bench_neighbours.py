@@ -197,9 +197,7 @@ def profile(calls, reps: int, flush=None) -> List[dict]:
             g.replay()
     replays(2)
     torch.cuda.synchronize()
-    events = trace(lambda: replays(reps))
-    del g
-    return events
+    return trace(lambda: replays(reps))
 
 
 def flush_kernels(dev) -> List[str]:
@@ -235,12 +233,8 @@ def measure(a) -> List[dict]:
 
 def plot(rows, png: str) -> None:
     """Mean µs of the sparse kernels (selection, attention) per setting, a panel per variant."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib missing: no plot")
+    plt = common.pyplot()
+    if plt is None:
         return
     sparse = [r for r in rows if r["kernel"].startswith(("quest_select", "quest_scores",
                                                          "block_attn", "attn_merge"))]
@@ -299,17 +293,8 @@ def main(argv=None):
         raise SystemExit("bench_neighbours needs a CUDA GPU (CUPTI's kernel durations); "
                          "--plot-only draws an existing CSV")
     rows = measure(a)
-    old = []
-    if a.append and os.path.exists(a.csv):
-        with open(a.csv) as f:
-            old = list(csv.DictReader(f))
-    os.makedirs(os.path.dirname(os.path.abspath(a.csv)), exist_ok=True)
-    with open(a.csv, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(old + rows)
-    print(f"wrote {len(rows)} rows to {a.csv}")
-    plot(old + rows, os.path.splitext(a.csv)[0] + ".png")
+    every = common.write_rows(a.csv, rows, COLUMNS, append=a.append)
+    plot(every, os.path.splitext(a.csv)[0] + ".png")
     return rows
 
 

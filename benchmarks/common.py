@@ -24,6 +24,8 @@ wall clock, the flush reads a buffer of twice the largest CPU cache; the same co
 
 from __future__ import annotations
 
+import csv
+import os
 import statistics
 import time
 from pathlib import Path
@@ -91,6 +93,37 @@ def flusher(device="cuda") -> L2Flush:
     if key not in _flushers:
         _flushers[key] = L2Flush(device)
     return _flushers[key]
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only backend, or None (and a line saying so) without it."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot")
+        return None
+    return plt
+
+
+def write_rows(path, rows: Sequence[dict], columns: Sequence[str], append: bool = False
+               ) -> List[dict]:
+    """Write ``rows`` to the CSV at ``path`` under ``columns``, after the rows already there when
+    ``append`` (a run adds its rows beside earlier runs'), and say so; returns every row
+    written."""
+    old: List[dict] = []
+    if append and os.path.exists(path):
+        with open(path, newline="") as f:
+            old = list(csv.DictReader(f))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    every = old + list(rows)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(columns))
+        w.writeheader()
+        w.writerows(every)
+    print(f"wrote {len(rows)} rows to {path}")
+    return every
 
 
 def capture(calls: Sequence[Callable[[], object]], warmup: int = 1):

@@ -1,10 +1,12 @@
 """benchmarks/common.py on CPU: the cold-L2 timer flushes before every timed round and keeps
 the flush out of the timing; the warm/cold pair; the flush buffer's size; the wall-clock
-fallback of the graph timer."""
+fallback of the graph timer; the CSV writer that appends a run's rows."""
 
 from __future__ import annotations
 
+import csv
 import importlib.util
+import random
 import sys
 import time
 from pathlib import Path
@@ -65,3 +67,21 @@ def test_flush_reads_twice_the_last_level_cache(common, monkeypatch):
 def test_summary(common):
     assert common.summary([5.0, 1.0, 3.0, 2.0, 4.0]) == (3.0, 1.0, 5.0)
     assert common.pct([1.0, 2.0, 3.0], 50) == 2.0
+
+
+def test_write_rows_appends_after_the_rows_already_there(common, tmp_path):
+    rng = random.Random()
+    cols = ["a", "b"]
+    first = [dict(a=rng.randint(0, 99), b=rng.random()) for _ in range(rng.randint(1, 5))]
+    second = [dict(a=rng.randint(0, 99), b=rng.random()) for _ in range(rng.randint(1, 5))]
+    path = tmp_path / "sub" / "rows.csv"  # its folder is made
+    common.write_rows(str(path), first, cols)
+    every = common.write_rows(str(path), second, cols, append=True)
+    with open(path, newline="") as f:
+        got = list(csv.DictReader(f))
+    want = [{k: str(v) for k, v in r.items()} for r in first + second]
+    assert got == want and len(every) == len(want)
+    # negative control: without append, the earlier rows are gone
+    common.write_rows(str(path), second, cols)
+    with open(path, newline="") as f:
+        assert len(list(csv.DictReader(f))) == len(second)
