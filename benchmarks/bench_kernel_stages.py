@@ -119,6 +119,40 @@ def attention_sets(B, ntok, page, nblk_ctx, R, dev, g):
     return kv[:, 0], kv[:, 1], sets, na
 
 
+def attention_merge_set(s, k_buf, v_buf, page: int, sm: float):
+    """Serial DSA's attention over input set ``s``'s lists (``attention_sets``) with its merge,
+    bf16 out."""
+    return ops.sparse_attn_merge(s["q"], k_buf, v_buf, s["table"], s["sl"], s["idx"], s["cnt"],
+                                 page, sm, None, None, None, None, None, None, 0, True,
+                                 out_dtype=torch.bfloat16)
+
+
+def _fold(s, page: int, stats) -> dict:
+    """The selection ops' keyword arguments that fold set ``s``'s new keys (``page`` > 0) and
+    count into ``stats``."""
+    kw = dict(new_k=s["new_k"], new_pos=s["new_pos"], page_size=page) if page > 0 else {}
+    return dict(kw, stats=stats) if stats is not None else kw
+
+
+def select_set(s, k: int, n_out: int, *, with_p: bool = False, fold_page: int = 0, stats=None,
+               sink: int = 1, local: int = 1):
+    """Quest's selection of input set ``s`` (``selection_sets``): serial DSA's (no P, M = A) or,
+    ``with_p``, PRR's (M = A \\ P); ``fold_page`` > 0 folds the set's new keys."""
+    p = (s["p_idx"], s["p_cnt"]) if with_p else (None, None)
+    return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], *p, k, sink,
+                            local, n_out, s["p_cur"] if with_p else None,
+                            **_fold(s, fold_page, stats))
+
+
+def select_predict_set(s, k: int, n_pred: int, n_out: int, *, fold_page: int = 0, stats=None,
+                       sink: int = 1, local: int = 1):
+    """PRR's selection of input set ``s`` with the predictor's step in its epilogue."""
+    return ops.quest_select_predict(
+        s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], s["nblk_next"], s["p_idx"],
+        s["p_cnt"], s["p_cur"], s["p_nxt"], s["level"], s["trend"], s["n_init"], s["theta"],
+        s["rows"], k, n_pred, sink, local, n_out, **_fold(s, fold_page, stats))
+
+
 def bench_attention(a, dev, g, bw, rows):
     page, sm = a.page, 1.0 / math.sqrt(D)
     for B, ntok in a.attn_points:
@@ -126,10 +160,8 @@ def bench_attention(a, dev, g, bw, rows):
         R = 2 if a.quick else n_sets(per, dev)
         k_buf, v_buf, sets, na = attention_sets(B, ntok, page, a.ctx_blocks, R, dev, g)
 
-        def merge(s, **kw):
-            return ops.sparse_attn_merge(s["q"], k_buf, v_buf, s["table"], s["sl"], s["idx"],
-                                         s["cnt"], page, sm, None, None, None, None, None, None,
-                                         0, True, out_dtype=torch.bfloat16)
+        def merge(s):
+            return attention_merge_set(s, k_buf, v_buf, page, sm)
 
         def partials(s):
             return ops.sparse_attn_partials(s["q"], k_buf, v_buf, s["table"], s["sl"], s["idx"],
@@ -208,18 +240,13 @@ def bench_selection(a, dev, g, bw, rows):
         sets = selection_sets(B, NB, R, n_pred, dev, g, a.page, NBt)
 
         def select(s):
-            return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"],
-                                    s["p_idx"], s["p_cnt"], k, sink, local, n_out, s["p_cur"])
+            return select_set(s, k, n_out, with_p=True, sink=sink, local=local)
 
         def select_serial(s):  # serial DSA: no P, M = A
-            return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"],
-                                    None, None, k, sink, local, n_out, None)
+            return select_set(s, k, n_out, sink=sink, local=local)
 
         def select_predict(s):
-            return ops.quest_select_predict(
-                s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], s["nblk_next"], s["p_idx"],
-                s["p_cnt"], s["p_cur"], s["p_nxt"], s["level"], s["trend"],
-                s["n_init"], s["theta"], s["rows"], k, n_pred, sink, local, n_out)
+            return select_predict_set(s, k, n_pred, n_out, sink=sink, local=local)
 
         def predictor(s):  # --prr-predictor side: the step's own launch after the selection
             ops.predict_update_rows(
@@ -229,9 +256,7 @@ def bench_selection(a, dev, g, bw, rows):
                 local_blocks=local, p_rows=s["p_nxt"])
 
         def select_fold(s):  # serial DSA with the step's new keys folded into the scores
-            return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"],
-                                    None, None, k, sink, local, n_out, None, new_k=s["new_k"],
-                                    new_pos=s["new_pos"], page_size=a.page)
+            return select_set(s, k, n_out, fold_page=a.page, sink=sink, local=local)
 
         side, forked, joined = ((torch.cuda.Stream(dev), torch.cuda.Event(), torch.cuda.Event())
                                 if dev.type == "cuda" else (None, None, None))

@@ -55,7 +55,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_kernel_stages as stages  # noqa: E402  (the selection's and attention's input sets)
 import common  # noqa: E402  (the benchmarks' graph capture and L2 flush)
 from profile_trace import short_name  # noqa: E402
-from sglang_prr import ops  # noqa: E402
 from sglang_prr.kernels import build  # noqa: E402
 
 HIDDEN, INTER, QKV_O = 4096, 14336, 6144  # Llama-3-8B: hidden, MLP width, q + k + v + o columns
@@ -126,21 +125,14 @@ class Layers:
 
     def select(self, l: int, prr: bool):
         s, k, a = self.sel[l], self.k, self.a
-        fold = dict(new_k=s["new_k"], new_pos=s["new_pos"], page_size=a.page, stats=self.stats)
         if prr:
-            return ops.quest_select_predict(
-                s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], s["nblk_next"], s["p_idx"],
-                s["p_cnt"], s["p_cur"], s["p_nxt"], s["level"], s["trend"], s["n_init"],
-                s["theta"], s["rows"], k, a.n_pred, 1, 1, k + 2, **fold)
-        return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], None, None,
-                                k, 1, 1, k + 2, None, **fold)
+            return stages.select_predict_set(s, k, a.n_pred, k + 2, fold_page=a.page,
+                                             stats=self.stats)
+        return stages.select_set(s, k, k + 2, fold_page=a.page, stats=self.stats)
 
     def attention(self, l: int):
-        s = self.att[l]
-        return ops.sparse_attn_merge(s["q"], self.k_buf, self.v_buf, s["table"], s["sl"],
-                                     s["idx"], s["cnt"], self.a.page, 1.0 / math.sqrt(stages.D),
-                                     None, None, None, None, None, None, 0, True,
-                                     out_dtype=torch.bfloat16)
+        return stages.attention_merge_set(self.att[l], self.k_buf, self.v_buf, self.a.page,
+                                          1.0 / math.sqrt(stages.D))
 
     def stage(self, name: str, l: int, prr: bool) -> None:
         other = (l + self.L // 2) % self.L
@@ -151,9 +143,7 @@ class Layers:
         elif name in ("attention", "attention_other"):
             self.attention(other if name == "attention_other" else l)
         elif name == "other_code":
-            s = self.small
-            ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], None, None,
-                             self.k, 1, 1, self.k + 2, None)
+            stages.select_set(self.small, self.k, self.k + 2)
         elif name == "touch_pages":
             torch.index_select(self.pages, 0, self.touch)
         else:

@@ -16,6 +16,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "..", "..", "benchmarks"))
 import bench_neighbours as bn  # noqa: E402
+from sglang_prr import ops  # noqa: E402
 
 
 def _events(names, replays, layers, rng):
@@ -80,7 +81,7 @@ def test_every_setting_runs_and_each_layer_reads_its_own_inputs():
             for c in calls:
                 c()
     s = lay.sel[1]
-    want = bn.ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], None, None,
+    want = ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], None, None,
                                lay.k, 1, 1, lay.k + 2, None, new_k=s["new_k"],
                                new_pos=s["new_pos"], page_size=16)
     got = lay.select(1, prr=False)
