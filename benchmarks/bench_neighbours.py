@@ -117,7 +117,9 @@ class Layers:
         self.w = {"gemm_qkv": torch.randn(hidden, qkv_o, device=dev, dtype=h),
                   "gemm_up": torch.randn(hidden, 2 * inter, device=dev, dtype=h),
                   "gemm_down": torch.randn(inter, hidden, device=dev, dtype=h)}
-        span = 16 << 30 if dev.type == "cuda" else 1 << 20
+        # The TLB sweep's 16 GB only where a setting to run sweeps it.
+        sweep = any("touch_pages" in SETTINGS[st] for st in getattr(a, "settings", SETTINGS))
+        span = 16 << 30 if dev.type == "cuda" and sweep else 1 << 20
         self.pages = torch.empty(span, dtype=torch.uint8, device=dev)
         self.touch = torch.arange(8192, device=dev) * (span // 8192)
         self.stats = torch.zeros(4, dtype=torch.int64, device=dev)
