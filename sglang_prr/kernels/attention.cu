@@ -185,6 +185,7 @@ __device__ int merge_entries(const AttnArgs& a, int b, int hk, const MergeLoads&
   if (tid < Na) s_a[tid] = x_a;
   // Entries past the first kAttnThreads (rows that select every block of a long context): the
   // three lists' loads of a round go out together, then their stores.
+#pragma unroll 1
   for (int i = tid + kAttnThreads; i < N || (filt && i < N1) || i < Na; i += kAttnThreads) {
     const int y0 = i < N ? a.idx[lrow * N + i] : 0;
     const int y1 = (filt && i < N1) ? a.p_idx[prow * N1 + i] : 0;
@@ -202,6 +203,7 @@ __device__ int merge_entries(const AttnArgs& a, int b, int hk, const MergeLoads&
   // Keys: P's entry of block x sorts as 2x, this launch's as 2x + 1; without P's ids (union
   // with no list) the first source's entries come first, in their order.
   int pos_base = 0;
+#pragma unroll 1
   for (int e0 = 0; e0 < E; e0 += kAttnThreads) {
     const int e = e0 + tid;
     int keep = 0, key = 0, ent = 0;
@@ -231,11 +233,17 @@ __device__ int merge_entries(const AttnArgs& a, int b, int hk, const MergeLoads&
   }
   const int nk = pos_base;
   // Rank sort (keys are distinct): a few hundred entries at most.
+#pragma unroll 1
   for (int i = tid; i < nk; i += kAttnThreads) {
     const int k = s_key[i];
-    int r = 0;
-#pragma unroll 8
-    for (int j = 0; j < nk; ++j) r += s_key[j] < k;
+    int r = 0, j = 0;
+#pragma unroll 1
+    for (; j + 8 <= nk; j += 8) {
+#pragma unroll
+      for (int u = 0; u < 8; ++u) r += s_key[j + u] < k;
+    }
+#pragma unroll 1
+    for (; j < nk; ++j) r += s_key[j] < k;
     s_srt[r] = s_ent[i];
   }
   __syncthreads();
@@ -268,6 +276,7 @@ __device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem
     const int64_t r = r0 + e / D4;
     const float4* src2 = reinterpret_cast<const float4*>(a.o + r * N * D) + e % D4;
     const float4* src1 = reinterpret_cast<const float4*>(a.o1 + r * N1 * D) + e % D4;
+#pragma unroll 1
     for (int u = 0; u < cap && i0 + u < nk; ++u) {
       const int ent = s_srt[i0 + u];
       cute::SM80_CP_ASYNC_CACHEGLOBAL<uint4>::copy(
@@ -279,17 +288,25 @@ __device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem
   // lse of (query head g, sorted entry i) -> s_w[g * nk + i], kLse loads in flight a thread. The
   // first round goes out before the first round of rows: the weights wait on the lse values,
   // the rows' sums on the weights, so the lse loads must not queue behind the rows.
+  // Entry e = g * nk + i; the thread's (g, i) advance by kAttnThreads entries a step (one
+  // division per thread, not one per load: the tail runs once per group, its code cold).
   constexpr int kLse = 4;
   float v[kLse];
+  const int nk1 = nk > 0 ? nk : 1;
+  const int dq = kAttnThreads / nk1, dr = kAttnThreads % nk1;
+  int lg = tid / nk1, li = tid % nk1;  // (g, i) of the next entry load_lse reads
   auto load_lse = [&](int e0) {
 #pragma unroll
     for (int u = 0; u < kLse; ++u) {
       const int e = e0 + u * kAttnThreads;
       if (e < G * nk) {
-        const int g = e / nk, ent = s_srt[e % nk], pos = ent >> 1;
-        v[u] = (ent & 1) ? __ldcg(a.lse + (r0 + g) * N + pos)
-                         : __ldcg(a.lse1 + (r0 + g) * N1 + pos);
+        const int ent = s_srt[li], pos = ent >> 1;
+        v[u] = (ent & 1) ? __ldcg(a.lse + (r0 + lg) * N + pos)
+                         : __ldcg(a.lse1 + (r0 + lg) * N1 + pos);
       }
+      li += dr;
+      lg += dq;
+      if (li >= nk1) { li -= nk1; ++lg; }
     }
   };
   auto store_lse = [&](int e0) {
@@ -302,6 +319,7 @@ __device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem
   load_lse(tid);
   if (tid < items) issue_rows(tid, 0);
   store_lse(tid);
+#pragma unroll 1
   for (int e0 = tid + kLse * kAttnThreads; e0 < G * nk; e0 += kLse * kAttnThreads) {
     load_lse(e0);
     store_lse(e0);
@@ -311,11 +329,13 @@ __device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem
   for (int g = warp; g < G; g += kAttnWarps) {
     float* w = s_w + g * nk;
     float mx = -INFINITY;
+#pragma unroll 1
     for (int i = lane; i < nk; i += 32) mx = fmaxf(mx, w[i]);
 #pragma unroll
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     const float m_safe = (mx == -INFINITY || mx == INFINITY || mx != mx) ? 0.f : mx;
     float ls = 0.f;
+#pragma unroll 1
     for (int i = lane; i < nk; i += 32) {
       const float ex = expf(w[i] - m_safe);  // an empty state: exp(-inf) = 0
       w[i] = ex;
@@ -332,9 +352,11 @@ __device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem
     const int64_t r = r0 + g;
     const float* w = s_w + g * nk;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
     for (int i0 = 0; i0 < nk; i0 += cap) {
       if (e != tid || i0 != 0) issue_rows(e, i0);  // (the first round went out above)
       cute::cp_async_wait<0>();
+#pragma unroll 4
       for (int u = 0; u < cap && i0 + u < nk; ++u) {
         const float wt = w[i0 + u];
         float4 y = s_rows[(size_t)u * items + e];

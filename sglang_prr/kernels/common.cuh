@@ -224,9 +224,16 @@ __device__ __forceinline__ void store4_any(void* base, int64_t off, int dt, floa
 
 // Whether x is one of list[0, n) (shared memory): independent compares, several loads in flight.
 __device__ __forceinline__ bool occurs_in(const int* list, int n, int x) {
-  int hit = 0;
-#pragma unroll 8
-  for (int j = 0; j < n; ++j) hit |= list[j] == x;
+  // Eight compares in flight a step; the loops themselves not unrolled further (the merge and
+  // selection tails run once per group, from code that is cold in the instruction caches).
+  int hit = 0, j = 0;
+#pragma unroll 1
+  for (; j + 8 <= n; j += 8) {
+#pragma unroll
+    for (int u = 0; u < 8; ++u) hit |= list[j + u] == x;
+  }
+#pragma unroll 1
+  for (; j < n; ++j) hit |= list[j] == x;
   return hit != 0;
 }
 

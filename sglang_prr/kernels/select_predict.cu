@@ -72,10 +72,12 @@ template <> struct Sum8<__nv_bfloat16> {
 __device__ __forceinline__ int count_above(const unsigned long long* v, int n,
                                            unsigned long long x) {
   int r = 0, i = 0;
+#pragma unroll 1
   for (; i + 8 <= n; i += 8) {
 #pragma unroll
     for (int u = 0; u < 8; ++u) r += v[i + u] > x;
   }
+#pragma unroll 1
   for (; i < n; ++i) r += v[i] > x;
   return r;
 }
@@ -341,6 +343,7 @@ quest_select_onepass_kernel(SelectArgs a) {
       else BUF_P(0)[c * a.kcp + (j - a.kca)] = x[u];
     }
   }
+#pragma unroll 1
   for (int c = tid; c < nch; c += kOpThreads) {
     CNT_A(0)[c] = __ldcg(a.ws_cnt + (row * a.nch + c) * 2);
     CNT_P(0)[c] = __ldcg(a.ws_cnt + (row * a.nch + c) * 2 + 1);
@@ -370,6 +373,7 @@ quest_select_onepass_kernel(SelectArgs a) {
     const int jA = min(a.kca, max(1, (2 * KA + nch - 1) / nch));
     const int jP = min(a.kcp, max(1, (2 * KP + nch - 1) / nch));
     const int nsa = nch * jA, nsp = nch * jP;
+#pragma unroll 1
     for (int e = tid; e < nsa + nsp; e += kOpThreads) {
       const bool isA = e < nsa;
       const int j = isA ? jA : jP, ee = isA ? e : e - nsa, c = ee / j, i = ee % j;
@@ -378,6 +382,7 @@ quest_select_onepass_kernel(SelectArgs a) {
     }
     if (tid < 2) { s_thr[tid] = 0ull; s_nsurv[tid] = 0; }
     __syncthreads();
+#pragma unroll 1
     for (int e = tid; e < nsa + nsp; e += kOpThreads) {
       const bool isA = e < nsa;
       const unsigned long long* sv = isA ? BUF_A(1) : BUF_P(1);
@@ -387,6 +392,7 @@ quest_select_onepass_kernel(SelectArgs a) {
         s_thr[isA ? 0 : 1] = x;
     }
     __syncthreads();
+#pragma unroll 1
     for (int e = tid; e < nch * (a.kca + a.kcp); e += kOpThreads) {
       const bool isA = e < nch * a.kca;
       const int W1 = isA ? a.kca : a.kcp, ee = isA ? e : e - nch * a.kca;
@@ -397,6 +403,7 @@ quest_select_onepass_kernel(SelectArgs a) {
     }
     __syncthreads();
     const int nsA = s_nsurv[0], nsP = s_nsurv[1];
+#pragma unroll 1
     for (int e = tid; e < nsA + nsP; e += kOpThreads) {
       const bool isA = e < nsA;
       const unsigned long long* sv = isA ? BUF_A(1) : BUF_P(1);
@@ -413,12 +420,14 @@ quest_select_onepass_kernel(SelectArgs a) {
   if (a.debug_stop == 3) return;  // timing probe: up to the top-K
   const int ca = min(CNT_A(0)[0], KA), cp = min(CNT_P(0)[0], KP);
   // the chosen ids in ascending order (rank sort: distinct ids)
+#pragma unroll 1
   for (int e = tid; e < ca + cp; e += kOpThreads) {
     const bool isA = e < ca;
     const unsigned long long* lst = isA ? BUF_A(0) : BUF_P(0);
     const int c = isA ? ca : cp, i = isA ? e : e - ca;
     const int id = comp_id(lst[i]);
     int r = 0;
+#pragma unroll 4
     for (int j = 0; j < c; ++j) r += comp_id(lst[j]) < id;
     (isA ? s_ida : s_idp)[r] = id;
   }
