@@ -327,6 +327,12 @@ quest_select_onepass_kernel(SelectArgs a) {
   constexpr int kTailLoads = 16;
   const int W = a.kca + a.kcp;
   const unsigned long long* wrow = a.ws + row * a.nch * W;
+  // Entry e = c * W + j; the thread's (c, j) advance by kOpThreads entries a step (one division
+  // per thread, not one per entry).
+  const int W1 = W > 0 ? W : 1;
+  const int dq = kOpThreads / W1, dr = kOpThreads % W1;
+  int cc = tid / W1, cj = tid % W1;
+#pragma unroll 1
   for (int e0 = tid; e0 < nch * W; e0 += kTailLoads * kOpThreads) {
     unsigned long long x[kTailLoads];
 #pragma unroll
@@ -338,9 +344,11 @@ quest_select_onepass_kernel(SelectArgs a) {
     for (int u = 0; u < kTailLoads; ++u) {
       const int e = e0 + u * kOpThreads;
       if (e >= nch * W) break;
-      const int c = e / W, j = e % W;
-      if (j < a.kca) BUF_A(0)[c * a.kca + j] = x[u];
-      else BUF_P(0)[c * a.kcp + (j - a.kca)] = x[u];
+      if (cj < a.kca) BUF_A(0)[cc * a.kca + cj] = x[u];
+      else BUF_P(0)[cc * a.kcp + (cj - a.kca)] = x[u];
+      cj += dr;
+      cc += dq;
+      if (cj >= W1) { cj -= W1; ++cc; }
     }
   }
 #pragma unroll 1
@@ -352,6 +360,7 @@ quest_select_onepass_kernel(SelectArgs a) {
   if (a.p_idx) {
     pc = min(max(pc_raw, 0), a.Np);
     if (tid < pc) s_pl[tid] = p_first;
+#pragma unroll 1
     for (int i = tid + kOpThreads; i < pc; i += kOpThreads) s_pl[i] = a.p_idx[prow * a.Np + i];
   }
   __syncthreads();
