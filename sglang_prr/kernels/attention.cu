@@ -397,53 +397,20 @@ __device__ __forceinline__ bool repeats_earlier(const int32_t* list, int n, int 
 }
 
 // ============================================================================ block attention
-// HeadsX: the grid's x runs over KV heads and its y over list entries (launch_partials), else the
-// other way round; a template argument, not a branch, so that D = 256 keeps its registers.
-template <typename T, int D, bool HeadsX>
-__global__ void __launch_bounds__(kAttnThreads)
-block_attn_kernel(AttnArgs a, int nq) {
-  pdl_begin();  // before any global-memory access (PDL)
+// The partial (o, lse) of listed entry n (its ntok tokens at `page`) for the G query heads of KV
+// head hk of request b, into a.o / a.lse. Called by every thread of the CTA.
+template <typename T, int D>
+__device__ __forceinline__ void block_partial(const AttnArgs& a, int b, int hk, int n,
+                                              int64_t row0, int64_t page, int ntok, int nq,
+                                              unsigned char* s_dyn) {
   using Sw = RowSwizzle<D>;
   using Op = typename Mma<T>::Op;
   constexpr int kQRow = AttnSmem<T, D>::kQRow;
   constexpr int kPieces = D / 8;  // 16-byte pieces per row
   constexpr int kMT = D / 16;     // m-tiles of O^T
-  extern __shared__ __align__(128) unsigned char s_dyn[];  // K/V stages; combine; merge tail
   __shared__ float s_m[kAttnWarps][kHeadsN], s_l[kAttnWarps][kHeadsN];
-
-  const int n = HeadsX ? blockIdx.y : blockIdx.x, hk = HeadsX ? blockIdx.x : blockIdx.y;
-  const int b = blockIdx.z;
   const int G = a.Hq / a.Hk;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;
-  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
-  // Every load that needs only the list's row goes out at once (one round trip, not three): the
-  // count, this CTA's entry, the request's length and the first earlier entries (the repeat
-  // check). The list is as wide as the grid, so entry n exists whatever the count.
-  const int32_t* list = a.idx + lrow * a.N;
-  const int c = a.cnt[lrow];
-  const int blk = list[n];
-  const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
-  const int earlier = tid < n ? list[tid] : 0;
-  // Fused merge: only the listed entries take part (entry 0 alone for an empty list, so the
-  // first source is still merged); the CTAs of padding entries exit at once.
-  const int parts = max(min(c, a.N), 1);
-  if (a.sem && n >= parts) return;
-  const bool repeat = repeats_earlier(list, n, blk, earlier);
-  int ntok = 0;
-  int64_t page = 0;
-  if (n < c && !repeat && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
-    page = ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64);
-    const int64_t rem = sl - (int64_t)blk * a.page_size;
-    ntok = clamp_count(rem, a.page_size);
-  }
-  if (ntok == 0) {  // padding entry or block past the request: the empty state (0, -inf)
-    for (int e = tid; e < G * D; e += kAttnThreads)
-      a.o[((row0 + e / D) * a.N + n) * D + e % D] = 0.f;
-    if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
-    if (a.sem) merge_tail(a, b, hk, s_dyn, parts, D);
-    return;
-  }
 
   // K/V of a chunk: rows of 64 tokens, K then V, cp.async with zero fill past the block's end
   // (a masked row must hold finite values: 0 * NaN would poison the P.V sums).
@@ -484,6 +451,7 @@ block_attn_kernel(AttnArgs a, int nq) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) x[i] = 0.f;
     }
+#pragma unroll 1  // nq is 1 but for float32 q: one copy of the body
     for (int p = 0; p < nq; ++p) {
       __align__(16) T part[8];
 #pragma unroll
@@ -529,6 +497,7 @@ block_attn_kernel(AttnArgs a, int nq) {
           cute::SM75_U32x4_LDSM_N::copy(*reinterpret_cast<const cute::uint128_t*>(src),
                                         kb[j][0], kb[j][1], kb[j][2], kb[j][3]);
         }
+#pragma unroll 1
         for (int p = 0; p < nq; ++p) {
           const T* qr = s_q + (p * kHeadsN + g) * kQRow + kk * 32 + 2 * t4;
           const uint32_t qa0 = *reinterpret_cast<const uint32_t*>(qr);
@@ -625,6 +594,51 @@ block_attn_kernel(AttnArgs a, int nq) {
     a.o[((row0 + h) * a.N + n) * D + d] = any ? acc / lsum : 0.f;
     if (d == 0) a.lse[(row0 + h) * a.N + n] = any ? (M + log2f(lsum)) * kLn2 : -INFINITY;
   }
+}
+
+// HeadsX: the grid's x runs over KV heads and its y over list entries (launch_partials), else the
+// other way round; a template argument, not a branch, so that D = 256 keeps its registers.
+template <typename T, int D, bool HeadsX>
+__global__ void __launch_bounds__(kAttnThreads)
+block_attn_kernel(AttnArgs a, int nq) {
+  pdl_begin();  // before any global-memory access (PDL)
+  extern __shared__ __align__(128) unsigned char s_dyn[];  // K/V stages; combine; merge tail
+
+  const int n = HeadsX ? blockIdx.y : blockIdx.x, hk = HeadsX ? blockIdx.x : blockIdx.y;
+  const int b = blockIdx.z;
+  const int G = a.Hq / a.Hk;
+  const int tid = threadIdx.x;
+  const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;
+  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
+  // Every load that needs only the list's row goes out at once (one round trip, not three): the
+  // count, this CTA's entry, the request's length and the first earlier entries (the repeat
+  // check). The list is as wide as the grid, so entry n exists whatever the count.
+  const int32_t* list = a.idx + lrow * a.N;
+  const int c = a.cnt[lrow];
+  const int blk = list[n];
+  const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
+  const int earlier = tid < n ? list[tid] : 0;
+  // Fused merge: only the listed entries take part (entry 0 alone for an empty list, so the
+  // first source is still merged); the CTAs of padding entries exit at once.
+  const int parts = max(min(c, a.N), 1);
+  if (a.sem && n >= parts) return;
+  const bool repeat = repeats_earlier(list, n, blk, earlier);
+  int ntok = 0;
+  int64_t page = 0;
+  if (n < c && !repeat && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
+    page = ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64);
+    const int64_t rem = sl - (int64_t)blk * a.page_size;
+    ntok = clamp_count(rem, a.page_size);
+  }
+  if (ntok == 0) {  // padding entry or block past the request: the empty state (0, -inf)
+    for (int e = tid; e < G * D; e += kAttnThreads)
+      a.o[((row0 + e / D) * a.N + n) * D + e % D] = 0.f;
+    if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
+  } else {
+    block_partial<T, D>(a, b, hk, n, row0, page, ntok, nq, s_dyn);
+  }
+  // One call site: the merge tail's code is in the kernel once (one CTA of a group runs it,
+  // after the others, its instructions cold).
   if (a.sem) merge_tail(a, b, hk, s_dyn, parts, D);  // its first barrier orders the s_o reads
 }
 

@@ -216,6 +216,8 @@ quest_select_onepass_kernel(SelectArgs a) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) fold_key<S>(kf[i], first_tok, lo[i], hi[i]);
         }
+        // One copy of a head's sums (the launch's first instructions run cold in the server).
+#pragma unroll 1
         for (int g = 0; g < G; ++g) {
           const float4 qa = *reinterpret_cast<const float4*>(s_q + g * D + ln * 4);
           const float4 qb = *reinterpret_cast<const float4*>(s_q + g * D + D / 2 + ln * 4);
