@@ -23,11 +23,16 @@ does. A setting is the stages of one layer, in order:
   attention.
 
 Variants: ``serial`` (Quest's selection with the step's new keys folded in, as serial DSA's
-server calls it; attention over A with its merge) and ``prr`` (the selection with the predictor's
-step in its epilogue; the same attention, whose kernel the repair runs too). Shape: Llama-3-8B
-(32 q / 8 KV heads, head dim 128, bf16 K/V and summaries), page 64, K = 2048 tokens, |P| = 48
-blocks. The CSV has one row per (variant, setting, place): the place of a kernel among its
-layer's kernels, its name and its mean and median µs over ``--reps`` replays of every layer.
+server calls it; attention over A with its merge), ``prr`` (the selection with the predictor's
+step in its epilogue; the same attention, whose kernel the repair runs too) and ``prr_layer``
+(PRR's layer as its server step lays it out: the selection + predictor, then the summary update,
+on a side stream; the speculative pass over P beside them on the main stream; the repair over M,
+after the selection, merged with the partials of P n A; |M| = ``--m-blocks``, P the rest of A and
+blocks outside it, |P| = ``--n-pred``; in the settings whose ``select`` and ``attention`` are one
+layer's). Shape: Llama-3-8B (32 q / 8 KV heads, head dim 128, bf16 K/V and summaries), page 64,
+K = 2048 tokens, |P| = 48 blocks. The CSV has one row per (variant, setting, place): the place
+of a kernel among its layer's kernels (``prr_layer``: ordered by name, then start), its name and
+its mean and median µs over ``--reps`` replays of every layer.
 
     python benchmarks/bench_neighbours.py --csv benchmarks/results/neighbours_h200.csv
     python benchmarks/bench_neighbours.py --plot-only benchmarks/results/neighbours_h200.csv
@@ -55,6 +60,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_kernel_stages as stages  # noqa: E402  (the selection's and attention's input sets)
 import common  # noqa: E402  (the benchmarks' graph capture and L2 flush)
 from profile_trace import short_name  # noqa: E402
+from sglang_prr import ops  # noqa: E402
 from sglang_prr.kernels import build  # noqa: E402
 
 HIDDEN, INTER, QKV_O = 4096, 14336, 6144  # Llama-3-8B: hidden, MLP width, q + k + v + o columns
@@ -68,16 +74,21 @@ SETTINGS: Dict[str, Sequence[str]] = {
     "code": ("other_code", "select", "attention"),
     "pages": ("touch_pages", "select", "attention"),
 }
+VARIANTS = ("serial", "prr", "prr_layer")
+# The settings prr_layer runs in: its ``select`` stage forks the layer and ``attention`` joins it.
+PAIRED = ("flushed", "layers", "server", "code", "pages")
 COLUMNS = ["gpu", "date", "library", "variant", "setting", "batch", "ctx", "layers", "place",
            "kernel", "mean_us", "median_us", "count"]
 
 
 def layer_means(events: Sequence[dict], replays: int, layers: int,
-                exclude: Sequence[str] = ()) -> List[dict]:
+                exclude: Sequence[str] = (), by_name: bool = False) -> List[dict]:
     """Per place in a layer: the kernel's short name and its mean / median µs over every layer
     of every replay. ``events``: the trace's events (those with ``cat == "kernel"`` count, in
     start order, less those whose short name is in ``exclude``); each of the ``replays x layers``
-    layers must hold the same kernels in the same order, else ``ValueError``."""
+    layers must hold the same kernels in the same order, else ``ValueError``. ``by_name``: a
+    layer's kernels ordered by short name, then start (two streams: which of two concurrent
+    kernels starts first may change from layer to layer)."""
     ks = sorted((e for e in events if e.get("cat") == "kernel"
                  and short_name(e["name"]) not in exclude), key=lambda e: e["ts"])
     n = replays * layers
@@ -85,6 +96,9 @@ def layer_means(events: Sequence[dict], replays: int, layers: int,
         raise ValueError(f"{len(ks)} kernels do not split into {replays} replays x {layers} "
                          f"layers")
     per = len(ks) // n
+    if by_name:
+        ks = [e for i in range(0, len(ks), per)
+              for e in sorted(ks[i:i + per], key=lambda e: (short_name(e["name"]), e["ts"]))]
     out = []
     for p in range(per):
         at = ks[p::per]
@@ -124,6 +138,37 @@ class Layers:
         self.touch = torch.arange(8192, device=dev) * (span // 8192)
         self.stats = torch.zeros(4, dtype=torch.int64, device=dev)
         self.k = a.top_k // a.page
+        self.spec = [self._spec_lists(s, a.m_blocks, a.n_pred, nbt, g) for s in self.att]
+        cuda = dev.type == "cuda"
+        self.side = torch.cuda.Stream(dev) if cuda else None
+        self.forked, self.selected, self.side_done = (
+            (torch.cuda.Event(), torch.cuda.Event(), torch.cuda.Event()) if cuda
+            else (None, None, None))
+        self._o_spec = None
+
+    @staticmethod
+    def _spec_lists(s, m: int, n_pred: int, nbt: int, g) -> dict:
+        """PRR's lists on attention input set ``s``: M = A's last ``m`` entries (in A's width,
+        count m), P = A's other entries and blocks outside A (ascending, ``n_pred`` of them: a
+        hit rate of (|A| - m) / |A|)."""
+        idx = s["idx"].cpu()
+        B, hk, na = idx.shape
+        if not 0 <= m <= na or n_pred < na - m or n_pred > nbt:
+            raise ValueError(f"|M| = {m} and |P| = {n_pred} do not fit |A| = {na} in {nbt} "
+                             f"blocks")
+        mi = idx.clone()
+        mi[:, :, :m] = idx[:, :, na - m:]
+        p = torch.empty(B, hk, n_pred, dtype=torch.int32)
+        for b in range(B):
+            for h in range(hk):
+                out = torch.ones(nbt, dtype=torch.bool)
+                out[idx[b, h].long()] = False
+                rest = torch.nonzero(out).flatten()
+                extra = rest[torch.randperm(len(rest), generator=g)[: n_pred - (na - m)]]
+                p[b, h] = torch.sort(torch.cat([idx[b, h, : na - m].long(), extra])).values
+        dev = s["idx"].device
+        return dict(m_idx=mi.to(dev), m_cnt=torch.full_like(s["cnt"], m), p_idx=p.to(dev),
+                    p_cnt=torch.full_like(s["cnt"], n_pred))
 
     def select(self, l: int, prr: bool):
         s, k, a = self.sel[l], self.k, self.a
@@ -136,10 +181,57 @@ class Layers:
         return stages.attention_merge_set(self.att[l], self.k_buf, self.v_buf, self.a.page,
                                           1.0 / math.sqrt(stages.D))
 
-    def stage(self, name: str, l: int, prr: bool) -> None:
+    def fork(self, l: int) -> None:
+        """PRR's layer up to the repair: the selection + predictor and the summary update on the
+        side stream, the speculative pass over P beside them (the server step's order)."""
+        s, sp, a = self.att[l], self.spec[l], self.a
+        if self.side is not None:
+            main = torch.cuda.current_stream(self.dev)
+            self.forked.record(main)
+            with torch.cuda.stream(self.side):
+                self.side.wait_event(self.forked)
+                self.select(l, True)
+                self.selected.record(self.side)
+                self._update(l)
+                self.side_done.record(self.side)
+        else:
+            self.select(l, True)
+            self._update(l)
+        self._o_spec = ops.sparse_attn_partials(s["q"], self.k_buf, self.v_buf, s["table"],
+                                                s["sl"], sp["p_idx"], sp["p_cnt"], a.page,
+                                                1.0 / math.sqrt(stages.D))
+
+    def repair(self, l: int):
+        """The repair over M after the selection, merged with the partials of P n A."""
+        s, sp = self.att[l], self.spec[l]
+        o_s, l_s = self._o_spec
+        if self.side is not None:
+            main = torch.cuda.current_stream(self.dev)
+            main.wait_event(self.selected)
+        out = ops.sparse_attn_merge(s["q"], self.k_buf, self.v_buf, s["table"], s["sl"],
+                                    sp["m_idx"], sp["m_cnt"], self.a.page,
+                                    1.0 / math.sqrt(stages.D), o_s, l_s, sp["p_idx"],
+                                    sp["p_cnt"], s["idx"], s["cnt"], s["table"].shape[1], True,
+                                    out_dtype=torch.bfloat16)
+        if self.side is not None:
+            main.wait_event(self.side_done)  # the side stream joins before the layer ends
+        return out
+
+    def _update(self, l: int) -> None:
+        s = self.sel[l]
+        ops.quest_update(s["kmin"], s["kmax"], s["new_k"], s["new_loc"], s["new_pos"],
+                         self.a.page, one_per_page=True)
+
+    def stage(self, name: str, l: int, variant: str) -> None:
         other = (l + self.L // 2) % self.L
+        prr = variant != "serial"
         if name.startswith("gemm_"):
             torch.matmul(self.xi if name == "gemm_down" else self.x, self.w[name])
+        elif variant == "prr_layer" and name in ("select", "attention"):
+            if name == "select":
+                self.fork(l)
+            else:
+                self.repair(l)
         elif name in ("select", "select_other"):
             self.select(other if name == "select_other" else l, prr)
         elif name in ("attention", "attention_other"):
@@ -151,13 +243,17 @@ class Layers:
         else:
             raise ValueError(f"unknown stage {name!r}; stages: {sorted(_stage_names())}")
 
-    def calls(self, setting: str, prr: bool) -> List[Callable[[], None]]:
+    def calls(self, setting: str, variant: str) -> List[Callable[[], None]]:
+        if variant not in VARIANTS:
+            raise ValueError(f"unknown variant {variant!r}; variants: {list(VARIANTS)}")
+        if variant == "prr_layer" and setting not in PAIRED:
+            raise ValueError(f"prr_layer runs in the settings {list(PAIRED)}, not {setting!r}")
         names = SETTINGS[setting]
         n = 1 if setting == "flushed" else self.L
 
         def layer(l):
             for s in names:
-                self.stage(s, l, prr)
+                self.stage(s, l, variant)
         return [lambda l=l: layer(l) for l in range(n)]
 
 
@@ -210,11 +306,13 @@ def measure(a) -> List[dict]:
                 library=build.library_tag(), batch=a.batch, ctx=a.ctx, layers=a.layers)
     for variant in a.variants:
         for setting in a.settings:
+            if variant == "prr_layer" and setting not in PAIRED:
+                continue
             flushed = setting == "flushed"
-            ev = profile(lay.calls(setting, variant == "prr"), a.reps,
+            ev = profile(lay.calls(setting, variant), a.reps,
                          common.flusher(dev) if flushed else None)
             places = layer_means(ev, a.reps, 1 if flushed else a.layers,
-                                 fl_names if flushed else ())
+                                 fl_names if flushed else (), by_name=variant == "prr_layer")
             for r in places:
                 rows.append(dict(base, variant=variant, setting=setting, **r))
             print(f"{variant:6s} {setting:22s} " + "  ".join(
@@ -253,8 +351,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
-    ap.add_argument("--variants", nargs="+", choices=["serial", "prr"],
-                    default=["serial", "prr"])
+    ap.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=131200,
                     help="tokens a request holds (128K of prompt and some decoded)")
@@ -262,6 +359,8 @@ def main(argv=None):
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=2048, help="K in tokens")
     ap.add_argument("--n-pred", type=int, default=48, help="|P| in blocks")
+    ap.add_argument("--m-blocks", type=int, default=13,
+                    help="|M| in blocks (prr_layer; the server's at 128K / 1: 12.7)")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--csv", default=str(ROOT / "benchmarks" / "results" / "neighbours.csv"))
     ap.add_argument("--append", action="store_true", help="add rows to an existing CSV")
@@ -281,6 +380,10 @@ def main(argv=None):
             raise SystemExit(f"{name} must be >= 1, got {v}")
     if a.ctx < a.top_k + 2 * a.page:
         raise SystemExit(f"--ctx {a.ctx} must hold K + 2 blocks ({a.top_k + 2 * a.page} tokens)")
+    na = a.top_k // a.page + 2  # |A|: K's blocks, the sink and the newest
+    if not 0 <= a.m_blocks <= na or not na - a.m_blocks <= a.n_pred <= a.ctx // a.page:
+        raise SystemExit(f"--m-blocks {a.m_blocks} and --n-pred {a.n_pred} must satisfy 0 <= |M| "
+                         f"<= |A| = {na} and |A| - |M| <= |P| <= {a.ctx // a.page} blocks")
     if not torch.cuda.is_available():
         raise SystemExit("bench_neighbours needs a CUDA GPU (CUPTI's kernel durations); "
                          "--plot-only draws an existing CSV")

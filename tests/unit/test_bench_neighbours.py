@@ -68,15 +68,20 @@ def test_layer_means_leaves_the_excluded_kernels_out():
 
 
 def _layers(layers=4):
-    a = types.SimpleNamespace(layers=layers, ctx=1024, page=16, batch=2, n_pred=6, top_k=64)
+    a = types.SimpleNamespace(layers=layers, ctx=1024, page=16, batch=2, n_pred=6, top_k=64,
+                              m_blocks=2)
     return bn.Layers(a, torch.device("cpu"), dims=(64, 96, 80))
 
 
 def test_every_setting_runs_and_each_layer_reads_its_own_inputs():
     lay = _layers()
     for setting in bn.SETTINGS:
-        for prr in (False, True):
-            calls = lay.calls(setting, prr)
+        for variant in bn.VARIANTS:
+            if variant == "prr_layer" and setting not in bn.PAIRED:
+                with pytest.raises(ValueError, match="prr_layer runs in the settings"):
+                    lay.calls(setting, variant)
+                continue
+            calls = lay.calls(setting, variant)
             assert len(calls) == (1 if setting == "flushed" else lay.L)
             for c in calls:
                 c()
@@ -91,7 +96,9 @@ def test_every_setting_runs_and_each_layer_reads_its_own_inputs():
     o1, o2 = lay.attention(1), lay.attention(2)
     assert o1[0].shape == (2, 32, 128) and not torch.equal(o1[0], o2[0])
     with pytest.raises(ValueError, match="unknown stage"):
-        lay.stage("nope", 0, False)
+        lay.stage("nope", 0, "serial")
+    with pytest.raises(ValueError, match="unknown variant 'nope'"):
+        lay.calls("layers", "nope")
 
 
 def test_plot_only_draws_the_csv(tmp_path):
@@ -126,4 +133,52 @@ def test_without_cuda_exits_with_a_clear_message(tmp_path):
     with pytest.raises(SystemExit) as e:
         bn.main(["--csv", str(tmp_path / "x.csv")])
     assert "needs a CUDA GPU" in str(e.value)
+    assert not (tmp_path / "x.csv").exists()
+
+
+def test_layer_means_by_name_orders_two_streams_kernels():
+    rng = random.Random()
+    replays, layers = 3, rng.randint(3, 6)
+    ev, durs = _events(["quest_select_onepass_kernel<b>", "block_attn_kernel<h>", "repair"],
+                       replays, layers, rng)
+    ks = sorted((e for e in ev if e["cat"] == "kernel"), key=lambda e: e["ts"])
+    # in one layer the speculative pass (the attention) starts before the selection
+    ks[3]["ts"], ks[4]["ts"] = ks[4]["ts"], ks[3]["ts"]
+    with pytest.raises(ValueError, match="different kernels"):  # negative control
+        bn.layer_means(ev, replays, layers)
+    got = bn.layer_means(ev, replays, layers, by_name=True)
+    assert [r["kernel"] for r in got] == sorted(durs)
+    for r in got:
+        assert r["mean_us"] == pytest.approx(sum(durs[r["kernel"]]) / len(durs[r["kernel"]]),
+                                             abs=0.006)
+
+
+def test_prr_layer_lists_and_its_repair_equal_serial_attention():
+    lay = _layers()
+    na = lay.att[0]["idx"].shape[-1]
+    for l in range(lay.L):
+        s, sp = lay.att[l], lay.spec[l]
+        a_ids = s["idx"]
+        assert torch.equal(sp["m_idx"][..., :2], a_ids[..., na - 2:])
+        assert (sp["m_cnt"] == 2).all() and (sp["p_cnt"] == 6).all()
+        for b in range(a_ids.shape[0]):
+            for h in range(a_ids.shape[1]):
+                p = sp["p_idx"][b, h]
+                assert torch.equal(p, torch.sort(p).values) and len(set(p.tolist())) == 6
+                hits = set(p.tolist()) & set(a_ids[b, h].tolist())
+                assert hits == set(a_ids[b, h, : na - 2].tolist())  # P n A = A less M
+    lay.fork(1)
+    got = lay.repair(1)
+    want = lay.attention(1)
+    assert torch.equal(got[0], want[0])  # exact PRR: serial DSA's bits
+    assert not torch.equal(got[0], lay.attention(2)[0])  # negative control: another layer
+    with pytest.raises(ValueError, match=r"\|M\| = 99 and \|P\| = 6 do not fit"):
+        bn.Layers._spec_lists(lay.att[0], 99, 6, 64, torch.Generator().manual_seed(0))
+
+
+def test_bad_spec_sizes_name_the_values(tmp_path):
+    with pytest.raises(SystemExit, match="--m-blocks 40 and --n-pred 48"):
+        bn.main(["--m-blocks", "40", "--csv", str(tmp_path / "x.csv")])
+    with pytest.raises(SystemExit, match="--m-blocks 2 and --n-pred 10"):
+        bn.main(["--m-blocks", "2", "--n-pred", "10", "--csv", str(tmp_path / "x.csv")])
     assert not (tmp_path / "x.csv").exists()
