@@ -127,6 +127,29 @@ def attention_merge_set(s, k_buf, v_buf, page: int, sm: float):
                                  out_dtype=torch.bfloat16)
 
 
+def partials_set(s, k_buf, v_buf, page: int, sm: float, idx=None, cnt=None):
+    """PRR's speculative pass on input set ``s``: per-block partials over ``idx`` / ``cnt`` (the
+    set's lists when not given)."""
+    idx, cnt = (s["idx"], s["cnt"]) if idx is None else (idx, cnt)
+    return ops.sparse_attn_partials(s["q"], k_buf, v_buf, s["table"], s["sl"], idx, cnt, page,
+                                    sm)
+
+
+def repair_merge_set(s, k_buf, v_buf, page: int, sm: float, o_s, l_s, m_idx, m_cnt, p_idx,
+                     p_cnt):
+    """PRR's repair on input set ``s``: attention over M (``m_idx`` / ``m_cnt``) merged with the
+    speculative partials ``(o_s, l_s)`` of P n A (exact; A = the set's lists), bf16 out."""
+    return ops.sparse_attn_merge(s["q"], k_buf, v_buf, s["table"], s["sl"], m_idx, m_cnt, page,
+                                 sm, o_s, l_s, p_idx, p_cnt, s["idx"], s["cnt"],
+                                 s["table"].shape[1], True, out_dtype=torch.bfloat16)
+
+
+def update_set(s, page: int) -> None:
+    """Quest's decode update of selection set ``s``: its new keys folded into its summaries."""
+    ops.quest_update(s["kmin"], s["kmax"], s["new_k"], s["new_loc"], s["new_pos"], page,
+                     one_per_page=True)
+
+
 def _fold(s, page: int, stats) -> dict:
     """The selection ops' keyword arguments that fold set ``s``'s new keys (``page`` > 0) and
     count into ``stats``."""
@@ -164,8 +187,7 @@ def bench_attention(a, dev, g, bw, rows):
             return attention_merge_set(s, k_buf, v_buf, page, sm)
 
         def partials(s):
-            return ops.sparse_attn_partials(s["q"], k_buf, v_buf, s["table"], s["sl"], s["idx"],
-                                            s["cnt"], page, sm)
+            return partials_set(s, k_buf, v_buf, page, sm)
 
         cases = [("serial (attention + merge)", merge, 0)]
         if B == 1:
@@ -183,10 +205,8 @@ def bench_attention(a, dev, g, bw, rows):
                     mc = torch.full_like(s["cnt"], m)
                     pc = torch.full_like(s["cnt"], na - m)  # P: the first |A| - m blocks
                     calls.append(lambda s=s, o_s=o_s, l_s=l_s, mi=mi, mc=mc, pc=pc:
-                                 ops.sparse_attn_merge(s["q"], k_buf, v_buf, s["table"], s["sl"],
-                                                       mi, mc, page, sm, o_s, l_s, s["idx"], pc,
-                                                       s["idx"], s["cnt"], s["table"].shape[1],
-                                                       True, out_dtype=torch.bfloat16))
+                                 repair_merge_set(s, k_buf, v_buf, page, sm, o_s, l_s, mi, mc,
+                                                  s["idx"], pc))
                 rows.append(_timed_row("attention", f"repair + merge, |M| = {m}", B,
                                        a.ctx_blocks * page, ntok, m, B * HK * m * page * D * 4,
                                        calls, a, dev, bw))
@@ -266,8 +286,7 @@ def bench_selection(a, dev, g, bw, rows):
             forked.record(main)
             with torch.cuda.stream(side):
                 side.wait_event(forked)
-                ops.quest_update(s["kmin"], s["kmax"], s["new_k"], s["new_loc"], s["new_pos"],
-                                 a.page, one_per_page=True)
+                update_set(s, a.page)
                 joined.record(side)
             out = select_fold(s)
             main.wait_event(joined)

@@ -60,7 +60,6 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_kernel_stages as stages  # noqa: E402  (the selection's and attention's input sets)
 import common  # noqa: E402  (the benchmarks' graph capture and L2 flush)
 from profile_trace import short_name  # noqa: E402
-from sglang_prr import ops  # noqa: E402
 from sglang_prr.kernels import build  # noqa: E402
 
 HIDDEN, INTER, QKV_O = 4096, 14336, 6144  # Llama-3-8B: hidden, MLP width, q + k + v + o columns
@@ -138,6 +137,7 @@ class Layers:
         self.touch = torch.arange(8192, device=dev) * (span // 8192)
         self.stats = torch.zeros(4, dtype=torch.int64, device=dev)
         self.k = a.top_k // a.page
+        self.sm = 1.0 / math.sqrt(stages.D)
         self.spec = [self._spec_lists(s, a.m_blocks, a.n_pred, nbt, g) for s in self.att]
         cuda = dev.type == "cuda"
         self.side = torch.cuda.Stream(dev) if cuda else None
@@ -179,7 +179,7 @@ class Layers:
 
     def attention(self, l: int):
         return stages.attention_merge_set(self.att[l], self.k_buf, self.v_buf, self.a.page,
-                                          1.0 / math.sqrt(stages.D))
+                                          self.sm)
 
     def fork(self, l: int) -> None:
         """PRR's layer up to the repair: the selection + predictor and the summary update on the
@@ -192,14 +192,13 @@ class Layers:
                 self.side.wait_event(self.forked)
                 self.select(l, True)
                 self.selected.record(self.side)
-                self._update(l)
+                stages.update_set(self.sel[l], a.page)
                 self.side_done.record(self.side)
         else:
             self.select(l, True)
-            self._update(l)
-        self._o_spec = ops.sparse_attn_partials(s["q"], self.k_buf, self.v_buf, s["table"],
-                                                s["sl"], sp["p_idx"], sp["p_cnt"], a.page,
-                                                1.0 / math.sqrt(stages.D))
+            stages.update_set(self.sel[l], a.page)
+        self._o_spec = stages.partials_set(s, self.k_buf, self.v_buf, a.page, self.sm,
+                                           sp["p_idx"], sp["p_cnt"])
 
     def repair(self, l: int):
         """The repair over M after the selection, merged with the partials of P n A."""
@@ -208,19 +207,12 @@ class Layers:
         if self.side is not None:
             main = torch.cuda.current_stream(self.dev)
             main.wait_event(self.selected)
-        out = ops.sparse_attn_merge(s["q"], self.k_buf, self.v_buf, s["table"], s["sl"],
-                                    sp["m_idx"], sp["m_cnt"], self.a.page,
-                                    1.0 / math.sqrt(stages.D), o_s, l_s, sp["p_idx"],
-                                    sp["p_cnt"], s["idx"], s["cnt"], s["table"].shape[1], True,
-                                    out_dtype=torch.bfloat16)
+        out = stages.repair_merge_set(s, self.k_buf, self.v_buf, self.a.page, self.sm, o_s, l_s,
+                                      sp["m_idx"], sp["m_cnt"], sp["p_idx"], sp["p_cnt"])
         if self.side is not None:
             main.wait_event(self.side_done)  # the side stream joins before the layer ends
         return out
 
-    def _update(self, l: int) -> None:
-        s = self.sel[l]
-        ops.quest_update(s["kmin"], s["kmax"], s["new_k"], s["new_loc"], s["new_pos"],
-                         self.a.page, one_per_page=True)
 
     def stage(self, name: str, l: int, variant: str) -> None:
         other = (l + self.L // 2) % self.L
