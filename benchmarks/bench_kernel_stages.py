@@ -150,30 +150,34 @@ def update_set(s, page: int) -> None:
                      one_per_page=True)
 
 
-def _fold(s, page: int, stats) -> dict:
-    """The selection ops' keyword arguments that fold set ``s``'s new keys (``page`` > 0) and
-    count into ``stats``."""
+def _fold(s, page: int, stats, write: bool = False) -> dict:
+    """The selection ops' keyword arguments that fold set ``s``'s new keys (``page`` > 0; with
+    ``write``, their slots too: the op writes the update) and count into ``stats``."""
     kw = dict(new_k=s["new_k"], new_pos=s["new_pos"], page_size=page) if page > 0 else {}
+    if kw and write:
+        kw["new_loc"] = s["new_loc"]
     return dict(kw, stats=stats) if stats is not None else kw
 
 
 def select_set(s, k: int, n_out: int, *, with_p: bool = False, fold_page: int = 0, stats=None,
-               sink: int = 1, local: int = 1):
+               sink: int = 1, local: int = 1, write: bool = False):
     """Quest's selection of input set ``s`` (``selection_sets``): serial DSA's (no P, M = A) or,
-    ``with_p``, PRR's (M = A \\ P); ``fold_page`` > 0 folds the set's new keys."""
+    ``with_p``, PRR's (M = A \\ P); ``fold_page`` > 0 folds the set's new keys (``write``: and
+    writes them, the decode update in the same launch, as the server's step does)."""
     p = (s["p_idx"], s["p_cnt"]) if with_p else (None, None)
     return ops.quest_select(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], *p, k, sink,
                             local, n_out, s["p_cur"] if with_p else None,
-                            **_fold(s, fold_page, stats))
+                            **_fold(s, fold_page, stats, write))
 
 
 def select_predict_set(s, k: int, n_pred: int, n_out: int, *, fold_page: int = 0, stats=None,
-                       sink: int = 1, local: int = 1):
-    """PRR's selection of input set ``s`` with the predictor's step in its epilogue."""
+                       sink: int = 1, local: int = 1, write: bool = False):
+    """PRR's selection of input set ``s`` with the predictor's step in its epilogue (new keys
+    as in ``select_set``)."""
     return ops.quest_select_predict(
         s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"], s["nblk_next"], s["p_idx"],
         s["p_cnt"], s["p_cur"], s["p_nxt"], s["level"], s["trend"], s["n_init"], s["theta"],
-        s["rows"], k, n_pred, sink, local, n_out, **_fold(s, fold_page, stats))
+        s["rows"], k, n_pred, sink, local, n_out, **_fold(s, fold_page, stats, write))
 
 
 def bench_attention(a, dev, g, bw, rows):
@@ -278,6 +282,9 @@ def bench_selection(a, dev, g, bw, rows):
         def select_fold(s):  # serial DSA with the step's new keys folded into the scores
             return select_set(s, k, n_out, fold_page=a.page, sink=sink, local=local)
 
+        def select_fold_write(s):  # ... and written: the decode update in the same launch
+            return select_set(s, k, n_out, fold_page=a.page, sink=sink, local=local, write=True)
+
         side, forked, joined = ((torch.cuda.Stream(dev), torch.cuda.Event(), torch.cuda.Event())
                                 if dev.type == "cuda" else (None, None, None))
 
@@ -295,7 +302,8 @@ def bench_selection(a, dev, g, bw, rows):
         cases = [("select (scores, A), serial", select_serial),
                  ("select (scores, A, M)", select),
                  ("select + predictor", select_predict),
-                 ("select + fold, serial", select_fold)]
+                 ("select + fold, serial", select_fold),
+                 ("select + fold + write, serial", select_fold_write)]
         if side is not None:
             cases.append(("select + fold, update beside", select_fold_beside_update))
         for name, fn in cases:

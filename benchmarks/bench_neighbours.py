@@ -25,14 +25,17 @@ does. A setting is the stages of one layer, in order:
 Variants: ``serial`` (Quest's selection with the step's new keys folded in, as serial DSA's
 server calls it; attention over A with its merge), ``prr`` (the selection with the predictor's
 step in its epilogue; the same attention, whose kernel the repair runs too) and ``prr_layer``
-(PRR's layer as its server step lays it out: the selection + predictor, then the summary update,
-on a side stream; the speculative pass over P beside them on the main stream; the repair over M,
-after the selection, merged with the partials of P n A; |M| = ``--m-blocks``, P the rest of A and
-blocks outside it, |P| = ``--n-pred``; in the settings whose ``select`` and ``attention`` are one
-layer's). Shape: Llama-3-8B (32 q / 8 KV heads, head dim 128, bf16 K/V and summaries), page 64,
-K = 2048 tokens, |P| = 48 blocks. The CSV has one row per (variant, setting, place): the place
-of a kernel among its layer's kernels (``prr_layer``: ordered by name, then start), its name and
-its mean and median µs over ``--reps`` replays of every layer.
+(PRR's layer as its server step lays it out: the selection + predictor on a side stream; the
+speculative pass over P beside it on the main stream; the repair over M, after the selection,
+merged with the partials of P n A; |M| = ``--m-blocks``, P the rest of A and blocks outside it,
+|P| = ``--n-pred``; in the settings whose ``select`` and ``attention`` are one layer's). The
+selections write the step's new keys into the summaries (the decode update in their launch, as
+the server's default); ``--summary-update side`` folds them only and runs the update as its own
+launch after PRR's selection on the side stream (``SGLANG_PRR_SUMMARY_UPDATE=side``; its rows'
+variants end in ``+side``). Shape: Llama-3-8B (32 q / 8 KV heads, head dim 128, bf16 K/V and
+summaries), page 64, K = 2048 tokens, |P| = 48 blocks. The CSV has one row per (variant,
+setting, place): the place of a kernel among its layer's kernels (``prr_layer``: ordered by name,
+then start), its name and its mean and median µs over ``--reps`` replays of every layer.
 
     python benchmarks/bench_neighbours.py --csv benchmarks/results/neighbours_h200.csv
     python benchmarks/bench_neighbours.py --plot-only benchmarks/results/neighbours_h200.csv
@@ -117,6 +120,8 @@ class Layers:
         g = torch.Generator().manual_seed(0)
         hidden, inter, qkv_o = dims
         self.a, self.dev, self.L = a, dev, a.layers
+        # The selections write the new keys (the server's default), or fold them only.
+        self.write = getattr(a, "summary_update", "select") == "select"
         nb, nbt = a.ctx // a.page, a.ctx // a.page + 1  # the server's table holds one more block
         self.sel = stages.selection_sets(a.batch, nb, a.layers, a.n_pred, dev, g, a.page, nbt)
         self.k_buf, self.v_buf, self.att, _ = stages.attention_sets(
@@ -174,16 +179,18 @@ class Layers:
         s, k, a = self.sel[l], self.k, self.a
         if prr:
             return stages.select_predict_set(s, k, a.n_pred, k + 2, fold_page=a.page,
-                                             stats=self.stats)
-        return stages.select_set(s, k, k + 2, fold_page=a.page, stats=self.stats)
+                                             stats=self.stats, write=self.write)
+        return stages.select_set(s, k, k + 2, fold_page=a.page, stats=self.stats,
+                                 write=self.write)
 
     def attention(self, l: int):
         return stages.attention_merge_set(self.att[l], self.k_buf, self.v_buf, self.a.page,
                                           self.sm)
 
     def fork(self, l: int) -> None:
-        """PRR's layer up to the repair: the selection + predictor and the summary update on the
-        side stream, the speculative pass over P beside them (the server step's order)."""
+        """PRR's layer up to the repair: the selection + predictor (and, ``--summary-update
+        side``, the summary update) on the side stream, the speculative pass over P beside them
+        (the server step's order)."""
         s, sp, a = self.att[l], self.spec[l], self.a
         if self.side is not None:
             main = torch.cuda.current_stream(self.dev)
@@ -192,11 +199,13 @@ class Layers:
                 self.side.wait_event(self.forked)
                 self.select(l, True)
                 self.selected.record(self.side)
-                stages.update_set(self.sel[l], a.page)
+                if not self.write:
+                    stages.update_set(self.sel[l], a.page)
                 self.side_done.record(self.side)
         else:
             self.select(l, True)
-            stages.update_set(self.sel[l], a.page)
+            if not self.write:
+                stages.update_set(self.sel[l], a.page)
         self._o_spec = stages.partials_set(s, self.k_buf, self.v_buf, a.page, self.sm,
                                            sp["p_idx"], sp["p_cnt"])
 
@@ -296,6 +305,7 @@ def measure(a) -> List[dict]:
     rows = []
     base = dict(gpu=torch.cuda.get_device_name(dev), date=time.strftime("%Y-%m-%d"),
                 library=build.library_tag(), batch=a.batch, ctx=a.ctx, layers=a.layers)
+    tag = "" if lay.write else "+side"
     for variant in a.variants:
         for setting in a.settings:
             if variant == "prr_layer" and setting not in PAIRED:
@@ -306,7 +316,7 @@ def measure(a) -> List[dict]:
             places = layer_means(ev, a.reps, 1 if flushed else a.layers,
                                  fl_names if flushed else (), by_name=variant == "prr_layer")
             for r in places:
-                rows.append(dict(base, variant=variant, setting=setting, **r))
+                rows.append(dict(base, variant=variant + tag, setting=setting, **r))
             print(f"{variant:6s} {setting:22s} " + "  ".join(
                 f"{r['kernel'][:28]} {r['mean_us']:.2f}" for r in places
                 if not r["kernel"].startswith(("nvjet", "gemm", "index", "cutlass"))), flush=True)
@@ -354,6 +364,8 @@ def main(argv=None):
     ap.add_argument("--m-blocks", type=int, default=13,
                     help="|M| in blocks (prr_layer; the server's at 128K / 1: 12.7)")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--summary-update", choices=["select", "side"], default="select",
+                    help="the selections write the new keys, or the update is its own launch")
     ap.add_argument("--csv", default=str(ROOT / "benchmarks" / "results" / "neighbours.csv"))
     ap.add_argument("--append", action="store_true", help="add rows to an existing CSV")
     ap.add_argument("--plot-only", metavar="CSV", help="draw the plot of an existing CSV")

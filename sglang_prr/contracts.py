@@ -183,7 +183,7 @@ def check_select_topk(scores, nblk, k, sink, local, n_out, dense_row=None) -> No
 
 def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out,
                        p_rows=None, dense_row=None, stats=None, new_k=None, new_pos=None,
-                       page_size_=0, op: str = "quest_select") -> None:
+                       page_size_=0, op: str = "quest_select", new_loc=None) -> None:
     if q.dim() != 3:
         fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
     summaries(op, q, (kmin, kmax), 1)
@@ -202,16 +202,17 @@ def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local,
         fail(op, "dense_row", (dense_row.dtype, shape(dense_row)), f"bool ({q.shape[0]},)")
     if stats is not None and (stats.dtype != torch.int64 or shape(stats) != (len(STATS_SLOTS),)):
         fail(op, "stats", (stats.dtype, shape(stats)), f"int64 ({len(STATS_SLOTS)},)")
-    new_keys(op, q, kmin.shape[1], new_k, new_pos, page_size_)
+    new_keys(op, q, kmin.shape[1], new_k, new_pos, page_size_, new_loc)
 
 
 def new_keys(op: str, q: Tensor, heads: int, new_k: Optional[Tensor], new_pos: Optional[Tensor],
-             page: int) -> None:
+             page: int, new_loc: Optional[Tensor] = None) -> None:
     """A selection's new keys: none, or ``new_k [B, Hk, D]`` float with ``new_pos [B]`` and a
-    page size."""
+    page size; their slots ``new_loc [B]`` (the summaries written) only with them."""
     if new_k is None:
-        if new_pos is not None:
-            fail(op, "new_pos", shape(new_pos), "None without new_k")
+        for name, t in (("new_pos", new_pos), ("new_loc", new_loc)):
+            if t is not None:
+                fail(op, name, shape(t), "None without new_k")
         return
     B, _, D = q.shape
     if new_k.dtype not in _FLOATS or shape(new_k) != (B, heads, D):
@@ -220,6 +221,9 @@ def new_keys(op: str, q: Tensor, heads: int, new_k: Optional[Tensor], new_pos: O
         fail(op, "new_pos", None, f"an int ({B},) tensor with new_k")
     index_tensor(op, "new_pos", new_pos, 1)
     _batch(op, B, new_pos=new_pos)
+    if new_loc is not None:
+        index_tensor(op, "new_loc", new_loc, 1)
+        _batch(op, B, new_loc=new_loc)
     page_size(op, page)
 
 
@@ -286,10 +290,10 @@ def check_calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred, 
 def check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                                p_next_rows, level, trend, n_init, theta, rows, k, n_pred, sink,
                                local, n_out, dense_row=None, stats=None, new_k=None,
-                               new_pos=None, page_size_=0) -> None:
+                               new_pos=None, page_size_=0, new_loc=None) -> None:
     op = "quest_select_predict"
     check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows,
-                       dense_row, stats, new_k, new_pos, page_size_, op=op)
+                       dense_row, stats, new_k, new_pos, page_size_, op=op, new_loc=new_loc)
     if level.dim() != 3 or shape(level)[1:] != (kmin.shape[1], table.shape[1]):
         fail(op, "level.shape", shape(level), f"[rows, {kmin.shape[1]}, {table.shape[1]}]")
     scores = torch.empty((q.shape[0],) + tuple(level.shape[1:]), device="meta")  # shape only

@@ -129,24 +129,25 @@ def accumulate_stats(stats: Tensor, a_cnt: Tensor, m_cnt: Tensor, p_cnt: Optiona
     ref.accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
 
 
-@_op("quest_select", mutates_args=("stats",))
+@_op("quest_select", mutates_args=("kmin", "kmax", "stats"))
 def _quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
                   p_idx: Optional[Tensor], p_cnt: Optional[Tensor], k: int, sink_blocks: int,
                   local_blocks: int, n_out: int, p_rows: Optional[Tensor],
                   dense_row: Optional[Tensor], stats: Optional[Tensor],
                   new_k: Optional[Tensor] = None, new_pos: Optional[Tensor] = None,
-                  page_size: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  page_size: int = 0, new_loc: Optional[Tensor] = None
+                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     contracts.check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
                                  local_blocks, n_out, p_rows, dense_row, stats, new_k, new_pos,
-                                 page_size)
+                                 page_size, new_loc=new_loc)
     return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
                             local_blocks, n_out, p_rows, dense_row, stats, new_k, new_pos,
-                            page_size)
+                            page_size, new_loc)
 
 
 @_quest_select.register_fake
 def _(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out, p_rows,
-      dense_row, stats, new_k=None, new_pos=None, page_size=0):
+      dense_row, stats, new_k=None, new_pos=None, page_size=0, new_loc=None):
     B, Hk, NB = q.shape[0], kmin.shape[1], table.shape[1]
     lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32), q.new_empty((B, Hk), dtype=torch.int32)]
     return (q.new_empty((B, Hk, NB), dtype=torch.float32), *lists,
@@ -158,16 +159,18 @@ def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
                  local_blocks: int, n_out: int, p_rows: Optional[Tensor] = None,
                  dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None,
                  new_k: Optional[Tensor] = None, new_pos: Optional[Tensor] = None,
-                 page_size: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 page_size: int = 0, new_loc: Optional[Tensor] = None
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Quest scores + top-K + ``M = A \\ P`` in one op (one launch on SM90):
     ``(scores [B, Hk, NB] f32, a_idx, a_cnt, m_idx, m_cnt)``; P read from pool rows ``p_rows``,
     dense rows, the statistics counters, and the step's new keys ``new_k [B, Hk, D]`` at
-    positions ``new_pos [B]`` folded into their blocks' scores (pages of ``page_size`` tokens;
-    the summaries are not written) as in ``reference.quest_select``. (A plain function over the
-    op: torch 2.11 cannot omit a mutable optional argument of a custom op, so every argument is
-    passed.)"""
+    positions ``new_pos [B]`` folded into their blocks' scores (pages of ``page_size`` tokens).
+    With the keys' slots ``new_loc [B]`` the op also writes the folded bounds into kmin/kmax
+    (the decode update, ``reference.write_new_keys``); without, the summaries are not written.
+    As in ``reference.quest_select``. (A plain function over the op: torch 2.11 cannot omit a
+    mutable optional argument of a custom op, so every argument is passed.)"""
     return _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks,
-                         n_out, p_rows, dense_row, stats, new_k, new_pos, page_size)
+                         n_out, p_rows, dense_row, stats, new_k, new_pos, page_size, new_loc)
 
 
 # ----------------------------------------------------------------------------- predictor
@@ -255,29 +258,30 @@ def predict_update_rows(level: Tensor, trend: Tensor, n_init: Tensor, p_idx: Ten
 
 
 @_op("quest_select_predict",
-     mutates_args=("p_idx", "p_cnt", "level", "trend", "n_init", "stats"))
+     mutates_args=("kmin", "kmax", "p_idx", "p_cnt", "level", "trend", "n_init", "stats"))
 def _quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
                           nblk_next: Tensor, p_idx: Tensor, p_cnt: Tensor, p_rows: Tensor,
                           p_next_rows: Tensor, level: Tensor, trend: Tensor, n_init: Tensor,
                           theta: Tensor, rows: Tensor, k: int, n_pred: int, sink_blocks: int,
                           local_blocks: int, n_out: int, dense_row: Optional[Tensor],
                           stats: Optional[Tensor], new_k: Optional[Tensor] = None,
-                          new_pos: Optional[Tensor] = None, page_size: int = 0
+                          new_pos: Optional[Tensor] = None, page_size: int = 0,
+                          new_loc: Optional[Tensor] = None
                           ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     contracts.check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt,
                                          p_rows, p_next_rows, level, trend, n_init, theta, rows,
                                          k, n_pred, sink_blocks, local_blocks, n_out, dense_row,
-                                         stats, new_k, new_pos, page_size)
+                                         stats, new_k, new_pos, page_size, new_loc)
     return ref.quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                                     p_next_rows, level, trend, n_init, theta, rows, k, n_pred,
                                     sink_blocks, local_blocks, n_out, dense_row, stats, new_k,
-                                    new_pos, page_size)
+                                    new_pos, page_size, new_loc)
 
 
 @_quest_select_predict.register_fake
 def _(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level, trend,
       n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats,
-      new_k=None, new_pos=None, page_size=0):
+      new_k=None, new_pos=None, page_size=0, new_loc=None):
     B, Hk, NB = q.shape[0], kmin.shape[1], table.shape[1]
     lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32), q.new_empty((B, Hk), dtype=torch.int32)]
     return (q.new_empty((B, Hk, NB), dtype=torch.float32), *lists,
@@ -290,17 +294,19 @@ def quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, n
                          theta: Tensor, rows: Tensor, k: int, n_pred: int, sink_blocks: int,
                          local_blocks: int, n_out: int, dense_row: Optional[Tensor] = None,
                          stats: Optional[Tensor] = None, new_k: Optional[Tensor] = None,
-                         new_pos: Optional[Tensor] = None, page_size: int = 0
+                         new_pos: Optional[Tensor] = None, page_size: int = 0,
+                         new_loc: Optional[Tensor] = None
                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Quest selection and the predictor's step of one decode step in one op (one launch on
     SM90): ``(scores [B, Hk, NB] f32, a_idx, a_cnt, m_idx, m_cnt)`` with M = A \\ P(t), P(t) at
     rows ``p_rows`` of p_idx ``[R', Hk, Np]``; the Holt update on state rows ``rows`` of level /
     trend ``[R, Hk, NB]``, n_init ``[R]``, theta ``[R, 3]``; P(t+1) written at rows
-    ``p_next_rows``; new keys as in ``quest_select``. See ``reference.quest_select_predict``."""
+    ``p_next_rows``; new keys (and their write, with ``new_loc``) as in ``quest_select``. See
+    ``reference.quest_select_predict``."""
     return _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                                  p_next_rows, level, trend, n_init, theta, rows, k, n_pred,
                                  sink_blocks, local_blocks, n_out, dense_row, stats, new_k,
-                                 new_pos, page_size)
+                                 new_pos, page_size, new_loc)
 
 
 @_op("calibrate")

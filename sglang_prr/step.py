@@ -7,21 +7,21 @@ one kernel launch and nothing else is launched (no gathers, casts or statistics 
 
 ```
 serial DSA (Quest), per layer:
-main : [select: scores (new keys folded), A]  ->  [attention over A + merge -> model dtype] -fork->
-side :                                 [summary update: the new keys into kmin/kmax] <-/ (joined
-                                                                          after the last layer)
+main : [select: scores (new keys folded and written), A] -> [attention over A + merge -> o]
 
 PRR (Quest), per layer:
 main : -fork-> [speculative attention over P(t)] --wait(A, M)-> [repair over M + merge in
 side :    \\-> [select: scores, A, M = A \\ P(t); Holt update, P(t+1)] -/   ascending block id]
-               -> [summary update]                                  (joined after the last layer)
 ```
 
-The summary update leaves the critical path because Quest's selection folds the step's new keys
-into the scores of their blocks itself (``folds_new_keys``): a min/max fold is idempotent, so the
-scores are the same whether the update has written the summaries yet or not, and the update only
-has to finish before the next forward reads them. Methods without that fold (InfLLM-v2), and the
-CPU path, run the update first.
+The summary update is no launch of its own: Quest's selection folds the step's new keys into the
+scores of their blocks in registers (``folds_new_keys``) and stores the folded bounds, which is
+the update (``writes_new_keys``: a few bytes a row from the lanes that hold them). The fold is
+idempotent (a min/max), so the scores do not depend on whether the summaries held the key yet.
+With ``SGLANG_PRR_SUMMARY_UPDATE=side`` (a measuring knob) the selection only folds and the
+update runs as its own launch on the side stream, after the attention (serial DSA) or the
+selection (PRR), joined after the last layer. Methods without the fold (InfLLM-v2) run the update
+first, as does ``SGLANG_PRR_FOLD_NEW_KEYS=0``.
 
 The predictor's step is the selection's epilogue (the scores are on chip there; with
 ``--prr-predictor side`` it is its own launch after the selection, as below): it writes P(t+1)
@@ -61,6 +61,7 @@ from . import methods, ops
 from .methods import NewKeys, SelectSpec
 
 ENV_FOLD_NEW_KEYS = "SGLANG_PRR_FOLD_NEW_KEYS"
+ENV_SUMMARY_UPDATE = "SGLANG_PRR_SUMMARY_UPDATE"
 
 
 class DecodeBatch(NamedTuple):
@@ -135,6 +136,12 @@ class DecodeStep:
         # SGLANG_PRR_FOLD_NEW_KEYS=0: the summary update first and no fold, as before the fold
         # existed (a measuring knob: the two orders side by side in one run).
         self.fold_keys = os.environ.get(ENV_FOLD_NEW_KEYS, "1") != "0"
+        # SGLANG_PRR_SUMMARY_UPDATE=side: the update as its own launch on the side stream (the
+        # placement before the selection wrote the summaries itself; a measuring knob).
+        where = os.environ.get(ENV_SUMMARY_UPDATE, "select")
+        if where not in ("select", "side"):
+            raise ValueError(f"{ENV_SUMMARY_UPDATE}={where!r}: expected 'select' or 'side'")
+        self.write_keys = where == "select"
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._p_par: Optional[Tensor] = None
@@ -195,14 +202,18 @@ class DecodeStep:
         double-buffered: ``[2R, Hk, Np]``); stats: ``[4]`` int64 counters
         (``reference.accumulate_stats``) or None; join: end this forward's side-stream work here
         (the last sparse layer; the predictor's own step and the summary update run there);
-        new_keys / update: the step's new keys and the summary update that folds them in (run
-        here: first, or, where the method's selection folds the new keys itself, on the side
-        stream after the selection (PRR) or the attention (serial DSA), off the critical
-        path)."""
+        new_keys / update: the step's new keys and the summary update that folds them in (where
+        the method's selection writes the new keys itself, that selection is the update and
+        ``update`` is not called; else ``update`` runs first, or, where the selection folds
+        the keys into its scores, on the side stream after the selection (PRR) or the
+        attention (serial DSA), off the critical path)."""
         b, dsa = batch, self.dsa
         fold = new_keys is not None and dsa.folds_new_keys and self.fold_keys
-        side_update = fold and update is not None and self.cuda
-        if update is not None and not side_update:
+        writes = fold and dsa.writes_new_keys and self.write_keys
+        if fold and not writes:
+            new_keys = new_keys._replace(loc=None)  # fold only: the update runs below
+        side_update = fold and not writes and update is not None and self.cuda
+        if update is not None and not side_update and not writes:
             update()  # the selection reads what it wrote
         # A serial forward of a speculating server leaves the PRR counters alone (its M = A
         # would read as misses); the host counts those steps.
@@ -251,12 +262,13 @@ class DecodeStep:
             self.forked.record(main)
             with torch.cuda.stream(self.side):
                 self.side.wait_event(self.forked)
+                if fold:  # the selection reads (and may write with) them on this stream
+                    self._keep(new_keys)
                 a = select()
                 self.selected.record(self.side)
                 if not fused:
                     predict(a.scores)
                 if side_update:  # after the selection: the repair does not wait for it
-                    self._keep(new_keys)
                     update()
                 self.side_done.record(self.side)
         else:
@@ -283,4 +295,5 @@ class DecodeStep:
     def _keep(self, new_keys: NewKeys) -> None:
         """The new keys' tensors are the main stream's; the side stream reads them too."""
         for t in new_keys:
-            t.record_stream(self.side)
+            if t is not None:
+                t.record_stream(self.side)

@@ -619,10 +619,10 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
         "Tensor? o_spec, Tensor? lse_spec, Tensor? p_idx, Tensor? p_cnt, Tensor? a_idx, "
         "Tensor? a_cnt, int nb, bool exact, Tensor? p_rows=None, ScalarType? out_dtype=None) "
         "-> (Tensor, Tensor)");
-  m.def("quest_select(Tensor q, Tensor kmin, Tensor kmax, Tensor table, Tensor nblk, "
+  m.def("quest_select(Tensor q, Tensor(a!) kmin, Tensor(b!) kmax, Tensor table, Tensor nblk, "
         "Tensor? p_idx, Tensor? p_cnt, int k, int sink_blocks, int local_blocks, int n_out, "
-        "Tensor? p_rows=None, Tensor? dense_row=None, Tensor(a!)? stats=None, "
-        "Tensor? new_k=None, Tensor? new_pos=None, int page_size=0) "
+        "Tensor? p_rows=None, Tensor? dense_row=None, Tensor(c!)? stats=None, "
+        "Tensor? new_k=None, Tensor? new_pos=None, int page_size=0, Tensor? new_loc=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("predict_update(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) n_init, Tensor scores, "
         "Tensor nblk, Tensor theta, Tensor nblk_next, int n_pred, int sink_blocks, "
@@ -631,12 +631,13 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
         "Tensor(d!) p_idx, Tensor(e!) p_cnt, Tensor theta, Tensor rows, Tensor scores, "
         "Tensor nblk, Tensor nblk_next, int n_pred, int sink_blocks, int local_blocks, "
         "Tensor? p_rows=None) -> ()");
-  m.def("quest_select_predict(Tensor q, Tensor kmin, Tensor kmax, Tensor table, Tensor nblk, "
-        "Tensor nblk_next, Tensor(a!) p_idx, Tensor(b!) p_cnt, Tensor p_rows, "
-        "Tensor p_next_rows, Tensor(c!) level, Tensor(d!) trend, Tensor(e!) n_init, "
+  m.def("quest_select_predict(Tensor q, Tensor(a!) kmin, Tensor(b!) kmax, Tensor table, "
+        "Tensor nblk, Tensor nblk_next, Tensor(c!) p_idx, Tensor(d!) p_cnt, Tensor p_rows, "
+        "Tensor p_next_rows, Tensor(e!) level, Tensor(f!) trend, Tensor(g!) n_init, "
         "Tensor theta, Tensor rows, int k, int n_pred, int sink_blocks, int local_blocks, "
-        "int n_out, Tensor? dense_row=None, Tensor(f!)? stats=None, Tensor? new_k=None, "
-        "Tensor? new_pos=None, int page_size=0) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "int n_out, Tensor? dense_row=None, Tensor(h!)? stats=None, Tensor? new_k=None, "
+        "Tensor? new_pos=None, int page_size=0, Tensor? new_loc=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("calib_grid_terms(Tensor scores, Tensor nblk, Tensor wa, Tensor am, Tensor alphas, "
         "Tensor betas, Tensor gammas, int n_pred, int sink_blocks, int local_blocks) -> Tensor");
   m.def("prepare(Tensor like) -> ()");

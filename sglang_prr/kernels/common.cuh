@@ -222,6 +222,25 @@ __device__ __forceinline__ void store4_any(void* base, int64_t off, int dt, floa
   }
 }
 
+// The page row b's new key is written to (SelectArgs::new_loc: the page of its slot), or -1 where
+// the launch does not write the summaries. Callers load it beside new_pos (one round trip).
+__device__ __forceinline__ int64_t new_key_page(const void* new_loc, bool loc64, int page_size,
+                                                int b) {
+  if (!new_loc) return -1;
+  return ld_index(new_loc, b, loc64) / page_size;
+}
+
+// 4 dims of a head's folded bounds stored as the summaries of type S hold them (float32, or
+// bfloat16: the values are representable, as loaded from the summaries or rounded outward by
+// fold_key, so the store's rounding to nearest keeps them), at element offset `off`.
+template <typename S>
+__device__ __forceinline__ void store_bounds4(void* kmin, void* kmax, int64_t off, float4 lo,
+                                              float4 hi) {
+  constexpr int dt = sizeof(S) == 4 ? kF32 : kBF16;
+  store4_any(kmin, off, dt, lo);
+  store4_any(kmax, off, dt, hi);
+}
+
 // Whether x is one of list[0, n) (shared memory): independent compares, several loads in flight.
 __device__ __forceinline__ bool occurs_in(const int* list, int n, int x) {
   // Eight compares in flight a step; the loops themselves not unrolled further (the merge and

@@ -187,24 +187,25 @@ def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm
 
 def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out,
                   p_rows=None, dense_row=None, stats=None, new_k=None, new_pos=None,
-                  page_size=0):
+                  page_size=0, new_loc=None):
     contracts.check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
                                  local_blocks, n_out, p_rows, dense_row, stats, new_k, new_pos,
-                                 page_size)
+                                 page_size, new_loc=new_loc)
     ok = _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats, new_k)
     if not ok:
         return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
                                 local_blocks, n_out, p_rows, dense_row, stats, new_k, new_pos,
-                                page_size)
+                                page_size, new_loc)
     return torch.ops.sglang_prr_cuda.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k,
                                                   sink_blocks, local_blocks, n_out, p_rows,
-                                                  dense_row, stats, new_k, new_pos, page_size)
+                                                  dense_row, stats, new_k, new_pos, page_size,
+                                                  new_loc)
 
 
 def _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats, new_k=None) -> bool:
     """The selection kernels take these inputs: head dims 64/128/256 with groups up to 8 (the
     one-pass kernel), other multiples of 8 up to a group of 12K values (the row-tail kernel);
-    both fold new keys of any float dtype."""
+    both fold new keys of any float dtype (and write them into the summaries where asked)."""
     B, Hq, D = q.shape
     Hk = kmin.shape[1]
     G = Hq // max(Hk, 1)
@@ -223,11 +224,11 @@ def _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats, new_k=None) -> b
 def _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                           p_next_rows, level, trend, n_init, theta, rows, k, n_pred, sink_blocks,
                           local_blocks, n_out, dense_row=None, stats=None, new_k=None,
-                          new_pos=None, page_size=0):
+                          new_pos=None, page_size=0, new_loc=None):
     contracts.check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt,
                                          p_rows, p_next_rows, level, trend, n_init, theta, rows,
                                          k, n_pred, sink_blocks, local_blocks, n_out, dense_row,
-                                         stats, new_k, new_pos, page_size)
+                                         stats, new_k, new_pos, page_size, new_loc)
     ok = (_select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats, new_k)
           and q.shape[0] <= MAX_GROUPS
           and level.dtype == torch.float32 and trend.dtype == torch.float32
@@ -238,11 +239,11 @@ def _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p
         return ref.quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt,
                                         p_rows, p_next_rows, level, trend, n_init, theta, rows,
                                         k, n_pred, sink_blocks, local_blocks, n_out, dense_row,
-                                        stats, new_k, new_pos, page_size)
+                                        stats, new_k, new_pos, page_size, new_loc)
     return torch.ops.sglang_prr_cuda.quest_select_predict(
         q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level, trend,
         n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats,
-        new_k, new_pos, page_size)
+        new_k, new_pos, page_size, new_loc)
 
 
 def _predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks,

@@ -55,9 +55,11 @@ struct QuestArgs {
   const void* nblk; bool nblk64;                          // [B]
   float* out;                                             // [B, Hk, NB]
   int B, Hq, Hk, NB, D;
-  // Optional: the step's new keys folded into their blocks' scores (as SelectArgs::new_k).
+  // Optional: the step's new keys folded into their blocks' scores (as SelectArgs::new_k), and
+  // written (as SelectArgs::new_loc).
   const void* new_k; int new_k_dtype; int64_t new_k_stride;
   const void* new_pos; bool new_pos64; int page_size;
+  const void* new_loc; bool new_loc64; void* w_kmin; void* w_kmax;
 };
 cudaError_t launch_quest_scores(const QuestArgs& a, cudaStream_t s);
 
@@ -109,10 +111,15 @@ struct SelectArgs {
   int debug_stop;  // timing probes only (SGLANG_PRR_SELECT_DEBUG_STOP): 0 runs everything
   // The step's new keys (new_k != nullptr): row b's key at position new_pos[b] enters the score
   // of its block (new_pos[b] / page_size) as the decode update folds it into the summary (the
-  // first position of a page: the key alone). Folded in registers, never written: a concurrent
-  // update of the same page leaves the scores unchanged (folding the key twice is folding it once).
+  // first position of a page: the key alone). Folded in registers: a concurrent update of the
+  // same page leaves the scores unchanged (folding the key twice is folding it once).
   const void* new_k; int new_k_dtype; int64_t new_k_stride;  // [B, Hk, D], rows new_k_stride apart
   const void* new_pos; bool new_pos64; int page_size;        // [B]
+  // The decode update in the same launch (new_loc != nullptr): the lanes that folded row b's key
+  // also store the folded bounds to page new_loc[b] / page_size of w_kmin / w_kmax (the summaries
+  // read, [num_pages, Hk, D]): the key's own page in the server, whose only reader in the launch
+  // is the CTA that writes it (a request's newest page is its own; padding rows write page 0).
+  const void* new_loc; bool new_loc64; void* w_kmin; void* w_kmax;  // [B]
 };
 // Whether the one-pass kernel takes these sizes (else scores + top-K kernels, then the
 // predictor's own kernel); its chunk count and candidate widths, and its dynamic shared memory.

@@ -32,8 +32,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
     const c10::optional<Tensor>& p_cnt_in, int64_t k, int64_t sink, int64_t local,
     int64_t n_out, const c10::optional<Tensor>& p_rows, const c10::optional<Tensor>& dense_row,
     const c10::optional<Tensor>& stats, const c10::optional<Tensor>& new_k_in,
-    const c10::optional<Tensor>& new_pos_in, int64_t page_size, const PredictorTensors* pr,
-    const char* op) {
+    const c10::optional<Tensor>& new_pos_in, int64_t page_size,
+    const c10::optional<Tensor>& new_loc_in, const PredictorTensors* pr, const char* op) {
   check_cuda(q_in, "q");
   c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = q_view(q_in);
@@ -83,7 +83,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
   a.sem = group_counters(q, kCntSelect, B * Hk, op);
   a.B = (int)B; a.Hq = (int)Hq; a.Hk = (int)Hk; a.NB = (int)NB; a.D = (int)D;
   a.k = (int)k; a.sink = (int)sink; a.local = (int)local;
-  Tensor new_k, new_pos;
+  Tensor new_k, new_pos, new_loc;
+  TORCH_CHECK(!new_loc_in.has_value() || new_k_in.has_value(), op, ": new_loc needs new_k");
   if (new_k_in.has_value()) {
     TORCH_CHECK(new_pos_in.has_value() && page_size > 0, op,
                 ": new_k needs new_pos and a page_size > 0, got page_size ", page_size);
@@ -98,6 +99,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
     a.new_k_stride = new_k.stride(0);
     a.new_pos = new_pos.data_ptr(); a.new_pos64 = index64(new_pos, "new_pos");
     a.page_size = (int)page_size;
+    if (new_loc_in.has_value()) {  // the decode update in this launch: bounds written in place
+      new_loc = new_loc_in->contiguous();
+      TORCH_CHECK(new_loc.dim() == 1 && new_loc.size(0) == B, op, ": new_loc must be [", B,
+                  "], got ", new_loc.sizes());
+      TORCH_CHECK(kmin.is_contiguous() && kmax.is_contiguous(), op,
+                  ": kmin/kmax must be contiguous to be written");
+      a.new_loc = new_loc.data_ptr(); a.new_loc64 = index64(new_loc, "new_loc");
+      a.w_kmin = kmin.data_ptr(); a.w_kmax = kmax.data_ptr();
+    }
   }
   if (pr) {
     Tensor& level = *pr->level;
@@ -153,9 +163,11 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select(
     const Tensor& nblk, const c10::optional<Tensor>& p_idx, const c10::optional<Tensor>& p_cnt,
     int64_t k, int64_t sink, int64_t local, int64_t n_out, const c10::optional<Tensor>& p_rows,
     const c10::optional<Tensor>& dense_row, const c10::optional<Tensor>& stats,
-    const c10::optional<Tensor>& new_k, const c10::optional<Tensor>& new_pos, int64_t page_size) {
+    const c10::optional<Tensor>& new_k, const c10::optional<Tensor>& new_pos, int64_t page_size,
+    const c10::optional<Tensor>& new_loc) {
   return select_common(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows,
-                       dense_row, stats, new_k, new_pos, page_size, nullptr, "quest_select");
+                       dense_row, stats, new_k, new_pos, page_size, new_loc, nullptr,
+                       "quest_select");
 }
 
 // quest_select and the predictor's step in the same launch: P(t) at rows p_rows gives M, the
@@ -167,13 +179,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select_predict(
     Tensor& n_init, const Tensor& theta, const Tensor& rows, int64_t k, int64_t n_pred,
     int64_t sink, int64_t local, int64_t n_out, const c10::optional<Tensor>& dense_row,
     const c10::optional<Tensor>& stats, const c10::optional<Tensor>& new_k,
-    const c10::optional<Tensor>& new_pos, int64_t page_size) {
+    const c10::optional<Tensor>& new_pos, int64_t page_size,
+    const c10::optional<Tensor>& new_loc) {
   TORCH_CHECK(p_idx.is_contiguous() && p_cnt.is_contiguous(),
               "quest_select_predict: p_idx/p_cnt must be contiguous (written in place)");
   PredictorTensors pr{&level, &trend, &n_init, &theta, &rows, &nblk_next, &p_idx, &p_cnt,
                       &p_next_rows, n_pred};
   return select_common(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out,
-                       p_rows, dense_row, stats, new_k, new_pos, page_size, &pr,
+                       p_rows, dense_row, stats, new_k, new_pos, page_size, new_loc, &pr,
                        "quest_select_predict");
 }
 

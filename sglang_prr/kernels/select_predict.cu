@@ -142,6 +142,7 @@ quest_select_onepass_kernel(SelectArgs a) {
   const int nbn = pred ? clamp_count(ld_index(a.nblk_next, b, a.nblk_next64), NB) : nb;
   bool first_tok;
   const int newest = new_key_block(a.new_k, a.new_pos, a.new_pos64, a.page_size, b, first_tok);
+  const int64_t wpage = new_key_page(a.new_loc, a.new_loc64, a.page_size, b);  // the update's
   float qf8[8];
   const int qe = tid * 8;  // G * D <= 8 * kOpThreads: one 8-wide piece per thread at most
   if (qe < G * D) load8_any(a.q, b * a.q_stride + (int64_t)hk * G * D + qe, a.q_dtype, qf8);
@@ -215,6 +216,13 @@ quest_select_onepass_kernel(SelectArgs a) {
         if (has_new && blk == newest) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) fold_key<S>(kf[i], first_tok, lo[i], hi[i]);
+          if (wpage >= 0) {  // the decode update (SelectArgs::new_loc): this lane's 8 dims
+            const int64_t off = (wpage * a.Hk + hk) * D + ln * 8;
+            store_bounds4<S>(a.w_kmin, a.w_kmax, off, make_float4(lo[0], lo[1], lo[2], lo[3]),
+                             make_float4(hi[0], hi[1], hi[2], hi[3]));
+            store_bounds4<S>(a.w_kmin, a.w_kmax, off + 4, make_float4(lo[4], lo[5], lo[6], lo[7]),
+                             make_float4(hi[4], hi[5], hi[6], hi[7]));
+          }
         }
         // One copy of a head's sums (the launch's first instructions run cold in the server).
 #pragma unroll 1

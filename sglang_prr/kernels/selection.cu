@@ -25,7 +25,8 @@ namespace {
 // One warp per (request, block): it reads the block's min/max rows of every KV head (float4 per
 // lane) and sums max(q*kmax, q*kmin) over dims and the GQA group. q of the request is staged in
 // shared memory once per CTA. With the step's new keys given, the newest block's bounds take its
-// key first, in registers (fold_key, as the decode update folds it into the summary).
+// key first, in registers (fold_key, as the decode update folds it into the summary), and with
+// their slots (QuestArgs::new_loc) the folded bounds are stored: the decode update itself.
 constexpr int kQuestWarps = 8;
 
 template <typename S>
@@ -50,6 +51,7 @@ __device__ __forceinline__ void quest_score_block(const QuestArgs& a, const floa
   bool first_tok;
   const bool newest =
       n == new_key_block(a.new_k, a.new_pos, a.new_pos64, a.page_size, b, first_tok);
+  const int64_t wpage = newest ? new_key_page(a.new_loc, a.new_loc64, a.page_size, b) : -1;
   const int64_t nb_b = ld_index(a.nblk, b, a.nblk64);
   float* out = a.out + (int64_t)b * a.Hk * a.NB + n;
   if (n >= nb_b) {
@@ -81,6 +83,8 @@ __device__ __forceinline__ void quest_score_block(const QuestArgs& a, const floa
           const float4 x = load4_any(a.new_k, b * a.new_k_stride + (int64_t)(h0 + j) * a.D + 4 * c,
                                      a.new_k_dtype);
           fold_key4<S>(x, first_tok, vl[j], vh[j]);
+          if (wpage >= 0)
+            store_bounds4<S>(a.w_kmin, a.w_kmax, (wpage * a.Hk + h0 + j) * a.D + 4 * c, vl[j], vh[j]);
         }
       }
 #pragma unroll
@@ -244,6 +248,7 @@ quest_select_kernel(SelectArgs a) {
   const int base = blockIdx.y * kSelChunk + warp;
   bool first_tok;
   const int newest = new_key_block(a.new_k, a.new_pos, a.new_pos64, a.page_size, b, first_tok);
+  const int64_t wpage = newest >= 0 ? new_key_page(a.new_loc, a.new_loc64, a.page_size, b) : -1;
   int64_t page[kSelPerWarp];
   bool valid[kSelPerWarp];
 #pragma unroll
@@ -267,6 +272,8 @@ quest_select_kernel(SelectArgs a) {
           const float4 x = load4_any(a.new_k, b * a.new_k_stride + (int64_t)hk * a.D + 4 * c,
                                      a.new_k_dtype);
           fold_key4<S>(x, first_tok, lo[j], hi[j]);
+          if (wpage >= 0)  // the decode update (SelectArgs::new_loc)
+            store_bounds4<S>(a.w_kmin, a.w_kmax, (wpage * a.Hk + hk) * a.D + 4 * c, lo[j], hi[j]);
         }
       }
     }
@@ -466,6 +473,7 @@ cudaError_t launch_quest_select_split(const SelectArgs& a, cudaStream_t s) {
   q.B = a.B; q.Hq = a.Hq; q.Hk = a.Hk; q.NB = a.NB; q.D = a.D;
   q.new_k = a.new_k; q.new_k_dtype = a.new_k_dtype; q.new_k_stride = a.new_k_stride;
   q.new_pos = a.new_pos; q.new_pos64 = a.new_pos64; q.page_size = a.page_size;
+  q.new_loc = a.new_loc; q.new_loc64 = a.new_loc64; q.w_kmin = a.w_kmin; q.w_kmax = a.w_kmax;
   cudaError_t e = launch_quest_scores(q, s);
   if (e != cudaSuccess) return e;
   const size_t smem = (size_t)std::max(a.NB, 1) * sizeof(uint32_t);

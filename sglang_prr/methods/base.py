@@ -77,10 +77,11 @@ class SelectSpec:
 
 class NewKeys(NamedTuple):
     """A decode step's new keys, one per request: ``k: [B, Hk, D]`` (rows may be strided), their
-    KV slots ``loc: [B]`` and positions ``pos: [B]`` in their requests."""
+    KV slots ``loc: [B]`` and positions ``pos: [B]`` in their requests. ``loc`` None: the
+    selection folds the keys into its scores only (the summaries are updated elsewhere)."""
 
     k: Tensor
-    loc: Tensor
+    loc: Optional[Tensor]
     pos: Tensor
 
 
@@ -131,12 +132,16 @@ class DSAMethod:
     the critical path); ``folds_new_keys``: ``select`` / ``select_predict`` take the step's new
     keys (``new_keys``) and score as if they had been folded into the summaries, whether or not
     ``update`` has run, so the decode step may run the update beside the selection instead of
-    before it."""
+    before it; ``writes_new_keys`` (with ``folds_new_keys``): given the keys' slots
+    (``new_keys.loc``), ``select`` / ``select_predict`` also write the folded summaries, which is
+    the decode ``update`` itself, in the selection's launch (the decode step then runs no update).
+    """
 
     name: str = ""
     kernels: bool = False
     fuses_predictor: bool = False
     folds_new_keys: bool = False
+    writes_new_keys: bool = False
 
     # ------------------------------------------------------------------ summaries
     def layout(self, page_size: int, num_kv_heads: int, head_dim: int

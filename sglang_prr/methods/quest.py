@@ -10,7 +10,9 @@ The selection (scores, top-K, ``M = A \\ P``) is one op (``ops.quest_select``), 
 selection also runs the predictor's step in its epilogue (``ops.quest_select_predict``): one
 launch each on SM90. Both fold the step's new keys into the scores of their blocks
 (``folds_new_keys``): min/max folds are idempotent, so the scores do not depend on whether the
-decode update has written them yet, and the update leaves the critical path.
+decode update has written them yet, and the update leaves the critical path. Given the keys'
+slots they also write the folded bounds (``writes_new_keys``): the decode update is then the
+selection's own stores, a few bytes a row, and no launch of its own.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Quest(DSAMethod):
     kernels = True
     fuses_predictor = True
     folds_new_keys = True
+    writes_new_keys = True
 
     def layout(self, page_size: int, num_kv_heads: int, head_dim: int
                ) -> Tuple[SummaryTensor, ...]:
@@ -84,7 +87,9 @@ class Quest(DSAMethod):
 
 
 def _fold_args(new_keys: Optional[NewKeys], spec: SelectSpec) -> dict:
-    """The selection ops' new-key arguments (none without new keys)."""
+    """The selection ops' new-key arguments (none without new keys; their slots, so that the op
+    writes the summaries, where given)."""
     if new_keys is None:
         return {}
-    return dict(new_k=new_keys.k, new_pos=new_keys.pos, page_size=spec.page_size)
+    return dict(new_k=new_keys.k, new_pos=new_keys.pos, page_size=spec.page_size,
+                new_loc=new_keys.loc)

@@ -94,6 +94,33 @@ def fold_new_keys(lo: Tensor, hi: Tensor, dtype: torch.dtype, nblk: Tensor, new_
     hi[row, col] = torch.where(keep | ~(first | (xh > cur_hi)), cur_hi, xh)
 
 
+def write_new_keys(kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor, new_k: Tensor,
+                   new_pos: Tensor, new_loc: Tensor, page_size: int) -> None:
+    """The decode update done by the selection: each row's new key folded into the bounds of its
+    block (page ``table[b, new_pos[b] // page_size]``, as ``fold_new_keys`` folds it) and written,
+    in place, to page ``new_loc[b] // page_size`` (the page its slot lies in: the same page for
+    the server's rows, so this is ``quest_update(..., one_per_page=True)``). Rows whose key folds
+    nothing (a negative position, a block at or past ``nblk``) write page 0, the padding sink no
+    request reads, as ``quest_update`` resets it; rows writing the same page leave one of their
+    values there (a request's newest page is its own; padding rows share page 0). No host sync.
+    """
+    B, NB = table.shape
+    pos = new_pos.long()
+    blk = pos.div(page_size, rounding_mode="floor")
+    ok = (pos >= 0) & (blk < torch.clamp(nblk.long(), max=NB))
+    col = torch.where(ok, blk, torch.zeros_like(blk))
+    src = table[torch.arange(B, device=table.device), col].long()
+    xl, xh = (t.float() for t in key_bounds(new_k, kmin.dtype))
+    first = (pos % page_size == 0).view(-1, 1, 1)
+    cur_lo, cur_hi = kmin[src].float(), kmax[src].float()
+    lo = torch.where(first | (xl < cur_lo), xl, cur_lo)
+    hi = torch.where(first | (xh > cur_hi), xh, cur_hi)
+    dst = torch.where(ok, new_loc.long().div(page_size, rounding_mode="floor"),
+                      torch.zeros_like(pos))
+    kmin[dst] = lo.to(kmin.dtype)
+    kmax[dst] = hi.to(kmax.dtype)
+
+
 def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor,
                  new_k: Optional[Tensor] = None, new_pos: Optional[Tensor] = None,
                  page_size: int = 0) -> Tensor:
@@ -125,16 +152,21 @@ def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
                  local_blocks: int, n_out: int, p_rows: Optional[Tensor] = None,
                  dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None,
                  new_k: Optional[Tensor] = None, new_pos: Optional[Tensor] = None,
-                 page_size: int = 0) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                 page_size: int = 0, new_loc: Optional[Tensor] = None
+                 ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Quest selection of one step: scores, A = top-K + kept blocks, and M = A \\ P.
 
     ``p_idx``/``p_cnt`` None gives ``M = A``; with ``p_rows: [B]`` they are rows of the pool-wide
     prediction ``[R, Hk, Np]`` / ``[R, Hk]``. ``dense_row: [B]`` bool selects every block of those
     rows (``select_topk``); ``stats: [4]`` int64, if given, accumulates ``accumulate_stats``.
-    ``new_k``/``new_pos``: the step's new keys in the scores (``quest_scores``).
+    ``new_k``/``new_pos``: the step's new keys in the scores (``quest_scores``); with their slots
+    ``new_loc [B]`` too, the folded bounds are also written to the summaries (``write_new_keys``:
+    the decode update in the same op), after the scores are read.
     Returns ``(scores [B, Hk, NB], a_idx, a_cnt, m_idx, m_cnt)`` with lists of width ``n_out``.
     """
     s = quest_scores(q, kmin, kmax, table, nblk, new_k, new_pos, page_size)
+    if new_loc is not None:
+        write_new_keys(kmin, kmax, table, nblk, new_k, new_pos, new_loc, page_size)
     return select_from_scores(s, nblk, table.shape[1], p_idx, p_cnt, k, sink_blocks,
                               local_blocks, n_out, p_rows, dense_row, stats)
 
@@ -145,14 +177,15 @@ def quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, n
                          theta: Tensor, rows: Tensor, k: int, n_pred: int, sink_blocks: int,
                          local_blocks: int, n_out: int, dense_row: Optional[Tensor] = None,
                          stats: Optional[Tensor] = None, new_k: Optional[Tensor] = None,
-                         new_pos: Optional[Tensor] = None, page_size: int = 0
+                         new_pos: Optional[Tensor] = None, page_size: int = 0,
+                         new_loc: Optional[Tensor] = None
                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """A Quest decode step's selection and the predictor's step (one launch on SM90):
     ``quest_select`` with P(t) read at rows ``p_rows`` of p_idx/p_cnt, then
     ``predict_update_rows`` on state rows ``rows`` with P(t+1) written at rows ``p_next_rows``
     (P(t) is read before P(t+1) is written, so the two may be the same rows)."""
     out = quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks,
-                       n_out, p_rows, dense_row, stats, new_k, new_pos, page_size)
+                       n_out, p_rows, dense_row, stats, new_k, new_pos, page_size, new_loc)
     predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, out[0], nblk, nblk_next,
                         n_pred, sink_blocks, local_blocks, p_next_rows)
     return out

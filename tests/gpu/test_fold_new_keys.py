@@ -3,8 +3,11 @@ GPU: every selection path (``SGLANG_PRR_SELECT_KERNEL``: one-pass, row-tail, spl
 float32 summaries, keys of every float dtype. The kernel's scores, A and M with the keys folded
 equal, bit for bit, the kernel's own selection after the decode update (``quest_update``), whether
 the update ran before, not at all, or on another stream at the same time (the fold is idempotent);
-the scores match the reference's. Negative control: without the new keys the newest blocks' scores
-differ. Conventions as in ``test_fused_kernels.py``.
+the scores match the reference's. With the keys' slots (``new_loc``) the same launch writes the
+update: the summaries equal ``quest_update``'s bit for bit (page 0, the padding sink, aside), and
+``DecodeStep`` in CUDA graphs gives the same outputs and summaries whether the selection writes
+the keys, the update runs beside it, or first. Negative control: without the new keys the newest
+blocks' scores differ. Conventions as in ``test_fused_kernels.py``.
 """
 
 from __future__ import annotations
@@ -87,6 +90,13 @@ def test_quest_select_folds_new_keys(B, Hq, Hk, D, NB, page, sdt, kdt, select_ke
         torch.cuda.synchronize()
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
         assert torch.equal(cmin, umin) and torch.equal(cmax, umax)
+    # With the slots the launch is the update too (page 0, the padding sink, aside).
+    wmin, wmax = kmin.clone(), kmax.clone()
+    got = CUDA.quest_select(q, wmin, wmax, table, nblk, *args, **fold, new_loc=loc)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    assert torch.equal(wmin[1:], umin[1:]) and torch.equal(wmax[1:], umax[1:])
+    assert not torch.equal(wmin[1:], kmin[1:])
     # Negative control: the stale summaries without the keys score the newest blocks otherwise.
     stale = CUDA.quest_select(q, kmin, kmax, table, nblk, *args)[0]
     last = torch.zeros_like(stale, dtype=torch.bool)
@@ -124,16 +134,23 @@ def test_quest_select_predict_folds_new_keys(B, Hk, NB, page, select_kernel):
     got = run((kmin, kmax), new_k=k, new_pos=pos, page_size=page)
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+    wmin, wmax = kmin.clone(), kmax.clone()  # the slots: the update written by the same launch
+    got = run((wmin, wmax), new_k=k, new_pos=pos, page_size=page, new_loc=loc)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(wmin[1:], umin[1:]) and torch.equal(wmax[1:], umax[1:])
     stale = run((kmin, kmax))
     assert not torch.equal(stale[0], want[0]) and not torch.equal(stale[7], want[7])
 
 
-def _step_graph(seed, batch, group, page, fold):
+def _step_graph(seed, batch, group, page, where):
     """PRR and serial DSA (``DecodeStep``, Quest) in one CUDA graph whose every replay stores
     each row's new key into the KV cache and hands it to the steps (``new_keys`` with the summary
-    update): ``fold`` runs the update on the side stream and folds the keys into the selection,
-    else the update runs first (``SGLANG_PRR_FOLD_NEW_KEYS=0``). Returns the graph, its inputs
-    (q, the new keys, the lengths), its outputs and its KV cache."""
+    update): ``where`` = ``select``: the selection writes the keys (no update launch); ``side``:
+    the update on the side stream, the keys folded into the selection; ``first``: the update
+    first (``SGLANG_PRR_FOLD_NEW_KEYS=0``). The last row pads the batch as SGLang's graphs do
+    (request slot 0, length 1, KV slot 0). Returns the graph, its inputs (q, the new keys, the
+    lengths), its outputs and its KV cache."""
     from sglang_prr.methods import NewKeys
     from sglang_prr.step import DecodeStep, new_layer_state
     from sglang_prr.tools.synthetic import paged_kv
@@ -146,7 +163,8 @@ def _step_graph(seed, batch, group, page, fold):
     for serial in (False, True):
         steps[serial] = DecodeStep("quest", 4, 6, 1, 1, page, min_context=8 * page + 1,
                                    exact=True, serial=serial, device=DEV)
-        steps[serial].fold_keys = fold
+        steps[serial].fold_keys = where != "first"
+        steps[serial].write_keys = where == "select"
     state = new_layer_state(batch + 1, hk, kv.table.shape[1], 8, (0.6, 0.3, 0.5), DEV)
     rows = torch.cat([kv.rows.flip(0), torch.zeros(1, dtype=torch.long, device=DEV)])
     B = batch + 1
@@ -158,6 +176,7 @@ def _step_graph(seed, batch, group, page, fold):
     def body():
         pos = seq - 1
         loc = kv.req_to_token[rows, pos].long()
+        loc[batch:] = 0  # the padding row's KV slot, as SGLang pads out_cache_loc
         kv.k_buf.index_copy_(0, loc, knew)  # the KV store of the new keys
         nk = NewKeys(knew, loc, pos)
 
@@ -175,29 +194,31 @@ def _step_graph(seed, batch, group, page, fold):
 
 
 @pytest.mark.parametrize("batch,group,page", [(1, 4, 64), (3, 8, 16)])
-def test_decode_step_with_the_update_beside_equals_update_first(batch, group, page):
-    """The summary update on the side stream with the keys folded into the selection, against
-    the update first, both in CUDA graphs with new keys every replay: the same outputs, bit for
-    bit (PRR == serial DSA in each), and the same summaries after every replay (the side update
-    is joined); the summaries moved (control)."""
+def test_decode_step_with_the_update_in_or_beside_equals_update_first(batch, group, page):
+    """The selection writing the new keys, and the summary update on the side stream with the
+    keys folded into the selection, against the update first, all in CUDA graphs with new keys
+    every replay: the same outputs, bit for bit (PRR == serial DSA in each), and the same
+    summaries after every replay (page 0, the padding row's, aside); the summaries moved
+    (control)."""
     seed = seeded(f"step fold batch={batch} group={group} page={page}")
-    runs = {f: _step_graph(seed, batch, group, page, f) for f in (True, False)}
+    runs = {w: _step_graph(seed, batch, group, page, w) for w in ("select", "side", "first")}
     g = torch.Generator().manual_seed(seed + 1)
     ctx = 40 * page + 7
-    start = runs[True][3].kmin.clone()
+    start = runs["select"][3].kmin.clone()
     for t in range(4):
-        qv = torch.randn(runs[True][1][0].shape, generator=g) * 3
-        kn = torch.randn(runs[True][1][1].shape, generator=g) * 4
+        qv = torch.randn(runs["select"][1][0].shape, generator=g) * 3
+        kn = torch.randn(runs["select"][1][1].shape, generator=g) * 4
         for graph, (q, knew, seq), outs, kv in runs.values():
             q.copy_(qv)
             knew.copy_(kn)
             seq.copy_(torch.tensor([ctx + t] * batch + [1]))
             graph.replay()
         torch.cuda.synchronize()
-        o = {f: runs[f][2] for f in runs}
-        for f in runs:
-            assert torch.equal(o[f]["prr"][:batch], o[f]["ser"][:batch]), (f, t)
-        assert torch.equal(o[True]["prr"][:batch], o[False]["prr"][:batch]), t
-        assert torch.equal(runs[True][3].kmin, runs[False][3].kmin), t
-        assert torch.equal(runs[True][3].kmax, runs[False][3].kmax), t
-    assert not torch.equal(runs[True][3].kmin, start)  # control: the updates ran
+        o = {w: runs[w][2] for w in runs}
+        for w in runs:
+            assert torch.equal(o[w]["prr"][:batch], o[w]["ser"][:batch]), (w, t)
+        for w in ("select", "side"):
+            assert torch.equal(o[w]["prr"][:batch], o["first"]["prr"][:batch]), (w, t)
+            assert torch.equal(runs[w][3].kmin[1:], runs["first"][3].kmin[1:]), (w, t)
+            assert torch.equal(runs[w][3].kmax[1:], runs["first"][3].kmax[1:]), (w, t)
+    assert not torch.equal(runs["select"][3].kmin, start)  # control: the updates ran

@@ -26,6 +26,7 @@ def test_rows_bytes_and_append(tmp_path):
     assert ("selection", "predictor (side)") in cases
     assert ("selection", "select (scores, A), serial") in cases
     assert ("selection", "select + fold, serial") in cases  # (the concurrent row: CUDA only)
+    assert ("selection", "select + fold + write, serial") in cases
     assert {int(r["m_blocks"]) for r in got if r["case"].startswith("repair")} == {1, 2}
     assert all(float(r["cold_us"]) > 0 and float(r["warm_us"]) > 0 for r in got)
     # The bytes a row must read grow with its batch (serial attention, selection, predictor).
@@ -39,9 +40,9 @@ def test_rows_bytes_and_append(tmp_path):
     # --append keeps the earlier rows (control: without it they are replaced).
     bks.main(["--device", "cpu", "--quick", "--parts", "selection", "--append", "--csv",
               str(out)])
-    assert len(_read(out)) == len(got) + 10  # 2 batch sizes x 5 selection cases
+    assert len(_read(out)) == len(got) + 12  # 2 batch sizes x 6 selection cases
     bks.main(["--device", "cpu", "--quick", "--parts", "selection", "--csv", str(out)])
-    assert len(_read(out)) == 10
+    assert len(_read(out)) == 12
 
 
 def test_attn_launch_names_forced_settings_only(monkeypatch):

@@ -182,3 +182,28 @@ def test_bad_spec_sizes_name_the_values(tmp_path):
     with pytest.raises(SystemExit, match="--m-blocks 2 and --n-pred 10"):
         bn.main(["--m-blocks", "2", "--n-pred", "10", "--csv", str(tmp_path / "x.csv")])
     assert not (tmp_path / "x.csv").exists()
+
+
+@pytest.mark.parametrize("where", ["select", "side"])
+def test_summary_update_placement_follows_the_flag(monkeypatch, where):
+    """``--summary-update select``: the selections write the new keys into the layer's summaries
+    and PRR's layer launches no update; ``side``: the selections leave the summaries as they were
+    and the layer runs the update after its selection."""
+    lay = _layers()
+    lay.write = where == "select"
+    updates = []
+    orig = bn.stages.update_set
+    monkeypatch.setattr(bn.stages, "update_set", lambda s, page: (updates.append(s),
+                                                                  orig(s, page)))
+    s = lay.sel[2]
+    before, before_max = s["kmin"].clone(), s["kmax"].clone()
+    lay.select(2, prr=False)
+    assert torch.equal(s["kmin"], before) != lay.write
+    lay.fork(2)
+    lay.repair(2)
+    assert len(updates) == (0 if lay.write else 1)
+    ref_min, ref_max = before.clone(), before_max.clone()
+    ops.quest_update(ref_min, ref_max, s["new_k"], s["new_loc"], s["new_pos"], 16,
+                     one_per_page=True)
+    # either way: the update's summaries (page 0, the padding sink, aside)
+    assert torch.equal(s["kmin"][1:], ref_min[1:]) and torch.equal(s["kmax"][1:], ref_max[1:])

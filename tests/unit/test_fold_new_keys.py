@@ -1,8 +1,10 @@
 """The step's new keys folded into Quest's selection (``new_k`` / ``new_pos`` of
 ``ops.quest_select`` and ``ops.quest_select_predict``): the scores, A and M equal those of the
 selection after the decode update, bit for bit, whether or not the update has run (the fold is
-idempotent), so ``DecodeStep`` may run the update beside the selection. Negative controls: the
-same selection without the new keys, on summaries that have not seen them, differs; a method
+idempotent), so ``DecodeStep`` may run the update beside the selection. With the keys' slots
+(``new_loc``) the selection also writes them: the summaries equal the decode update's, bit for
+bit, so the step runs no update. Negative controls: the same selection without the new keys, on
+summaries that have not seen them, differs; without ``new_loc`` nothing is written; a method
 without the fold refuses new keys. The kernels' side is ``tests/gpu/test_fold_new_keys.py``.
 """
 
@@ -69,6 +71,48 @@ def test_folded_selection_is_the_selection_after_the_update(seed, B, Hq, Hk, D, 
     assert not torch.equal(stale[last], want[0][last])
 
 
+@pytest.mark.parametrize("sdt", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kdt", [torch.float16, torch.float32])
+@pytest.mark.parametrize("B,Hq,Hk,D,page", [(1, 4, 1, 64, 16), (5, 6, 3, 24, 8)])
+def test_selection_with_slots_writes_the_update(seed, B, Hq, Hk, D, page, sdt, kdt):
+    g = torch.Generator().manual_seed(seed)
+    q, kmin, kmax, table, nblk, k, loc, pos = _case(g, B, Hq, Hk, D, page, sdt, kdt)
+    args = dict(p_idx=None, p_cnt=None, k=2, sink_blocks=1, local_blocks=1, n_out=4)
+    upd = _updated(kmin, kmax, k, loc, pos, page)
+    want = ops.quest_select(q, *upd, table, nblk, **args)
+    fold = dict(new_k=k, new_pos=pos, page_size=page)
+    lo, hi = kmin.clone(), kmax.clone()
+    got = ops.quest_select(q, lo, hi, table, nblk, **args, **fold, new_loc=loc)
+    for x, y in zip(got, want):
+        assert torch.equal(x, y)
+    # every page but page 0, the padding sink, which the update resets for rows it folds into
+    assert torch.equal(lo[1:], upd[0][1:]) and torch.equal(hi[1:], upd[1][1:])
+    assert not torch.equal(lo, kmin)  # the keys moved the bounds
+    # control: without the slots the selection folds and writes nothing
+    lo2, hi2 = kmin.clone(), kmax.clone()
+    ops.quest_select(q, lo2, hi2, table, nblk, **args, **fold)
+    assert torch.equal(lo2, kmin) and torch.equal(hi2, kmax)
+
+
+def test_rows_that_fold_nothing_write_only_the_padding_page(seed):
+    """A negative position, or one past the row's blocks, writes page 0 (the padding sink, as the
+    update resets it); every other page is the update's of the remaining rows."""
+    g = torch.Generator().manual_seed(seed)
+    page = 16
+    q, kmin, kmax, table, nblk, k, loc, pos = _case(g, 4, 4, 2, 32, page, torch.bfloat16,
+                                                     torch.float32)
+    pos = pos.clone()
+    pos[1] = -1
+    pos[2] = nblk[2] * page + 3
+    keep = torch.tensor([True, False, False, True])
+    upd = _updated(kmin, kmax, k[keep], loc[keep], pos[keep], page)
+    lo, hi = kmin.clone(), kmax.clone()
+    ops.quest_select(q, lo, hi, table, nblk, None, None, 2, 1, 1, 4, new_k=k, new_pos=pos,
+                     page_size=page, new_loc=loc)
+    assert torch.equal(lo[1:], upd[0][1:]) and torch.equal(hi[1:], upd[1][1:])
+    assert not torch.equal(lo[1:], kmin[1:])  # control: rows 0 and 3 did write
+
+
 def test_fold_skips_positions_outside_the_row(seed):
     """A negative position, or one in a block at or past ``nblk``, folds nothing."""
     g = torch.Generator().manual_seed(seed)
@@ -108,10 +152,16 @@ def test_select_predict_folds_like_select(seed):
                                        n_out=4, **fold)
         return list(out) + st[:5]
 
-    want = run(_updated(kmin, kmax, k, loc, pos, page))
+    upd = _updated(kmin, kmax, k, loc, pos, page)
+    want = run(upd)
     got = run((kmin, kmax), new_k=k, new_pos=pos, page_size=page)
     for x, y in zip(got, want):
         torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+    lo, hi = kmin.clone(), kmax.clone()  # with the slots: the same, and the update written
+    got = run((lo, hi), new_k=k, new_pos=pos, page_size=page, new_loc=loc)
+    for x, y in zip(got, want):
+        torch.testing.assert_close(x, y, rtol=0, atol=0, equal_nan=True)
+    assert torch.equal(lo[1:], upd[0][1:]) and torch.equal(hi[1:], upd[1][1:])
     stale = run((kmin, kmax))
     assert not torch.equal(stale[0], want[0])
 
@@ -140,29 +190,40 @@ def test_methods_take_new_keys_only_where_they_fold(seed):
 @pytest.mark.parametrize("bad,match", [
     (dict(new_k="shape"), "new_k"), (dict(new_k="int"), "new_k"), (dict(new_pos=None), "new_pos"),
     (dict(new_pos="float"), "new_pos.dtype"), (dict(new_pos="len"), "new_pos.shape"),
-    (dict(page_size=0), "page_size"), (dict(new_k=None), "new_pos")])
+    (dict(page_size=0), "page_size"), (dict(new_k=None), "new_pos"),
+    (dict(new_loc="float"), "new_loc.dtype"), (dict(new_loc="len"), "new_loc.shape"),
+    (dict(new_k=None, new_pos=None, new_loc="loc"), "new_loc")])
 def test_new_key_arguments_are_checked(seed, bad, match):
     g = torch.Generator().manual_seed(seed)
     q, kmin, kmax, table, nblk, k, loc, pos = _case(g, 2, 4, 2, 32, 16, torch.bfloat16,
                                                      torch.bfloat16)
-    args = dict(new_k=k, new_pos=pos, page_size=16)
+    args = dict(new_k=k, new_pos=pos, page_size=16, new_loc=loc)
     for key, v in bad.items():
-        args[key] = {"shape": k[:, :1], "int": k.int(), "float": pos.float(),
-                     "len": pos[:1]}.get(v, v) if isinstance(v, str) else v
+        src = pos if key == "new_pos" else loc
+        args[key] = {"shape": k[:, :1], "int": k.int(), "float": src.float(), "len": src[:1],
+                     "loc": loc}.get(v, v) if isinstance(v, str) else v
+    lo, hi = kmin.clone(), kmax.clone()
+    with pytest.raises(ValueError, match=match):
+        ops.quest_select(q, lo, hi, table, nblk, None, None, 2, 1, 1, 4, **args)
+    assert torch.equal(lo, kmin) and torch.equal(hi, kmax)  # a refused call writes nothing
     with pytest.raises(ValueError, match=match):
         ops.quest_select(q, kmin, kmax, table, nblk, None, None, 2, 1, 1, 4, **args)
     ops.quest_select(q, kmin, kmax, table, nblk, None, None, 2, 1, 1, 4, new_k=k, new_pos=pos,
                      page_size=16)  # control: the good arguments pass
 
 
-@pytest.mark.parametrize("method,fold,want", [
-    ("quest", True, [("update",), ("select", True)]),
-    ("quest", False, [("update",), ("select", False)]),
-    ("infllm_v2", True, [("update",), ("select", False)])])
-def test_decode_step_places_the_update(seed, monkeypatch, method, fold, want):
-    """On CPU ``DecodeStep`` runs the summary update before the selection, and hands the new keys
+@pytest.mark.parametrize("method,fold,where,want", [
+    ("quest", True, "select", [("select", True, True)]),
+    ("quest", True, "side", [("update",), ("select", True, False)]),
+    ("quest", False, "select", [("update",), ("select", False, False)]),
+    ("infllm_v2", True, "select", [("update",), ("select", False, False)])])
+def test_decode_step_places_the_update(seed, monkeypatch, method, fold, where, want):
+    """``DecodeStep`` hands the new keys with their slots to a selection that writes them, and
+    then runs no update; else it runs the update first on CPU (on CUDA, where the selection folds
+    the keys, beside it: ``SGLANG_PRR_SUMMARY_UPDATE=side``) and hands the keys, without slots,
     to the selection only where the method folds them (and ``SGLANG_PRR_FOLD_NEW_KEYS`` is not
     0); the output is serial DSA's either way (against the update first, no new keys)."""
+    monkeypatch.setenv("SGLANG_PRR_SUMMARY_UPDATE", where)
     from sglang_prr.step import DecodeStep
     from sglang_prr.tools.synthetic import paged_kv
     g = torch.Generator().manual_seed(seed)
@@ -176,7 +237,8 @@ def test_decode_step_places_the_update(seed, monkeypatch, method, fold, want):
     orig = type(dsa).select
 
     def spy(self, *a, **k):
-        calls.append(("select", k.get("new_keys") is not None))
+        nk = k.get("new_keys")
+        calls.append(("select", nk is not None, nk is not None and nk.loc is not None))
         return orig(self, *a, **k)
 
     monkeypatch.setattr(type(dsa), "select", spy)
@@ -194,5 +256,49 @@ def test_decode_step_places_the_update(seed, monkeypatch, method, fold, want):
     assert calls == want
     calls.clear()
     o2 = step.run(q, kv.k_buf, kv.v_buf, summary, b, None, None, 0.2, torch.float32)
-    assert calls == [("select", False)]  # control: without them, nothing is updated or folded
+    assert calls == [("select", False, False)]  # control: without them, nothing is updated
     assert torch.equal(o, o2)
+
+
+def test_decode_step_writing_selection_is_the_update_first(seed, monkeypatch):
+    """Serial DSA and PRR through ``DecodeStep`` on CPU: the selection that writes the new keys
+    gives the outputs and the summaries of the update first, bit for bit; the summaries it left
+    hold the keys (control: they differ from the summaries before the step)."""
+    from sglang_prr.step import DecodeStep, new_layer_state
+    from sglang_prr.tools.synthetic import paged_kv
+    g = torch.Generator().manual_seed(seed)
+    page, hk, d, B = 16, 2, 32, 3
+    kv = paged_kv(B, 20 * page + 5, page, hk, d, dtype=torch.float32, device="cpu", generator=g)
+    seq = torch.tensor([20 * page + 5, 9 * page + 1, 13 * page + 16])
+    q = torch.randn(B, 4 * hk, d, generator=g)
+    knew = torch.randn(B, hk, d, generator=g) * 3
+    pos = seq - 1
+    loc = kv.req_to_token[kv.rows, pos].long()
+    quest = methods.get("quest")
+    outs = {}
+    for where in ("select", "side"):
+        monkeypatch.setenv("SGLANG_PRR_SUMMARY_UPDATE", where)
+        for serial in (True, False):
+            summ = [kv.kmin.clone(), kv.kmax.clone()]
+            step = DecodeStep("quest", 4, 6, 1, 1, page, min_context=0, exact=True,
+                              serial=serial, device="cpu")
+            st = None if serial else new_layer_state(kv.req_to_token.shape[0], hk,
+                                                     -(-kv.req_to_token.shape[1] // page), 8,
+                                                     (0.5, 0.5, 0.5), "cpu")
+            b = step.plan(kv.req_to_token, kv.rows, seq)
+
+            def upd(s=summ):
+                quest.update(s, knew, loc, pos, page, decode=True)
+
+            o = step.run(q, kv.k_buf, kv.v_buf, summ, b, st, None, 0.2, torch.float32,
+                         new_keys=NewKeys(knew, loc, pos), update=upd)
+            outs[where, serial] = (o, summ)
+    for serial in (True, False):
+        (o1, s1), (o2, s2) = outs["select", serial], outs["side", serial]
+        assert torch.equal(o1, o2)
+        assert all(torch.equal(x, y) for x, y in zip(s1, s2))
+        assert not torch.equal(s1[0], kv.kmin)
+    monkeypatch.setenv("SGLANG_PRR_SUMMARY_UPDATE", "before")
+    with pytest.raises(ValueError, match="SGLANG_PRR_SUMMARY_UPDATE"):
+        DecodeStep("quest", 4, 6, 1, 1, page, min_context=0, exact=True, serial=True,
+                   device="cpu")
