@@ -383,7 +383,8 @@ class PRRBackend:
         if save_kv_cache and k is not None and v is not None:
             self.kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
         # 2. The sparse step, for every row (short rows attend every block), with the summary
-        # update of the new token (the step places it: first, or beside the selection).
+        # update of the new token (the step places it: in Quest's selection, which writes it;
+        # first; or beside the selection). Padded graph rows have out_cache_loc 0: page 0.
         batch = getattr(fb, "_prr_batch", None)
         if batch is None:  # a path that skipped the metadata hooks: plan here (eager only)
             self._plan_decode(fb)
