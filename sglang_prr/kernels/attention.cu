@@ -422,6 +422,9 @@ __device__ __forceinline__ void block_partial(const AttnArgs& a, int b, int hk, 
   auto issue = [&](int ch, int st) {
     unsigned char* kst = s_dyn + st * AttnSmem<T, D>::kStageBytes;
     unsigned char* vst = kst + kChunk * D * 2;
+    // Rolled: cp.async does not wait, so a rolled loop keeps every copy of the chunk in flight
+    // while the kernel's code (fetched cold in the server) holds one copy of the body, not 8.
+#pragma unroll 1
     for (int p = tid; p < kChunk * kPieces; p += kAttnThreads) {
       const int r = p / kPieces, pc = p % kPieces;
       const int t = ch * kChunk + r;
