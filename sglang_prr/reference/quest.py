@@ -81,17 +81,32 @@ def fold_new_keys(lo: Tensor, hi: Tensor, dtype: torch.dtype, nblk: Tensor, new_
     summary that already holds it changes nothing, so the scores are the same whether or not the
     update has run."""
     B, NB = lo.shape[:2]
+    ok, col = _key_blocks(new_pos, nblk, NB, page_size)
+    row = torch.arange(B, device=lo.device)
+    cur_lo, cur_hi = lo[row, col], hi[row, col]  # [B, Hk, D]
+    f_lo, f_hi = _folded(cur_lo, cur_hi, dtype, new_k, new_pos, page_size)
+    keep = ~ok.view(-1, 1, 1)
+    lo[row, col] = torch.where(keep, cur_lo, f_lo)
+    hi[row, col] = torch.where(keep, cur_hi, f_hi)
+
+
+def _key_blocks(new_pos: Tensor, nblk: Tensor, nb: int, page_size: int) -> Tuple[Tensor, Tensor]:
+    """Whether each row's new key folds into one of its blocks (``ok [B]``: a position >= 0 in a
+    block below ``min(nblk, nb)``) and that block (``col [B]`` int64, 0 where not ``ok``)."""
     pos = new_pos.long()
     blk = pos.div(page_size, rounding_mode="floor")
-    ok = (pos >= 0) & (blk < torch.clamp(nblk.long(), max=NB))
-    col = torch.where(ok, blk, torch.zeros_like(blk))
-    row = torch.arange(B, device=lo.device)
+    ok = (pos >= 0) & (blk < torch.clamp(nblk.long(), max=nb))
+    return ok, torch.where(ok, blk, torch.zeros_like(blk))
+
+
+def _folded(cur_lo: Tensor, cur_hi: Tensor, dtype: torch.dtype, new_k: Tensor, new_pos: Tensor,
+            page_size: int) -> Tuple[Tensor, Tensor]:
+    """Bounds ``[B, Hk, D]`` (float32) with each row's key folded in as ``quest_update`` folds it:
+    the first position of a page replaces them, any other only a smaller min / larger max."""
     xl, xh = (b.float() for b in key_bounds(new_k, dtype))
-    first = (pos % page_size == 0).view(-1, 1, 1)
-    keep = ~ok.view(-1, 1, 1)
-    cur_lo, cur_hi = lo[row, col], hi[row, col]  # [B, Hk, D]
-    lo[row, col] = torch.where(keep | ~(first | (xl < cur_lo)), cur_lo, xl)
-    hi[row, col] = torch.where(keep | ~(first | (xh > cur_hi)), cur_hi, xh)
+    first = (new_pos.long() % page_size == 0).view(-1, 1, 1)
+    return (torch.where(first | (xl < cur_lo), xl, cur_lo),
+            torch.where(first | (xh > cur_hi), xh, cur_hi))
 
 
 def write_new_keys(kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor, new_k: Tensor,
@@ -105,18 +120,11 @@ def write_new_keys(kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor, new_
     values there (a request's newest page is its own; padding rows share page 0). No host sync.
     """
     B, NB = table.shape
-    pos = new_pos.long()
-    blk = pos.div(page_size, rounding_mode="floor")
-    ok = (pos >= 0) & (blk < torch.clamp(nblk.long(), max=NB))
-    col = torch.where(ok, blk, torch.zeros_like(blk))
+    ok, col = _key_blocks(new_pos, nblk, NB, page_size)
     src = table[torch.arange(B, device=table.device), col].long()
-    xl, xh = (t.float() for t in key_bounds(new_k, kmin.dtype))
-    first = (pos % page_size == 0).view(-1, 1, 1)
-    cur_lo, cur_hi = kmin[src].float(), kmax[src].float()
-    lo = torch.where(first | (xl < cur_lo), xl, cur_lo)
-    hi = torch.where(first | (xh > cur_hi), xh, cur_hi)
+    lo, hi = _folded(kmin[src].float(), kmax[src].float(), kmin.dtype, new_k, new_pos, page_size)
     dst = torch.where(ok, new_loc.long().div(page_size, rounding_mode="floor"),
-                      torch.zeros_like(pos))
+                      torch.zeros_like(col))
     kmin[dst] = lo.to(kmin.dtype)
     kmax[dst] = hi.to(kmax.dtype)
 
