@@ -21,7 +21,8 @@ idempotent (a min/max), so the scores do not depend on whether the summaries hel
 With ``SGLANG_PRR_SUMMARY_UPDATE=side`` (a measuring knob) the selection only folds and the
 update runs as its own launch on the side stream, after the attention (serial DSA) or the
 selection (PRR), joined after the last layer. Methods without the fold (InfLLM-v2) run the update
-first, as does ``SGLANG_PRR_FOLD_NEW_KEYS=0``.
+first, as does ``SGLANG_PRR_FOLD_NEW_KEYS=0``. ``SGLANG_PRR_SPEC_ORDER=first`` (another measuring
+knob) records PRR's speculative pass before the selection instead of after it.
 
 The predictor's step is the selection's epilogue (the scores are on chip there; with
 ``--prr-predictor side`` it is its own launch after the selection, as below): it writes P(t+1)
@@ -62,6 +63,7 @@ from .methods import NewKeys, SelectSpec
 
 ENV_FOLD_NEW_KEYS = "SGLANG_PRR_FOLD_NEW_KEYS"
 ENV_SUMMARY_UPDATE = "SGLANG_PRR_SUMMARY_UPDATE"
+ENV_SPEC_ORDER = "SGLANG_PRR_SPEC_ORDER"
 
 
 class DecodeBatch(NamedTuple):
@@ -142,6 +144,14 @@ class DecodeStep:
         if where not in ("select", "side"):
             raise ValueError(f"{ENV_SUMMARY_UPDATE}={where!r}: expected 'select' or 'side'")
         self.write_keys = where == "select"
+        # SGLANG_PRR_SPEC_ORDER=first: the speculative pass is launched before the selection
+        # (default: after it). The two have no dependency; a CUDA graph dispatches independent
+        # kernels in the order they were recorded, and the first one's CTAs take the SMs, so the
+        # order decides which one waits for room (a measuring knob).
+        order = os.environ.get(ENV_SPEC_ORDER, "after")
+        if order not in ("first", "after"):
+            raise ValueError(f"{ENV_SPEC_ORDER}={order!r}: expected 'first' or 'after'")
+        self.spec_first = order == "first"
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._p_par: Optional[Tensor] = None
@@ -257,9 +267,16 @@ class DecodeStep:
                                     n_pred=b.n_pred, sink_blocks=self.sink,
                                     local_blocks=self.local, p_rows=b.p_nxt)
 
+        def speculate():  # Reuse: the speculative pass over P(t), beside the selection on CUDA
+            return ops.sparse_attn_partials(q, k_buf, v_buf, b.table, b.seq_lens, st.p_idx,
+                                            st.p_cnt, self.page, sm_scale, idx_rows=b.p_cur)
+
+        spec = None
         if self.cuda:
             main = torch.cuda.current_stream(self.device)
-            self.forked.record(main)
+            self.forked.record(main)  # the selection waits for this point, not for the pass
+            if self.spec_first:
+                spec = speculate()
             with torch.cuda.stream(self.side):
                 self.side.wait_event(self.forked)
                 if fold:  # the selection reads (and may write with) them on this stream
@@ -275,9 +292,7 @@ class DecodeStep:
             a = select()
             if not fused:
                 predict(a.scores)
-        # Reuse: the speculative pass over P(t) (beside the selection on CUDA).
-        o_s, lse_s = ops.sparse_attn_partials(q, k_buf, v_buf, b.table, b.seq_lens, st.p_idx,
-                                              st.p_cnt, self.page, sm_scale, idx_rows=b.p_cur)
+        o_s, lse_s = spec if spec is not None else speculate()
         if self.cuda:
             main.wait_event(self.selected)
             for t in (a.a_idx, a.a_cnt, a.m_idx, a.m_cnt):

@@ -148,7 +148,8 @@ def _step_graph(seed, batch, group, page, where):
     each row's new key into the KV cache and hands it to the steps (``new_keys`` with the summary
     update): ``where`` = ``select``: the selection writes the keys (no update launch); ``side``:
     the update on the side stream, the keys folded into the selection; ``first``: the update
-    first (``SGLANG_PRR_FOLD_NEW_KEYS=0``). The last row pads the batch as SGLang's graphs do
+    first (``SGLANG_PRR_FOLD_NEW_KEYS=0``); ``spec_first``: as ``select``, PRR's speculative pass
+    recorded before the selection (``SGLANG_PRR_SPEC_ORDER=first``). The last row pads the batch as SGLang's graphs do
     (request slot 0, length 1, KV slot 0). Returns the graph, its inputs (q, the new keys, the
     lengths), its outputs and its KV cache."""
     from sglang_prr.methods import NewKeys
@@ -164,7 +165,8 @@ def _step_graph(seed, batch, group, page, where):
         steps[serial] = DecodeStep("quest", 4, 6, 1, 1, page, min_context=8 * page + 1,
                                    exact=True, serial=serial, device=DEV)
         steps[serial].fold_keys = where != "first"
-        steps[serial].write_keys = where == "select"
+        steps[serial].write_keys = where in ("select", "spec_first")
+        steps[serial].spec_first = where == "spec_first"
     state = new_layer_state(batch + 1, hk, kv.table.shape[1], 8, (0.6, 0.3, 0.5), DEV)
     rows = torch.cat([kv.rows.flip(0), torch.zeros(1, dtype=torch.long, device=DEV)])
     B = batch + 1
@@ -196,12 +198,14 @@ def _step_graph(seed, batch, group, page, where):
 @pytest.mark.parametrize("batch,group,page", [(1, 4, 64), (3, 8, 16)])
 def test_decode_step_with_the_update_in_or_beside_equals_update_first(batch, group, page):
     """The selection writing the new keys, and the summary update on the side stream with the
-    keys folded into the selection, against the update first, all in CUDA graphs with new keys
-    every replay: the same outputs, bit for bit (PRR == serial DSA in each), and the same
+    keys folded into the selection, and the writing selection recorded after PRR's speculative
+    pass, against the update first, all in CUDA graphs with new keys every replay: the same
+    outputs, bit for bit (PRR == serial DSA in each), and the same
     summaries after every replay (page 0, the padding row's, aside); the summaries moved
     (control)."""
     seed = seeded(f"step fold batch={batch} group={group} page={page}")
-    runs = {w: _step_graph(seed, batch, group, page, w) for w in ("select", "side", "first")}
+    runs = {w: _step_graph(seed, batch, group, page, w)
+            for w in ("select", "side", "spec_first", "first")}
     g = torch.Generator().manual_seed(seed + 1)
     ctx = 40 * page + 7
     start = runs["select"][3].kmin.clone()
@@ -217,7 +221,7 @@ def test_decode_step_with_the_update_in_or_beside_equals_update_first(batch, gro
         o = {w: runs[w][2] for w in runs}
         for w in runs:
             assert torch.equal(o[w]["prr"][:batch], o[w]["ser"][:batch]), (w, t)
-        for w in ("select", "side"):
+        for w in ("select", "side", "spec_first"):
             assert torch.equal(o[w]["prr"][:batch], o["first"]["prr"][:batch]), (w, t)
             assert torch.equal(runs[w][3].kmin[1:], runs["first"][3].kmin[1:]), (w, t)
             assert torch.equal(runs[w][3].kmax[1:], runs["first"][3].kmax[1:]), (w, t)

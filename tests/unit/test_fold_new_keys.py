@@ -302,3 +302,21 @@ def test_decode_step_writing_selection_is_the_update_first(seed, monkeypatch):
     with pytest.raises(ValueError, match="SGLANG_PRR_SUMMARY_UPDATE"):
         DecodeStep("quest", 4, 6, 1, 1, page, min_context=0, exact=True, serial=True,
                    device="cpu")
+
+
+@pytest.mark.parametrize("value,first", [("first", True), ("after", False), (None, False)])
+def test_spec_order_flag_is_read_and_checked(monkeypatch, value, first):
+    """``SGLANG_PRR_SPEC_ORDER`` sets where PRR's speculative pass is recorded (default: after
+    the selection); any other value is refused with its name (control)."""
+    from sglang_prr.step import DecodeStep
+    if value is None:
+        monkeypatch.delenv("SGLANG_PRR_SPEC_ORDER", raising=False)
+    else:
+        monkeypatch.setenv("SGLANG_PRR_SPEC_ORDER", value)
+    step = DecodeStep("quest", 4, 6, 1, 1, 16, min_context=0, exact=True, serial=False,
+                      device="cpu")
+    assert step.spec_first is first
+    monkeypatch.setenv("SGLANG_PRR_SPEC_ORDER", "before")
+    with pytest.raises(ValueError, match="SGLANG_PRR_SPEC_ORDER='before'"):
+        DecodeStep("quest", 4, 6, 1, 1, 16, min_context=0, exact=True, serial=False,
+                   device="cpu")
