@@ -66,6 +66,15 @@ ENV_SUMMARY_UPDATE = "SGLANG_PRR_SUMMARY_UPDATE"
 ENV_SPEC_ORDER = "SGLANG_PRR_SPEC_ORDER"
 
 
+def _env_choice(name: str, default: str, other: str) -> str:
+    """The value of the environment knob ``name`` (``default`` when unset); any value but the
+    two is refused with its name."""
+    value = os.environ.get(name, default)
+    if value not in (default, other):
+        raise ValueError(f"{name}={value!r}: expected {default!r} or {other!r}")
+    return value
+
+
 class DecodeBatch(NamedTuple):
     """Per-forward values every layer shares (``DecodeStep.plan``)."""
 
@@ -140,18 +149,12 @@ class DecodeStep:
         self.fold_keys = os.environ.get(ENV_FOLD_NEW_KEYS, "1") != "0"
         # SGLANG_PRR_SUMMARY_UPDATE=side: the update as its own launch on the side stream (the
         # placement before the selection wrote the summaries itself; a measuring knob).
-        where = os.environ.get(ENV_SUMMARY_UPDATE, "select")
-        if where not in ("select", "side"):
-            raise ValueError(f"{ENV_SUMMARY_UPDATE}={where!r}: expected 'select' or 'side'")
-        self.write_keys = where == "select"
+        self.write_keys = _env_choice(ENV_SUMMARY_UPDATE, "select", "side") == "select"
         # SGLANG_PRR_SPEC_ORDER=first: the speculative pass is launched before the selection
         # (default: after it). The two have no dependency; a CUDA graph dispatches independent
         # kernels in the order they were recorded, and the first one's CTAs take the SMs, so the
         # order decides which one waits for room (a measuring knob).
-        order = os.environ.get(ENV_SPEC_ORDER, "after")
-        if order not in ("first", "after"):
-            raise ValueError(f"{ENV_SPEC_ORDER}={order!r}: expected 'first' or 'after'")
-        self.spec_first = order == "first"
+        self.spec_first = _env_choice(ENV_SPEC_ORDER, "after", "first") == "first"
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._p_par: Optional[Tensor] = None
