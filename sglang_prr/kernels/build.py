@@ -29,7 +29,8 @@ HERE = Path(__file__).resolve().parent
 CUDA_SOURCES = ["attention.cu", "selection.cu", "select_predict.cu", "predictor.cu", "merge.cu",
                 "summaries.cu", "calib_kernels.cu", "infllm_kernels.cu"]
 HOST_SOURCES = ["binding.cpp", "select_binding.cpp", "infllm_binding.cpp"]
-HEADERS = ["kernel_limits.h", "prr_kernels.h", "binding_common.h", "infllm_kernels.h", "common.cuh", "topk.cuh"]
+HEADERS = ["kernel_limits.h", "prr_kernels.h", "binding_common.h", "infllm_kernels.h", "common.cuh",
+           "topk.cuh", "attn_block.cuh", "attn_merge.cuh"]
 LIB_NAME = "libsglang_prr_kernels.so"
 STAMP_NAME = "source_hash"  # beside a library built into a named folder
 
