@@ -598,7 +598,9 @@ def summary(att_rows: List[dict], sel_rows: List[dict], batches=(1, 8, 32), bloc
             budgets=(2048, 8192), sel_context=131072) -> str:
     """Short table of the headline points (µs, medians) from this run's or a CSV's rows: warm
     L2, then, where the rows have them (runs since the cold columns), cold L2 with the percent
-    of the copy bandwidth."""
+    of the copy bandwidth of the partials and of the finished attention (``ours_full``: the
+    column the attention's bandwidth target is stated on), and of the selection alone and of
+    the selection + predictor in one pass (``fused_full``: the selection's)."""
     def cell(x):
         return f"{x:9.1f}" if x is not None else f"{'-':>9}"
 
@@ -612,30 +614,34 @@ def summary(att_rows: List[dict], sel_rows: List[dict], batches=(1, 8, 32), bloc
         if tag and not any(_num(r, "ours_partials_cold_us") for r in att_rows) and \
                 not any(_num(r, "ours_select_cold_us") for r in sel_rows):
             break  # an older CSV: warm only
-        extra = " (% of copy)" if tag else ""
+        def pcts(r, keys):  # percent of the copy bandwidth of each key, "-" where absent
+            if not tag:
+                return ""
+            vals = [_num(r, f"{k}{tag}_pct_copy") for k in keys]
+            return "".join(f" {v:4.0f}%" if v is not None else f" {'-':>5}" for v in vals)
+
         if pts:
             out.append(f"sparse attention, µs (median, {what}; fi_* over the same page count "
                        f"per request)")
             out.append(f"{'batch':>5} {'block':>5} {'budget':>6} "
-                       + " ".join(f"{v:>13}" for v in ATT_SUMMARY) + extra)
+                       + " ".join(f"{v:>13}" for v in ATT_SUMMARY)
+                       + (" (% of copy: partials, full)" if tag else ""))
             for p in pts:
                 r = att[p]
-                pc = _num(r, f"ours_partials{tag}_pct_copy")
                 out.append(f"{p[0]:5d} {p[1]:5d} {p[2]:6d} "
                            + " ".join(f"{cell(_num(r, v + tag + '_us')):>13}"
                                       for v in ATT_SUMMARY)
-                           + (f" {pc:5.0f}%" if tag and pc is not None else ""))
+                           + pcts(r, ("ours_partials", "ours_full")))
         if sel:
             out.append(f"selection at {sel_context // 1024}K context, block "
                        f"{int(float(sel[0]['block']))}, µs (median, {what})")
             out.append(f"{'batch':>5} " + " ".join(f"{name:>10}" for name, _ in SEL_SUMMARY)
-                       + extra)
+                       + (" (% of copy: ours, fused_full)" if tag else ""))
             for r in sel:
-                pc = _num(r, f"ours_select{tag}_pct_copy")
                 out.append(f"{int(float(r['batch'])):5d} "
                            + " ".join(f"{cell(_num(r, key + tag + '_us')):>10}"
                                       for _, key in SEL_SUMMARY)
-                           + (f" {pc:5.0f}%" if tag and pc is not None else ""))
+                           + pcts(r, ("ours_select", "fused_full")))
     return "\n".join(out)
 
 

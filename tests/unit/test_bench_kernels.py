@@ -396,6 +396,25 @@ def test_dry_run_selection_cpu(dry, tmp_path):
     assert "cold L2" in text  # the rows have cold columns: the cold table follows
 
 
+def test_cold_summary_names_the_target_columns_percent(bench):
+    """The cold tables give the percent of the copy bandwidth of the partials and of the finished
+    attention (``ours_full``), and of the selection and of the selection + predictor
+    (``fused_full``): the columns the bandwidth targets are stated on, each under its name. A
+    column a row lacks prints "-", not another column's value (the control)."""
+    att = [{"batch": 8, "block": 64, "budget": 2048, "ours_partials_us": 30.0,
+            "ours_partials_cold_us": 29.0, "ours_partials_cold_pct_copy": 55.2,
+            "ours_full_us": 37.0, "ours_full_cold_us": 36.0, "ours_full_cold_pct_copy": 44.9}]
+    sel = [{"batch": 8, "context": 131072, "block": 64, "ours_select_us": 50.0,
+            "ours_select_cold_us": 49.0, "ours_select_cold_pct_copy": 33.0,
+            "fused_full_cold_us": 62.0}]
+    lines = bench.summary(att, sel).splitlines()
+    cold = lines[lines.index(next(ln for ln in lines if "cold L2" in ln)):]
+    assert "(% of copy: partials, full)" in cold[1]
+    assert cold[2].split()[-2:] == ["55%", "45%"]
+    assert "(% of copy: ours, fused_full)" in cold[4]
+    assert cold[5].split()[-2:] == ["33%", "-"]
+
+
 def test_copy_bandwidth_counts_read_and_write(dry, monkeypatch):
     """copy_GBps = 2 x bytes over the median copy time (read + write)."""
     def one_ms_per_copy(calls, reps, warmup, device):
