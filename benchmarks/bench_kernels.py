@@ -59,7 +59,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import common  # noqa: E402  (the benchmarks' one graph timer)
-from common import summary, time_warm_cold  # noqa: E402
+from common import time_warm_cold  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 # Bytes each timed graph should touch over its R calls: several times the 60 MB L2 of an H200.
