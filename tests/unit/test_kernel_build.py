@@ -97,6 +97,24 @@ def test_cache_key_changes_with_sources(monkeypatch):
     assert build.source_hash() != h1
 
 
+def unlisted_sources(folder, listed) -> list:
+    """The kernel sources (.cu, .cuh, .cpp, .h) in ``folder`` that ``listed`` does not name."""
+    return sorted(f.name for f in folder.iterdir()
+                  if f.suffix in (".cu", ".cuh", ".cpp", ".h") and f.name not in listed)
+
+
+def test_the_build_hashes_every_kernel_source(tmp_path):
+    """Every source and header in the kernels folder is compiled or hashed, so an edit of any of
+    them gives another source hash, hence a rebuild (a header the build does not list would leave
+    a stale library current). Control: a header dropped into a copy of the folder is found."""
+    listed = build.CUDA_SOURCES + build.HOST_SOURCES + build.HEADERS
+    assert unlisted_sources(build.HERE, listed) == []
+    copy = tmp_path / "kernels"
+    shutil.copytree(build.HERE, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    (copy / "extra_tile.cuh").write_text("#pragma once\n")
+    assert unlisted_sources(copy, listed) == ["extra_tile.cuh"]
+
+
 def test_prebuilt_library_env(monkeypatch, tmp_path):
     monkeypatch.setenv("SGLANG_PRR_KERNEL_LIB", str(tmp_path / "missing.so"))
     with pytest.raises(RuntimeError, match="SGLANG_PRR_KERNEL_LIB"):
