@@ -651,7 +651,8 @@ def _launch() -> str:
     width (``SGLANG_PRR_SELECT_GRID``), ``grid-heads`` /
     ``grid-entries`` when they force the attention grid's order (``SGLANG_PRR_ATTN_GRID``),
     ``merge-split`` / ``merge-fused`` when they force its merge (``SGLANG_PRR_ATTN_MERGE``),
-    joined by ``+``, else ``""``."""
+    ``carveout-max`` when every kernel asks for the SM's largest shared-memory carveout
+    (``SGLANG_PRR_SMEM_CARVEOUT=max``), joined by ``+``, else ``""``."""
     parts = ["pdl"] if os.environ.get("SGLANG_PRR_PDL") == "1" else []
     if os.environ.get("SGLANG_PRR_FOLD_NEW_KEYS") == "0":
         parts.append("update-first")
@@ -664,6 +665,8 @@ def _launch() -> str:
     attn = attn_launch()
     if attn:
         parts.append(attn)
+    if os.environ.get("SGLANG_PRR_SMEM_CARVEOUT") == "max":
+        parts.append("carveout-max")
     return "+".join(parts)
 
 

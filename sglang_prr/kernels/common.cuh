@@ -60,12 +60,34 @@ inline bool pdl_enabled() {
   return on;
 }
 
+// Whether every kernel asks for the SM's largest shared-memory carveout
+// (SGLANG_PRR_SMEM_CARVEOUT=max, read once per process; a measuring knob). Our reading of runs
+// 22-24, to be measured: the driver sizes an SM's shared memory for the kernel that fills it (two
+// 82 KB CTAs of PRR's one-pass selection: the 196 KB configuration), which leaves too little
+// beside them for a CTA of the speculative pass (35 KB) launched on the other stream, so the pass
+// starts when the selection's CTAs leave (6.6-8.3 us into the layer at 128K / batch 1). With the
+// whole 228 KB one CTA of the pass fits beside two of the selection. The same bits either way.
+inline bool carveout_max() {
+  static const bool on = [] {
+    const char* v = std::getenv("SGLANG_PRR_SMEM_CARVEOUT");
+    return v != nullptr && std::strcmp(v, "max") == 0;
+  }();
+  return on;
+}
+
 // Launch `kernel` on `grid` x `block` with `smem` bytes of dynamic shared memory on stream `s`
-// (with the PDL attribute when enabled). Returns the launch's error, which is also the runtime's
-// last error, so launchers keep ending in cudaGetLastError().
+// (with the PDL attribute when enabled; with the largest shared-memory carveout asked for where
+// carveout_max()). Returns the launch's error, which is also the runtime's last error, so
+// launchers keep ending in cudaGetLastError().
 template <typename... KArgs, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
                           cudaStream_t s, Args&&... args) {
+  if (carveout_max()) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel,
+                                               cudaFuncAttributePreferredSharedMemoryCarveout,
+                                               (int)cudaSharedmemCarveoutMaxShared);
+    if (e != cudaSuccess) return e;
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;

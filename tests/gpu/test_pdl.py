@@ -1,4 +1,5 @@
-"""Programmatic dependent launch (``SGLANG_PRR_PDL=1``) on the GPU: the same bits as without it.
+"""Programmatic dependent launch (``SGLANG_PRR_PDL=1``) on the GPU: the same bits as without it;
+likewise the largest shared-memory carveout (``SGLANG_PRR_SMEM_CARVEOUT=max``).
 
 With PDL a kernel may be scheduled while the kernel before it still runs, and only its
 ``griddepcontrol.wait`` (``pdl_begin`` in common.cuh) orders it after its inputs; a kernel that
@@ -48,12 +49,15 @@ torch.save({"pdl": kernels.launches_with_pdl(), "outs": saved, "stats": dg.stats
 """
 
 
-def _run(tmp_path: Path, seed: int, pdl: str, steps: int = 8) -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PRR_PDL"}
+def _run(tmp_path: Path, seed: int, pdl: str, steps: int = 8, carveout: str = "") -> dict:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("SGLANG_PRR_PDL", "SGLANG_PRR_SMEM_CARVEOUT")}
     env["SGLANG_PRR_PDL"] = pdl
+    if carveout:
+        env["SGLANG_PRR_SMEM_CARVEOUT"] = carveout
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "tests" / "gpu")]
                                         + [p for p in [env.get("PYTHONPATH")] if p])
-    out = tmp_path / f"pdl{pdl}_seed{seed}.pt"
+    out = tmp_path / f"pdl{pdl}_carveout{carveout or 'default'}_seed{seed}.pt"
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(seed), str(out), str(steps)],
                        env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-4000:]
@@ -73,4 +77,21 @@ def test_decode_graph_with_pdl_gives_the_same_bits(tmp_path):
     assert torch.equal(on["stats"], off["stats"]) and int(on["stats"][3]) > 0
     # negative control: another seed, other bits
     other = _run(tmp_path, seed + 1, "1", steps=1)
+    assert not torch.equal(other["outs"][0]["ser"], on["outs"][0]["ser"])
+
+
+def test_decode_graph_with_the_largest_carveout_gives_the_same_bits(tmp_path):
+    """``SGLANG_PRR_SMEM_CARVEOUT=max`` (every kernel asks for the SM's whole shared memory, so
+    that PRR's two streams' kernels can share an SM) launches without error and changes no bit of
+    the decode step; another seed is the negative control."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"[carveout] seed={seed}")
+    on, off = _run(tmp_path, seed, "0", carveout="max"), _run(tmp_path, seed, "0")
+    for t, (a, b) in enumerate(zip(on["outs"], off["outs"])):
+        for name in ("prr", "ser"):
+            assert torch.isfinite(a[name]).all(), (t, name)
+            assert torch.equal(a[name], b[name]), (t, name)
+        assert torch.equal(a["prr"], a["ser"]), t
+    assert torch.equal(on["stats"], off["stats"]) and int(on["stats"][3]) > 0
+    other = _run(tmp_path, seed + 1, "0", steps=1, carveout="max")
     assert not torch.equal(other["outs"][0]["ser"], on["outs"][0]["ser"])
