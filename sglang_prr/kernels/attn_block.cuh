@@ -40,7 +40,9 @@ template <> struct Mma<__half> { using Op = cute::SM80_16x8x16_F32F16F16F32_TN; 
 __device__ __forceinline__ float to_f(__nv_bfloat16 x) { return __bfloat162float(x); }
 __device__ __forceinline__ float to_f(__half x) { return __half2float(x); }
 template <typename T> __device__ __forceinline__ T from_f(float x);
-template <> __device__ __forceinline__ __nv_bfloat16 from_f(float x) { return __float2bfloat16_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_f(float x) {
+  return __float2bfloat16_rn(x);
+}
 template <> __device__ __forceinline__ __half from_f(float x) { return __float2half_rn(x); }
 
 // Two floats as one 32-bit register of two 16-bit values (x in the low half), and the residuals

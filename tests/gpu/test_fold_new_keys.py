@@ -150,8 +150,8 @@ def _step_graph(seed, batch, group, page, where):
     the update on the side stream, the keys folded into the selection; ``first``: the update
     first (``SGLANG_PRR_FOLD_NEW_KEYS=0``); ``spec_first``: as ``select``, PRR's speculative pass
     recorded before the selection (``SGLANG_PRR_SPEC_ORDER=first``). The last row pads the batch
-    as SGLang's graphs do (request slot 0, length 1, KV slot 0). Returns the graph, its inputs (q, the new keys, the
-    lengths), its outputs and its KV cache."""
+    as SGLang's graphs do (request slot 0, length 1, KV slot 0). Returns the graph, its inputs
+    (q, the new keys, the lengths), its outputs and its KV cache."""
     from sglang_prr.methods import NewKeys
     from sglang_prr.step import DecodeStep, new_layer_state
     from sglang_prr.tools.synthetic import paged_kv

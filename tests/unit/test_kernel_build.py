@@ -16,6 +16,7 @@ import torch
 
 from sglang_prr import kernels, ops  # noqa: F401  (ops defines torch.ops.sglang_prr.*)
 from sglang_prr.kernels import build
+from test_structure import KERNEL_SUFFIXES
 
 
 def _nvcc():
@@ -98,9 +99,9 @@ def test_cache_key_changes_with_sources(monkeypatch):
 
 
 def unlisted_sources(folder, listed) -> list:
-    """The kernel sources (.cu, .cuh, .cpp, .h) in ``folder`` that ``listed`` does not name."""
+    """The kernel sources (``KERNEL_SUFFIXES``) in ``folder`` that ``listed`` does not name."""
     return sorted(f.name for f in folder.iterdir()
-                  if f.suffix in (".cu", ".cuh", ".cpp", ".h") and f.name not in listed)
+                  if f.suffix in KERNEL_SUFFIXES and f.name not in listed)
 
 
 def test_the_build_hashes_every_kernel_source(tmp_path):
