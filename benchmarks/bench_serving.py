@@ -71,8 +71,9 @@ it) launches PRR's kernels with programmatic dependent launch; those rows have `
 the selection (the order before Quest's selection folded the new keys): ``update-first``;
 ``SGLANG_PRR_SELECT_KERNEL=split`` (or ``onepass``, ``rowtail``) forces Quest's selection path:
 ``select-split``; ``SGLANG_PRR_ATTN_GRID=heads|entries`` forces the attention grid's order:
-``grid-heads`` / ``grid-entries``; ``SGLANG_PRR_ATTN_MERGE=split|fused`` forces its merge into a
-launch after the partials or into their tail: ``merge-split`` / ``merge-fused``;
+``grid-heads`` / ``grid-entries``; ``SGLANG_PRR_ATTN_MERGE=split|fused|ticket`` forces its merge
+into a launch after the partials or into their tail, or the tail by the group's last CTA where a
+one-wave grid would spread it: ``merge-split`` / ``merge-fused`` / ``merge-ticket``;
 ``SGLANG_PRR_SELECT_GRID=rows|table`` forces every selection grid to two waves or to the table's
 width: ``select-rows`` / ``select-table``.
 ``--predictor side`` starts the PRR and auto servers with
@@ -650,7 +651,8 @@ def _launch() -> str:
     ``select-table`` when they force every selection grid to two waves or to the block table's
     width (``SGLANG_PRR_SELECT_GRID``), ``grid-heads`` /
     ``grid-entries`` when they force the attention grid's order (``SGLANG_PRR_ATTN_GRID``),
-    ``merge-split`` / ``merge-fused`` when they force its merge (``SGLANG_PRR_ATTN_MERGE``),
+    ``merge-split`` / ``merge-fused`` / ``merge-ticket`` when they force its merge
+    (``SGLANG_PRR_ATTN_MERGE``),
     ``carveout-max`` when every kernel asks for the SM's largest shared-memory carveout
     (``SGLANG_PRR_SMEM_CARVEOUT=max``), joined by ``+``, else ``""``."""
     parts = ["pdl"] if os.environ.get("SGLANG_PRR_PDL") == "1" else []

@@ -8,7 +8,8 @@ import os
 
 def attn_launch() -> str:
     """The attention launch's forced settings: ``grid-heads`` / ``grid-entries``
-    (``SGLANG_PRR_ATTN_GRID``), ``merge-split`` / ``merge-fused`` (``SGLANG_PRR_ATTN_MERGE``),
+    (``SGLANG_PRR_ATTN_GRID``), ``merge-split`` / ``merge-fused`` / ``merge-ticket``
+    (``SGLANG_PRR_ATTN_MERGE``),
     joined by ``+``, else ``""`` (the launch's shape rule). Other values force nothing, as in
     the launcher."""
     parts = []
@@ -16,7 +17,7 @@ def attn_launch() -> str:
     if grid in ("heads", "entries"):
         parts.append(f"grid-{grid}")
     merge = os.environ.get("SGLANG_PRR_ATTN_MERGE", "")
-    if merge in ("split", "fused"):
+    if merge in ("split", "fused", "ticket"):
         parts.append(f"merge-{merge}")
     return "+".join(parts)
 

@@ -12,6 +12,7 @@
 #include "attn_merge.cuh"
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstring>
 #include <cmath>
@@ -69,9 +70,9 @@ block_attn_kernel(AttnArgs a, int nq) {
   } else {
     block_partial<T, D>(a, b, hk, n, row0, page, ntok, nq, s_dyn);
   }
-  // One call site: the merge tail's code is in the kernel once (one CTA of a group runs it,
-  // after the others, its instructions cold).
-  if (a.sem) merge_tail(a, b, hk, s_dyn, parts, D);  // its first barrier orders the s_o reads
+  // One call site: the merge's code is in the kernel once (its instructions run cold). Its
+  // first barrier orders the combine's s_o reads before the merge's arrays reuse s_dyn.
+  if (a.sem) merge_tail(a, b, hk, n, s_dyn, parts, D);
 }
 
 // The merge alone, a CTA per (request, KV head) group: the fused tail's code (merge_loads,
@@ -88,7 +89,7 @@ attn_merge_kernel(AttnArgs a) {
   const MergeShape m(a);
   merge_rows(a, b, hk, s_dyn,
              reinterpret_cast<float4*>(s_dyn + merge_arrays_bytes(m.N, m.N1, m.Na, m.G)), nk,
-             a.D);
+             a.D, 0, m.G * (a.D / 4));
 }
 
 // Dynamic shared memory a fused-merge launch may take for the merge tail's row stage: 4 CTAs of
@@ -106,26 +107,50 @@ size_t merge_smem_budget(int64_t ctas) {
   return std::max(kMergeSmemBudget, (size_t)sm.smem_per_sm / kPerSm - kReserve);
 }
 
+// Whether every CTA of a launch of `kernel` (`ctas` CTAs of kAttnThreads threads, `smem` bytes
+// of dynamic shared memory) can be resident at once on this device: the spread merge's barrier
+// needs it (a waiting CTA holds its SM until its whole group has arrived).
+template <typename K>
+bool fits_one_wave(K* kernel, int64_t ctas, size_t smem) {
+  const DeviceShape sm = device_shape();
+  int per_sm = 0;
+  if (sm.sms <= 0 || cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kAttnThreads,
+                                                                   smem) != cudaSuccess) {
+    cudaGetLastError();  // a failed query is not the launch's error: take the ticket
+    return false;
+  }
+  return ctas <= (int64_t)per_sm * sm.sms;
+}
+
 // block_attn_kernel's launch, the KV heads of one list entry in consecutive CTAs: they run
 // together and read a page's slots, whose K (V) rows of all heads are adjacent, together (cold
 // L2 at 2048 tokens, run 16: 15.7 -> 14.9 us at batch 1, level at batch 8 / 32). The entries of
 // one head in consecutive CTAs (each CTA reads a 256-byte row of every 2 KB slot) where
 // SGLANG_PRR_ATTN_GRID=entries asks (a measuring knob, read at each launch; a captured graph
 // keeps its order) or the list is wider than a grid's y (65535).
+// `spread`: a fused merge may be spread over the group's CTAs, which the launch does where its
+// grid is one wave (merge_tail's two forms), counted by spread_launches.
+std::atomic<int64_t> g_spread_launches{0};
+
 template <typename T, int D>
-cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, cudaStream_t s) {
+cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, bool spread, cudaStream_t s) {
   const char* order = getenv("SGLANG_PRR_ATTN_GRID");
+  const int64_t ctas = (int64_t)c.B * c.Hk * c.N;
   if (c.N <= 65535 && !(order && !strcmp(order, "entries"))) {
-    cudaError_t e = set_smem_limit(block_attn_kernel<T, D, true>, smem);
+    auto* k = block_attn_kernel<T, D, true>;
+    cudaError_t e = set_smem_limit(k, smem);
     if (e != cudaSuccess) return e;
-    launch_kernel(block_attn_kernel<T, D, true>, dim3(c.Hk, c.N, c.B), kAttnThreads, smem, s, c,
-                  nq);
+    c.spread = c.sem && spread && fits_one_wave(k, ctas, smem);
+    g_spread_launches += c.spread;
+    launch_kernel(k, dim3(c.Hk, c.N, c.B), kAttnThreads, smem, s, c, nq);
     return cudaGetLastError();
   }
-  cudaError_t e = set_smem_limit(block_attn_kernel<T, D, false>, smem);
+  auto* k = block_attn_kernel<T, D, false>;
+  cudaError_t e = set_smem_limit(k, smem);
   if (e != cudaSuccess) return e;
-  launch_kernel(block_attn_kernel<T, D, false>, dim3(c.N, c.Hk, c.B), kAttnThreads, smem, s, c,
-                nq);
+  c.spread = c.sem && spread && fits_one_wave(k, ctas, smem);
+  g_spread_launches += c.spread;
+  launch_kernel(k, dim3(c.N, c.Hk, c.B), kAttnThreads, smem, s, c, nq);
   return cudaGetLastError();
 }
 
@@ -146,13 +171,18 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
   size_t smem = (size_t)stages * AttnSmem<T, D>::kStageBytes +
                 (size_t)nq * kHeadsN * AttnSmem<T, D>::kQRow * sizeof(T);
   AttnArgs c = a;
+  c.spread = 0;
   // Where the grid is several waves, the partials in one launch without counters, tickets or
   // merge tail (the attention's own shared memory, so 5 CTAs an SM instead of 4), then
   // attn_merge_kernel; else the group's last CTA merges (the fused tail, a launch fewer). Cold L2
   // at 2048 tokens (run 16): 45.6 -> 38.0 us at batch 8 and 138.8 -> 110.9 at batch 32, while a
   // repair over |M| = 1 at batch 1 costs 11.9 fused against 13.1 split.
-  // SGLANG_PRR_ATTN_MERGE=split|fused forces one (a measuring knob, read at each launch).
+  // A fused merge is spread over the group's CTAs where the grid is one wave (launch_partials),
+  // else the group's last CTA merges after its ticket.
+  // SGLANG_PRR_ATTN_MERGE=split|fused forces one (a measuring knob, read at each launch), and
+  // =ticket keeps a fused merge in the group's last CTA on one-wave grids too.
   const char* mk = getenv("SGLANG_PRR_ATTN_MERGE");
+  const bool ticket = mk && !strcmp(mk, "ticket");
   const bool force_split = mk && !strcmp(mk, "split"), force_fused = mk && !strcmp(mk, "fused");
   const bool split_merge =
       a.sem && (force_split || (!force_fused && attn_takes_split_merge(a.B, a.Hk, a.N)));
@@ -173,14 +203,14 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
     if (split_merge) {
       cudaError_t e = set_smem_limit(attn_merge_kernel, merge_bytes);
       if (e != cudaSuccess) return e;
-      e = launch_partials<T, D>(c, nq, smem, s);
+      e = launch_partials<T, D>(c, nq, smem, false, s);
       if (e != cudaSuccess) return e;
       launch_kernel(attn_merge_kernel, dim3(a.Hk, a.B), kAttnThreads, merge_bytes, s, c);
       return cudaGetLastError();
     }
     smem = std::max(smem, merge_bytes);
   }
-  return launch_partials<T, D>(c, nq, smem, s);
+  return launch_partials<T, D>(c, nq, smem, !ticket, s);
 }
 
 template <typename T>
@@ -202,6 +232,8 @@ cudaError_t attn_dispatch_d(const AttnArgs& args, cudaStream_t s) {
 }  // namespace
 
 bool launches_with_pdl() { return pdl_enabled(); }
+
+int64_t attn_spread_launches() { return g_spread_launches.load(); }
 
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s) {
   if (a.Hq % a.Hk != 0 || a.Hq / a.Hk > kMaxGroup) return cudaErrorInvalidValue;

@@ -240,10 +240,13 @@ __device__ __forceinline__ void merge_store(const AttnArgs& a, int64_t r, int c,
 }
 
 // The merge of the sorted entries (nk of them, s_srt in the arrays at `smem`) into out_o /
-// out_lse, the partial rows staged at `s_rows` (a.merge_rows entries a round). Called by every
-// thread of the group's last CTA.
+// out_lse for the group's output items [lo, hi) (item e: head e / (D / 4), dims 4 (e % (D / 4))
+// and up), the partial rows staged at `s_rows` (room for a.merge_rows entries of all G * D / 4
+// items: a narrower range takes more entries a round). Each item's sum visits the entries in
+// the same order whichever CTA computes it, so a range has the bits of the whole. Called by
+// every thread of the CTA that merges the range.
 __device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem,
-                           float4* s_rows, int nk, int D) {
+                           float4* s_rows, int nk, int D, int lo, int hi) {
   const MergeShape m(a);
   const int G = m.G, N = m.N, N1 = m.N1;
   const int tid = threadIdx.x;
@@ -255,22 +258,33 @@ __device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem
   // thread per (query head, 4 dims) item sums its weighted rows.
   float* s_w = arr.w;  // [G, E]
   const int64_t r0 = (int64_t)b * a.Hq + (int64_t)hk * G;  // first query head of the group
-  // Partial rows go to shared memory by cp.async, a.merge_rows entries of every item a round
-  // (the launch sizes them to its shared memory: ~24 rows of 16 bytes in flight a thread, no
-  // registers held), and each thread reads back only its own item's rows, so a round needs no
-  // barrier. They depend on the sorted entries only: the first round goes out here, beside the
-  // lse loads, and the two round trips overlap.
-  const int D4 = D / 4, items = G * D4, cap = a.merge_rows;
-  auto issue_rows = [&](int e, int i0) {  // rows [i0, i0 + cap) of item e -> s_rows[u][e]
-    const int64_t r = r0 + e / D4;
-    const float4* src2 = reinterpret_cast<const float4*>(a.o + r * N * D) + e % D4;
-    const float4* src1 = reinterpret_cast<const float4*>(a.o1 + r * N1 * D) + e % D4;
+  // Partial rows go to shared memory by cp.async (no registers held), in passes of at most
+  // kAttnThreads items (a thread sums one item of a pass) and rounds of `cap` entries, as many
+  // as the stage holds for the pass's items (the launch sizes it: a.merge_rows entries of all G
+  // * D / 4 items). A round's (entry, item) copies are spread over all threads, so a narrow
+  // range (a few items a CTA) still issues them at once, and a barrier separates the copies
+  // from the sums. They depend on the sorted entries only: the first round goes out here,
+  // beside the lse loads, and the two round trips overlap.
+  const int D4 = D / 4, items = hi - lo, width = min(items, kAttnThreads);
+  const int sh = __ffs(D4) - 1;  // D / 4 is a power of two: item e is head e >> sh, piece e & mask
+  const int cap = (int)max((int64_t)1, (int64_t)a.merge_rows * G * D4 / max(width, 1));
+  // Rows [i0, i0 + cap) of the pass's items [lo + le0, lo + le0 + w) -> s_rows[u][j]; a
+  // thread's (u, j) advance by kAttnThreads copies a step (one division a round).
+  auto issue_rows = [&](int le0, int w, int i0) {
+    const int nu = min(cap, nk - i0), du = kAttnThreads / w, dj = kAttnThreads % w;
+    int u = tid / w, j = tid % w;
 #pragma unroll 1
-    for (int u = 0; u < cap && i0 + u < nk; ++u) {
-      const int ent = s_srt[i0 + u];
+    while (u < nu) {
+      const int e = lo + le0 + j, ent = s_srt[i0 + u];
+      const int64_t r = r0 + (e >> sh);
+      const float4* src = (ent & 1) ? reinterpret_cast<const float4*>(a.o + r * N * D)
+                                    : reinterpret_cast<const float4*>(a.o1 + r * N1 * D);
       cute::SM80_CP_ASYNC_CACHEGLOBAL<uint4>::copy(
-          *reinterpret_cast<const uint4*>(((ent & 1) ? src2 : src1) + (ent >> 1) * D4),
-          *reinterpret_cast<uint4*>(s_rows + (size_t)u * items + e));
+          *reinterpret_cast<const uint4*>(src + (ent >> 1) * D4 + (e & (D4 - 1))),
+          *reinterpret_cast<uint4*>(s_rows + (size_t)u * w + j));
+      u += du;
+      j += dj;
+      if (j >= w) { j -= w; ++u; }
     }
     cute::cp_async_fence();
   };
@@ -306,7 +320,7 @@ __device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem
     }
   };
   load_lse(tid);
-  if (tid < items) issue_rows(tid, 0);
+  if (items > 0) issue_rows(0, width, 0);
   store_lse(tid);
 #pragma unroll 1
   for (int e0 = tid + kLse * kAttnThreads; e0 < G * nk; e0 += kLse * kAttnThreads) {
@@ -317,37 +331,65 @@ __device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem
   merge_weights(s_w, nk, G, s_msafe, s_lsum);
   __syncthreads();
   if (a.debug_stop == 3) return;  // timing probe: + the lse loads and the weights
-  for (int e = tid; e < items; e += kAttnThreads) {
-    const int g = e / D4, c = e % D4;
-    const int64_t r = r0 + g;
-    const float* w = s_w + g * nk;
+  // Passes and rounds are uniform over the CTA (their barriers are reached by every thread).
+#pragma unroll 1
+  for (int le0 = 0; le0 < items; le0 += kAttnThreads) {
+    const int w = min(kAttnThreads, items - le0);
+    const bool mine = tid < w;
+    const int e = lo + le0 + tid, g = mine ? e >> sh : 0, c = e & (D4 - 1);
+    const float* wt = s_w + g * nk;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll 1
     for (int i0 = 0; i0 < nk; i0 += cap) {
-      if (e != tid || i0 != 0) issue_rows(e, i0);  // (the first round went out above)
+      if (le0 != 0 || i0 != 0) {  // (the first round went out above)
+        __syncthreads();          // the stage's last sums are read
+        issue_rows(le0, w, i0);
+      }
       cute::cp_async_wait<0>();
+      __syncthreads();
+      if (mine) {
 #pragma unroll 4
-      for (int u = 0; u < cap && i0 + u < nk; ++u) {
-        merge_accum(acc, w[i0 + u], s_rows[(size_t)u * items + e]);
+        for (int u = 0; u < cap && i0 + u < nk; ++u) {
+          merge_accum(acc, wt[i0 + u], s_rows[(size_t)u * w + tid]);
+        }
       }
     }
-    merge_store(a, r, c, D, acc, s_msafe[g], s_lsum[g]);
+    if (mine) merge_store(a, r0 + g, c, D, acc, s_msafe[g], s_lsum[g]);
   }
 }
 
-
-// The merge: every CTA loads the inputs and takes its ticket; the group's last CTA sorts the
-// entries and merges (arrays at 0, the row stage after them).
-__device__ void merge_tail(const AttnArgs& a, int b, int hk, unsigned char* smem, int group,
-                           int D) {
+// The fused merge of a group's partials, after the CTA's own partial. Either the group's last
+// CTA (its ticket says so) sorts the entries and merges every output item, or, where the launch
+// spreads the merge (`a.spread`: its CTAs are all resident at once), CTA n of the group's `group`
+// merges its share of the G * D / 4 items after a barrier over the group: it sorts the entries
+// between its arrival and its wait, beside the other CTAs' last partials, and pulls only its
+// items' rows, so the tail after the last partial is the barrier and one round trip of L2 reads,
+// not one CTA's sort and its pull of every row. The same sort, weights and sums either way (one
+// copy of their code), so the same bits. Arrays at 0, the row stage after them. Called by every
+// thread of CTA n (n < group).
+__device__ void merge_tail(const AttnArgs& a, int b, int hk, int n, unsigned char* smem,
+                           int group, int D) {
   const MergeLoads l = merge_loads(a, b, hk);
-  if (!last_of_group(a.sem + (int64_t)b * a.Hk + hk, group)) return;
-  if (a.debug_stop == 1) return;  // timing probe: the chain up to the ticket
-  const int nk = merge_entries(a, b, hk, l, smem);
-  if (a.debug_stop == 2) return;  // timing probe: + the lists and their sort
   const MergeShape m(a);
+  int* counter = a.sem + (int64_t)b * a.Hk + hk;
+  const int items = m.G * (D / 4);
+  int lo = 0, hi = items;
+  bool last = true;
+  if (a.spread) {
+    lo = (int)((int64_t)items * n / group);
+    hi = (int)((int64_t)items * (n + 1) / group);
+    last = group_arrive(counter, group);
+    if (lo == hi) return;  // more CTAs than items: this one only arrives
+  } else if (!last_of_group(counter, group)) {
+    return;
+  }
+  if (a.debug_stop == 1) return;  // timing probe: the chain up to the ticket (the arrival)
+  const int nk = merge_entries(a, b, hk, l, smem);
+  if (!last) group_wait(counter);
+  if (a.debug_stop == 2) return;  // timing probe: + the lists, their sort (and the barrier)
   merge_rows(a, b, hk, smem,
-             reinterpret_cast<float4*>(smem + merge_arrays_bytes(m.N, m.N1, m.Na, m.G)), nk, D);
+             reinterpret_cast<float4*>(smem + merge_arrays_bytes(m.N, m.N1, m.Na, m.G)), nk, D,
+             lo, hi);
 }
 
 }  // namespace

@@ -591,6 +591,8 @@ void quest_update(Tensor& kmin, Tensor& kmax, const Tensor& k_in, const Tensor& 
 
 bool launches_with_pdl() { return prr::launches_with_pdl(); }
 
+int64_t attn_spread_launches() { return prr::attn_spread_launches(); }
+
 }  // namespace
 
 TORCH_LIBRARY(sglang_prr_cuda, m) {
@@ -643,6 +645,7 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
   m.def("prepare(Tensor like) -> ()");
   // No tensor argument: a catch-all kernel (dispatched without a device).
   m.def("launches_with_pdl() -> bool", &launches_with_pdl);
+  m.def("attn_spread_launches() -> int", &attn_spread_launches);
 }
 
 TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {

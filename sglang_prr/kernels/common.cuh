@@ -316,6 +316,42 @@ __device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
   return s_last;
 }
 
+// A barrier over the CTAs of a group, in two halves so that a CTA can work between them: every
+// CTA arrives once after writing its results (group_arrive; true in the last one to arrive, which
+// releases the group), then the others wait for the release (group_wait) and may read every
+// CTA's results (with __ldcg). Only for launches whose CTAs are all resident at once (the caller
+// checks one wave): a waiting CTA holds its SM, so a group member that could not be scheduled
+// would never arrive. The counter is back at zero when the group is released, as last_of_group
+// leaves it (the two may share counters). Fences as in last_of_group. Contain __syncthreads.
+__device__ __forceinline__ bool group_arrive(int* counter, int group_size) {
+  __shared__ int s_last;
+  __syncthreads();
+  if (group_size == 1) return true;
+  if (threadIdx.x == 0) {
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");
+    s_last = atomicAdd(counter, 1) == group_size - 1;
+    if (s_last) {
+      asm volatile("fence.acq_rel.gpu;" ::: "memory");
+      atomicExch(counter, 0);  // the release: every member has arrived
+    }
+  }
+  __syncthreads();
+  return s_last;
+}
+
+__device__ __forceinline__ void group_wait(const int* counter) {
+  if (threadIdx.x == 0) {
+    // This CTA's own arrival keeps the counter above zero until the release, and the next
+    // launch's arrivals cannot begin before this grid ends.
+    int v;
+    do {
+      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
+    } while (v != 0);
+    asm volatile("fence.acq_rel.gpu;" ::: "memory");  // as cooperative groups' grid sync
+  }
+  __syncthreads();
+}
+
 
 // Raw 8-element vector of KV type T, loaded with one (16-bit types) or two (fp32) 16-byte loads
 // so that several tokens' loads can be issued before any is used.

@@ -132,6 +132,13 @@ def launches_with_pdl() -> bool:
     return bool(load() and torch.ops.sglang_prr_cuda.launches_with_pdl())
 
 
+def attn_spread_launches() -> int:
+    """How many attention launches of this process spread their fused merge over the groups'
+    CTAs (one-wave grids; counted on the host at launch or graph capture): what a test reads to
+    know that form ran. 0 when the library is not loaded."""
+    return int(torch.ops.sglang_prr_cuda.attn_spread_launches()) if load() else 0
+
+
 def load_error() -> Optional[str]:
     """Why ``load()`` failed (None when it succeeded or was not tried)."""
     return _lib_error

@@ -43,9 +43,13 @@ struct AttnArgs {
   bool p_exact;  // with p_idx: keep only P n A (else P u A); a repeated id of P counts once
   void* out_o; int out_dtype; float* out_lse;                // [B, Hq, D] (f32/f16/bf16), [B, Hq] or null
   int merge_rows;  // set by the launch: the merge tail's row-stage entries a round
+  int spread;      // set by the launch: the fused merge spread over the group's CTAs (one wave)
   int debug_stop;  // timing probes only (SGLANG_PRR_ATTN_DEBUG_STOP): 0 runs everything
 };
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s);
+// How many attention launches of this process spread their fused merge over the groups' CTAs
+// (counted on the host, at launch or capture: the tests' evidence that the form ran).
+int64_t attn_spread_launches();
 
 struct QuestArgs {
   const void* q; int q_dtype; int64_t q_stride;  // [B, Hq, D], rows q_stride apart, heads packed

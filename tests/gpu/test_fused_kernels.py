@@ -30,8 +30,8 @@ from sm90 import require_sm90  # noqa: E402  (the SM90 gate, tests/gpu/sm90.py)
 require_sm90()
 
 from sglang_prr import ops  # noqa: E402
-from test_kernels import (ATTN_CASES, DEV, make_pool, poison, random_lists, rel_err,  # noqa: E402
-                          seeded, set_select_path, _scores_with_ties)
+from test_kernels import (ATTN_CASES, DEV, capture, make_pool, poison, random_lists,  # noqa: E402
+                          rel_err, seeded, set_select_path, _scores_with_ties)
 
 CUDA = torch.ops.sglang_prr_cuda
 
@@ -164,6 +164,7 @@ def test_repair_merge_with_arbitrary_prediction(B, Hq, Hk, D, page, dtype, pages
 LAUNCH_KNOBS = {"default": {}, "grid entries": {"SGLANG_PRR_ATTN_GRID": "entries"},
                 "merge split": {"SGLANG_PRR_ATTN_MERGE": "split"},
                 "merge fused": {"SGLANG_PRR_ATTN_MERGE": "fused"},
+                "merge ticket": {"SGLANG_PRR_ATTN_MERGE": "ticket"},
                 "entries, fused": {"SGLANG_PRR_ATTN_GRID": "entries",
                                    "SGLANG_PRR_ATTN_MERGE": "fused"}}
 
@@ -222,6 +223,82 @@ def test_launch_knobs_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatc
     o_c, _ = CUDA.sparse_attn_merge(qd, kd, vd, td, sld, *_dev(idx, cnt2), page, sm,
                                     None, None, None, None, None, None, 0, True)
     assert not torch.equal(o_c.cpu()[0, :Hq // Hk], base[2][0, :Hq // Hk])
+
+
+@pytest.mark.parametrize("B,Hq,Hk,D,page,dtype,pages", [
+    (1, 32, 8, 128, 64, torch.bfloat16, 40),   # G = 4, 128 items: ~4 a CTA
+    (1, 4, 4, 64, 16, torch.float16, 80),      # G = 1, 16 items: more CTAs than items
+    (2, 16, 2, 256, 32, torch.bfloat16, 30),   # G = 8, 512 items: passes of 128 a CTA
+    (1, 28, 4, 128, 16, torch.float16, 9)])    # G = 7, short lists
+def test_spread_merge_gives_the_ticket_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatch):
+    """Where the grid is one wave the fused merge is spread over the group's CTAs (a barrier over
+    the group, each CTA merging its share of the output items); SGLANG_PRR_ATTN_MERGE=ticket forces
+    the last CTA's merge. Both give the same bits for serial DSA's attention + merge and PRR's
+    repair (exact and union), the launch counter says which form ran, and a graph replay with new
+    lists (the barrier's counters back at zero) still agrees."""
+    seeded(f"spread merge B={B} Hq={Hq} Hk={Hk} D={D} page={page} pages={pages}")
+    q, k_buf, v_buf, table, sl, NB, nblk = _attn_case(B, Hq, Hk, D, page, dtype, pages)
+    N = min(nblk) // 2 + 5
+    sm = 1.0 / math.sqrt(D)
+    qd, kd, vd, td, sld = _dev(q, k_buf, v_buf, table, sl)
+
+    def lists():
+        idx, cnt = random_lists(B, Hk, N, nblk)
+        idx[0, 0, 0], cnt[0, 0] = max(int(idx[0, 0, 0]), 0), max(int(cnt[0, 0]), 1)
+        p_idx, p_cnt = random_lists(B, Hk, N + 2, nblk)
+        m_idx, m_cnt = ref.set_difference(idx, cnt, p_idx, p_cnt, NB)
+        return [x.to(DEV) for x in (idx, cnt, p_idx, p_cnt, m_idx, m_cnt)]
+
+    def run(idx, cnt, p_idx, p_cnt, m_idx, m_cnt):
+        o_m, l_m = CUDA.sparse_attn_merge(qd, kd, vd, td, sld, idx, cnt, page, sm,
+                                          None, None, None, None, None, None, 0, True)
+        o_s, l_s = CUDA.sparse_attn_partials(qd, kd, vd, td, sld, p_idx, p_cnt, page, sm)
+        rep = [CUDA.sparse_attn_merge(qd, kd, vd, td, sld, m_idx, m_cnt, page, sm, o_s, l_s,
+                                      p_idx, p_cnt, idx, cnt, NB, exact)
+               for exact in (True, False)]
+        return [o_m, l_m, *rep[0], *rep[1]]
+
+    from sglang_prr import kernels
+    L = lists()
+    outs, spread = {}, {}
+    for form in ("spread", "ticket"):
+        monkeypatch.delenv("SGLANG_PRR_ATTN_MERGE", raising=False)
+        if form == "ticket":
+            monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE", "ticket")
+        poison(((B, Hq, D), torch.float32))
+        n0 = kernels.attn_spread_launches()
+        outs[form] = [x.cpu() for x in run(*L)]
+        spread[form] = kernels.attn_spread_launches() - n0
+    assert spread == {"spread": 3, "ticket": 0}, spread
+    for i, (x, y) in enumerate(zip(outs["spread"], outs["ticket"])):
+        assert torch.equal(x, y), f"output {i}"
+    assert torch.equal(outs["spread"][2], outs["spread"][0]), "PRR (exact) != serial DSA"
+    idx, cnt = L[0].cpu(), L[1].cpu()
+    o_ref, _ = ref.attend_set(q.float(), k_buf, v_buf, table, sl, idx, cnt, page, sm)
+    assert rel_err(outs["spread"][0], o_ref) < 3e-5
+    # Negative control: row (0, 0) without its last entry changes that group's output.
+    cnt2 = L[1].clone()
+    cnt2[0, 0] -= 1
+    monkeypatch.delenv("SGLANG_PRR_ATTN_MERGE", raising=False)
+    o_c, _ = CUDA.sparse_attn_merge(qd, kd, vd, td, sld, L[0], cnt2, page, sm,
+                                    None, None, None, None, None, None, 0, True)
+    G = Hq // Hk
+    assert not torch.equal(o_c.cpu()[0, :G], outs["spread"][0][0, :G])
+    # A CUDA graph of the spread launches, replayed with new lists in the same buffers: the
+    # barrier's counters must be back at zero after every launch, or a replay would hang or
+    # merge early.
+    static = lists()
+    got = []
+    g = capture(lambda: got.__setitem__(slice(None), run(*static)))
+    for _ in range(3):
+        new = lists()
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        g.replay()
+        want = run(*new)
+        torch.cuda.synchronize()
+        for i, (x, y) in enumerate(zip(got, want)):
+            assert torch.equal(x, y), f"replay output {i}"
 
 
 @pytest.mark.parametrize("B,Hq,Hk,D,NB,k,sink,local", [

@@ -61,6 +61,8 @@ def test_attn_launch_names_forced_settings_only(monkeypatch):
     monkeypatch.setenv("SGLANG_PRR_ATTN_GRID", "heads")
     monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE", "split")
     assert bks.attn_launch() == "grid-heads+merge-split"
+    monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE", "ticket")
+    assert bks.attn_launch() == "grid-heads+merge-ticket"
 
 
 def test_selection_tables_wider_than_the_context():

@@ -116,6 +116,7 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     ({"SGLANG_PRR_ATTN_GRID": "entries"}, "grid-entries"),
     ({"SGLANG_PRR_ATTN_MERGE": "split"}, "merge-split"),
     ({"SGLANG_PRR_ATTN_MERGE": "fused"}, "merge-fused"), ({"SGLANG_PRR_ATTN_MERGE": "x"}, ""),
+    ({"SGLANG_PRR_ATTN_MERGE": "ticket"}, "merge-ticket"),
     ({"SGLANG_PRR_SELECT_GRID": "rows"}, "select-rows"), ({"SGLANG_PRR_SELECT_GRID": "2"}, ""),
     ({"SGLANG_PRR_SELECT_GRID": "table"}, "select-table"),
     ({"SGLANG_PRR_SMEM_CARVEOUT": "max"}, "carveout-max"),
