@@ -378,7 +378,7 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, int n, unsigned cha
   if (a.spread) {
     lo = (int)((int64_t)items * n / group);
     hi = (int)((int64_t)items * (n + 1) / group);
-    last = group_arrive(counter, group);
+    last = last_of_group(counter, group);
     if (lo == hi) return;  // more CTAs than items: this one only arrives
   } else if (!last_of_group(counter, group)) {
     return;

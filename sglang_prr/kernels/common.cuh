@@ -317,28 +317,11 @@ __device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
 }
 
 // A barrier over the CTAs of a group, in two halves so that a CTA can work between them: every
-// CTA arrives once after writing its results (group_arrive; true in the last one to arrive, which
-// releases the group), then the others wait for the release (group_wait) and may read every
-// CTA's results (with __ldcg). Only for launches whose CTAs are all resident at once (the caller
-// checks one wave): a waiting CTA holds its SM, so a group member that could not be scheduled
-// would never arrive. The counter is back at zero when the group is released, as last_of_group
-// leaves it (the two may share counters). Fences as in last_of_group. Contain __syncthreads.
-__device__ __forceinline__ bool group_arrive(int* counter, int group_size) {
-  __shared__ int s_last;
-  __syncthreads();
-  if (group_size == 1) return true;
-  if (threadIdx.x == 0) {
-    asm volatile("fence.acq_rel.gpu;" ::: "memory");
-    s_last = atomicAdd(counter, 1) == group_size - 1;
-    if (s_last) {
-      asm volatile("fence.acq_rel.gpu;" ::: "memory");
-      atomicExch(counter, 0);  // the release: every member has arrived
-    }
-  }
-  __syncthreads();
-  return s_last;
-}
-
+// CTA arrives once after writing its results with last_of_group (true in the last one, whose
+// reset of the counter to zero releases the group), then the others wait for the release here
+// and may read every CTA's results (with __ldcg). Only for launches whose CTAs are all resident
+// at once (the caller checks one wave): a waiting CTA holds its SM, so a group member that could
+// not be scheduled would never arrive. Contains __syncthreads.
 __device__ __forceinline__ void group_wait(const int* counter) {
   if (threadIdx.x == 0) {
     // This CTA's own arrival keeps the counter above zero until the release, and the next
