@@ -129,7 +129,7 @@ bool fits_one_wave(K* kernel, int64_t ctas, size_t smem) {
 // SGLANG_PRR_ATTN_GRID=entries asks (a measuring knob, read at each launch; a captured graph
 // keeps its order) or the list is wider than a grid's y (65535).
 // `spread`: a fused merge may be spread over the group's CTAs, which the launch does where its
-// grid is one wave (merge_tail's two forms), counted by spread_launches.
+// grid is one wave (merge_tail's two forms), counted by attn_spread_launches.
 std::atomic<int64_t> g_spread_launches{0};
 
 template <typename T, int D>
