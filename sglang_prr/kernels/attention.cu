@@ -134,24 +134,18 @@ std::atomic<int64_t> g_spread_launches{0};
 
 template <typename T, int D>
 cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, bool spread, cudaStream_t s) {
-  const char* order = getenv("SGLANG_PRR_ATTN_GRID");
-  const int64_t ctas = (int64_t)c.B * c.Hk * c.N;
-  if (c.N <= 65535 && !(order && !strcmp(order, "entries"))) {
-    auto* k = block_attn_kernel<T, D, true>;
-    cudaError_t e = set_smem_limit(k, smem);
+  auto launch = [&](auto* kernel, dim3 grid) {
+    cudaError_t e = set_smem_limit(kernel, smem);
     if (e != cudaSuccess) return e;
-    c.spread = c.sem && spread && fits_one_wave(k, ctas, smem);
+    c.spread = c.sem && spread && fits_one_wave(kernel, (int64_t)c.B * c.Hk * c.N, smem);
     g_spread_launches += c.spread;
-    launch_kernel(k, dim3(c.Hk, c.N, c.B), kAttnThreads, smem, s, c, nq);
+    launch_kernel(kernel, grid, kAttnThreads, smem, s, c, nq);
     return cudaGetLastError();
-  }
-  auto* k = block_attn_kernel<T, D, false>;
-  cudaError_t e = set_smem_limit(k, smem);
-  if (e != cudaSuccess) return e;
-  c.spread = c.sem && spread && fits_one_wave(k, ctas, smem);
-  g_spread_launches += c.spread;
-  launch_kernel(k, dim3(c.N, c.Hk, c.B), kAttnThreads, smem, s, c, nq);
-  return cudaGetLastError();
+  };
+  const char* order = getenv("SGLANG_PRR_ATTN_GRID");
+  if (c.N <= 65535 && !(order && !strcmp(order, "entries")))
+    return launch(block_attn_kernel<T, D, true>, dim3(c.Hk, c.N, c.B));
+  return launch(block_attn_kernel<T, D, false>, dim3(c.N, c.Hk, c.B));
 }
 
 // The split merge's shape rule: a partials grid of at least kSplitMergeMinCtas CTAs (about two
