@@ -137,7 +137,8 @@ cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, bool spread, cudaSt
   auto launch = [&](auto* kernel, dim3 grid) {
     cudaError_t e = set_smem_limit(kernel, smem);
     if (e != cudaSuccess) return e;
-    c.spread = c.sem && spread && fits_one_wave(kernel, (int64_t)c.B * c.Hk * c.N, smem);
+    c.spread = c.sem && spread && c.N <= kGroupArrivals &&
+               fits_one_wave(kernel, (int64_t)c.B * c.Hk * c.N, smem);
     g_spread_launches += c.spread;
     launch_kernel(kernel, grid, kAttnThreads, smem, s, c, nq);
     return cudaGetLastError();
@@ -203,6 +204,11 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
       return cudaGetLastError();
     }
     smem = std::max(smem, merge_bytes);
+    // A spread merge's waiting CTA withdraws after this many clocks (about 66 us at 2 GHz, far
+    // beyond a wave's partials; SGLANG_PRR_ATTN_SPREAD_WAIT=<clocks> sets it, 0 withdraws at
+    // once: a testing knob read at each launch, a captured graph keeps its value).
+    const char* sw = getenv("SGLANG_PRR_ATTN_SPREAD_WAIT");
+    c.spread_wait = sw ? std::max(0, atoi(sw)) : (1 << 17);
   }
   return launch_partials<T, D>(c, nq, smem, !ticket, s);
 }

@@ -364,7 +364,10 @@ __device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem
 // merges its share of the G * D / 4 items after a barrier over the group: it sorts the entries
 // between its arrival and its wait, beside the other CTAs' last partials, and pulls only its
 // items' rows, so the tail after the last partial is the barrier and one round trip of L2 reads,
-// not one CTA's sort and its pull of every row. The same sort, weights and sums either way (one
+// not one CTA's sort and its pull of every row. A member that waits longer than a.spread_wait
+// clocks withdraws (group_wait), and the last CTA, whose ticket counts the withdrawals, then
+// merges every item: the members that did not withdraw write the same bits for their own items,
+// so the output is the same whoever merges what. The same sort, weights and sums either way (one
 // copy of their code), so the same bits. Arrays at 0, the row stage after them. Called by every
 // thread of CTA n (n < group).
 __device__ void merge_tail(const AttnArgs& a, int b, int hk, int n, unsigned char* smem,
@@ -374,18 +377,22 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, int n, unsigned cha
   int* counter = a.sem + (int64_t)b * a.Hk + hk;
   const int items = m.G * (D / 4);
   int lo = 0, hi = items;
-  bool last = true;
+  bool wait = false;
   if (a.spread) {
-    lo = (int)((int64_t)items * n / group);
-    hi = (int)((int64_t)items * (n + 1) / group);
-    last = last_of_group(counter, group);
-    if (lo == hi) return;  // more CTAs than items: this one only arrives
+    const int prev = group_ticket(counter, group, kGroupArrivals);
+    const bool last = (prev & kGroupArrivals) == group - 1;
+    if (!(last && prev >= kGroupWithdrawal)) {  // else a member withdrew: merge every item
+      lo = (int)((int64_t)items * n / group);
+      hi = (int)((int64_t)items * (n + 1) / group);
+      if (lo == hi) return;  // more CTAs than items: this one only arrives
+      wait = !last;
+    }
   } else if (!last_of_group(counter, group)) {
     return;
   }
   if (a.debug_stop == 1) return;  // timing probe: the chain up to the ticket (the arrival)
   const int nk = merge_entries(a, b, hk, l, smem);
-  if (!last) group_wait(counter);
+  if (wait && !group_wait(counter, group, a.spread_wait)) return;
   if (a.debug_stop == 2) return;  // timing probe: + the lists, their sort (and the barrier)
   merge_rows(a, b, hk, smem,
              reinterpret_cast<float4*>(smem + merge_arrays_bytes(m.N, m.N1, m.Na, m.G)), nk, D,

@@ -284,55 +284,75 @@ __device__ __forceinline__ int64_t slot_of(const void* rows, bool rows64, int b)
 }
 
 
-// "Last CTA of a group finishes" (split reductions without a second launch): every CTA calls it
-// once after writing its results; it returns true in exactly one CTA of the group, after all the
-// others' writes are visible to it (read them with __ldcg: L1 is not coherent). The counter is
-// reset by that CTA, so the next launch or graph replay starts from zero. Contains __syncthreads.
-// The barrier orders every thread's writes before thread 0's fence, which publishes them at
-// device scope before its ticket (the pattern of cooperative groups' grid sync: one fence per
-// CTA, not one per thread). The last CTA's fence (acquire) comes before its reset: a fence waits
-// for the thread's outstanding memory operations, so after the reset it would add that atomic's
+// "Last CTA of a group finishes" (split reductions without a second launch). A CTA's arrival at
+// its group's counter, once after writing its results (every thread calls it; thread 0 adds
+// one): returns to every thread the counter's value before the arrival. The arrival whose value
+// masked by `mask` is group_size - 1 is the last, and every other CTA's writes are visible to it
+// (read them with __ldcg: L1 is not coherent); it resets the counter to zero, so the next launch
+// or graph replay starts from zero (and group_wait is released). A group of one CTA (a repair
+// over |M| <= 1 block, a selection row of one chunk) is its own last without touching the
+// counter. The barrier orders every thread's writes before thread 0's fence, which publishes
+// them at device scope before its ticket (the pattern of cooperative groups' grid sync: one fence
+// per CTA, not one per thread; release/acquire, not __threadfence's heavier sequentially
+// consistent MEMBAR). The last CTA's fence (acquire) comes before its reset: a fence waits for
+// the thread's outstanding memory operations, so after the reset it would add that atomic's
 // round trip to the caller's critical path; the reset completes by the end of the kernel, before
-// the next launch in the stream reads the counter.
-__device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
-  __shared__ int s_last;
+// the next launch in the stream reads the counter. Contains __syncthreads.
+__device__ __forceinline__ int group_ticket(int* counter, int group_size, int mask) {
+  __shared__ int s_prev;
   __syncthreads();
-  // A group of one CTA (a repair over |M| <= 1 block, a selection row of one chunk) is its own
-  // last: the barrier makes its writes visible to its threads, and the counter stays at zero.
-  if (group_size == 1) return true;
-  // Release/acquire at device scope, not __threadfence's sequentially consistent fence (a
-  // heavier MEMBAR): the barrier above orders the CTA's writes before thread 0's release, and the
-  // last CTA's acquire orders every other CTA's writes before its reads.
+  if (group_size == 1) return 0;
   if (threadIdx.x == 0) {
     asm volatile("fence.acq_rel.gpu;" ::: "memory");
     const int prev = atomicAdd(counter, 1);
-    s_last = prev == group_size - 1;
-    if (s_last) {
+    s_prev = prev;
+    if ((prev & mask) == group_size - 1) {
       asm volatile("fence.acq_rel.gpu;" ::: "memory");
       atomicExch(counter, 0);
     }
   }
   __syncthreads();
-  return s_last;
+  return s_prev;
 }
 
-// A barrier over the CTAs of a group, in two halves so that a CTA can work between them: every
-// CTA arrives once after writing its results with last_of_group (true in the last one, whose
-// reset of the counter to zero releases the group), then the others wait for the release here
-// and may read every CTA's results (with __ldcg). Only for launches whose CTAs are all resident
-// at once (the caller checks one wave): a waiting CTA holds its SM, so a group member that could
-// not be scheduled would never arrive. Contains __syncthreads.
-__device__ __forceinline__ void group_wait(const int* counter) {
+// Whether this CTA is the last of its group to arrive (group_ticket on the whole counter).
+__device__ __forceinline__ bool last_of_group(int* counter, int group_size) {
+  return group_ticket(counter, group_size, -1) == group_size - 1;
+}
+
+// A barrier over the CTAs of a group whose counter counts arrivals in its low 16 bits and
+// withdrawals above them (kGroupWithdrawal each), in two halves so that a CTA can work between
+// them: every CTA arrives once after writing its results (group_ticket with kGroupArrivals: the
+// last arrival's reset to zero releases the group), then the others wait here for the release
+// and, where it came, may read every CTA's results (with __ldcg). A waiting CTA holds its SM, so
+// a group member that cannot be scheduled (its SMs held by other kernels' CTAs or by waiting
+// ones) would never arrive: after `limit` clocks a waiter withdraws instead, by one atomic on the
+// counter while the group is still short of its last arrival (after it, no withdrawal can be
+// counted, so the last arrival's ticket sees every one). Returns true where released, false
+// where withdrawn: the last CTA then has the whole group's work to do. Contains __syncthreads.
+constexpr int kGroupArrivals = 0xFFFF;
+constexpr int kGroupWithdrawal = 0x10000;
+__device__ __forceinline__ bool group_wait(int* counter, int group_size, long long limit) {
+  __shared__ int s_released;
   if (threadIdx.x == 0) {
     // This CTA's own arrival keeps the counter above zero until the release, and the next
     // launch's arrivals cannot begin before this grid ends.
-    int v;
-    do {
+    const long long t0 = clock64();
+    int v, released = 1;
+    for (;;) {
       asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
-    } while (v != 0);
+      if (v == 0) break;
+      if ((v & kGroupArrivals) < group_size && clock64() - t0 >= limit &&
+          atomicCAS(counter, v, v + kGroupWithdrawal) == v) {
+        released = 0;  // (a failed exchange: the counter moved, read it again)
+        break;
+      }
+    }
     asm volatile("fence.acq_rel.gpu;" ::: "memory");  // as cooperative groups' grid sync
+    s_released = released;
   }
   __syncthreads();
+  return s_released != 0;
 }
 
 

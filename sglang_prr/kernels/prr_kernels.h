@@ -44,6 +44,7 @@ struct AttnArgs {
   void* out_o; int out_dtype; float* out_lse;                // [B, Hq, D] (f32/f16/bf16), [B, Hq] or null
   int merge_rows;  // set by the launch: the merge tail's row-stage entries a round
   int spread;      // set by the launch: the fused merge spread over the group's CTAs (one wave)
+  int spread_wait; // set by the launch: clocks a spread merge's CTA waits before withdrawing
   int debug_stop;  // timing probes only (SGLANG_PRR_ATTN_DEBUG_STOP): 0 runs everything
 };
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s);

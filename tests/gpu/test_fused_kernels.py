@@ -165,6 +165,7 @@ LAUNCH_KNOBS = {"default": {}, "grid entries": {"SGLANG_PRR_ATTN_GRID": "entries
                 "merge split": {"SGLANG_PRR_ATTN_MERGE": "split"},
                 "merge fused": {"SGLANG_PRR_ATTN_MERGE": "fused"},
                 "merge ticket": {"SGLANG_PRR_ATTN_MERGE": "ticket"},
+                "spread withdraw": {"SGLANG_PRR_ATTN_SPREAD_WAIT": "0"},
                 "entries, fused": {"SGLANG_PRR_ATTN_GRID": "entries",
                                    "SGLANG_PRR_ATTN_MERGE": "fused"}}
 
@@ -191,7 +192,7 @@ def test_launch_knobs_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatc
     qd, kd, vd, td, sld = _dev(q, k_buf, v_buf, table, sl)
     outs = {}
     for name, env in LAUNCH_KNOBS.items():
-        for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE"):
+        for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_ATTN_SPREAD_WAIT"):
             monkeypatch.delenv(k, raising=False)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
@@ -233,9 +234,11 @@ def test_launch_knobs_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatc
 def test_spread_merge_gives_the_ticket_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatch):
     """Where the grid is one wave the fused merge is spread over the group's CTAs (a barrier over
     the group, each CTA merging its share of the output items); SGLANG_PRR_ATTN_MERGE=ticket forces
-    the last CTA's merge. Both give the same bits for serial DSA's attention + merge and PRR's
-    repair (exact and union), the launch counter says which form ran, and a graph replay with new
-    lists (the barrier's counters back at zero) still agrees."""
+    the last CTA's merge, and SGLANG_PRR_ATTN_SPREAD_WAIT=0 makes every waiting CTA withdraw at
+    once (the fallback of a member that cannot be scheduled: the last CTA merges every item).
+    All three give the same bits for serial DSA's attention + merge and PRR's repair (exact and
+    union), the launch counter says which form ran, and graph replays with new lists (the
+    barrier's counters back at zero, withdrawals included) still agree."""
     seeded(f"spread merge B={B} Hq={Hq} Hk={Hk} D={D} page={page} pages={pages}")
     q, k_buf, v_buf, table, sl, NB, nblk = _attn_case(B, Hq, Hk, D, page, dtype, pages)
     N = min(nblk) // 2 + 5
@@ -260,18 +263,26 @@ def test_spread_merge_gives_the_ticket_bits(B, Hq, Hk, D, page, dtype, pages, mo
 
     from sglang_prr import kernels
     L = lists()
+    forms = {"spread": {}, "withdraw": {"SGLANG_PRR_ATTN_SPREAD_WAIT": "0"},
+             "ticket": {"SGLANG_PRR_ATTN_MERGE": "ticket"}}
+
+    def use(form):
+        for k in ("SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_ATTN_SPREAD_WAIT"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in forms[form].items():
+            monkeypatch.setenv(k, v)
+
     outs, spread = {}, {}
-    for form in ("spread", "ticket"):
-        monkeypatch.delenv("SGLANG_PRR_ATTN_MERGE", raising=False)
-        if form == "ticket":
-            monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE", "ticket")
+    for form in forms:
+        use(form)
         poison(((B, Hq, D), torch.float32))
         n0 = kernels.attn_spread_launches()
         outs[form] = [x.cpu() for x in run(*L)]
         spread[form] = kernels.attn_spread_launches() - n0
-    assert spread == {"spread": 3, "ticket": 0}, spread
-    for i, (x, y) in enumerate(zip(outs["spread"], outs["ticket"])):
-        assert torch.equal(x, y), f"output {i}"
+    assert spread == {"spread": 3, "withdraw": 3, "ticket": 0}, spread
+    for form in ("withdraw", "ticket"):
+        for i, (x, y) in enumerate(zip(outs["spread"], outs[form])):
+            assert torch.equal(x, y), f"output {i}, {form}"
     assert torch.equal(outs["spread"][2], outs["spread"][0]), "PRR (exact) != serial DSA"
     idx, cnt = L[0].cpu(), L[1].cpu()
     o_ref, _ = ref.attend_set(q.float(), k_buf, v_buf, table, sl, idx, cnt, page, sm)
@@ -279,26 +290,29 @@ def test_spread_merge_gives_the_ticket_bits(B, Hq, Hk, D, page, dtype, pages, mo
     # Negative control: row (0, 0) without its last entry changes that group's output.
     cnt2 = L[1].clone()
     cnt2[0, 0] -= 1
-    monkeypatch.delenv("SGLANG_PRR_ATTN_MERGE", raising=False)
+    use("spread")
     o_c, _ = CUDA.sparse_attn_merge(qd, kd, vd, td, sld, L[0], cnt2, page, sm,
                                     None, None, None, None, None, None, 0, True)
     G = Hq // Hk
     assert not torch.equal(o_c.cpu()[0, :G], outs["spread"][0][0, :G])
-    # A CUDA graph of the spread launches, replayed with new lists in the same buffers: the
-    # barrier's counters must be back at zero after every launch, or a replay would hang or
-    # merge early.
-    static = lists()
-    got = []
-    g = capture(lambda: got.__setitem__(slice(None), run(*static)))
-    for _ in range(3):
-        new = lists()
-        for dst, src in zip(static, new):
-            dst.copy_(src)
-        g.replay()
-        want = run(*new)
-        torch.cuda.synchronize()
-        for i, (x, y) in enumerate(zip(got, want)):
-            assert torch.equal(x, y), f"replay output {i}"
+    # CUDA graphs of the spread launches (waiting, and withdrawing), replayed with new lists in
+    # the same buffers: the barrier's counters must be back at zero after every launch, or a
+    # replay would hang or merge early. The eager launches they are checked against: the ticket.
+    for form in ("spread", "withdraw"):
+        use(form)
+        static = lists()
+        got = []
+        g = capture(lambda: got.__setitem__(slice(None), run(*static)))
+        use("ticket")
+        for _ in range(3):
+            new = lists()
+            for dst, src in zip(static, new):
+                dst.copy_(src)
+            g.replay()
+            want = run(*new)
+            torch.cuda.synchronize()
+            for i, (x, y) in enumerate(zip(got, want)):
+                assert torch.equal(x, y), f"replay output {i}, {form}"
 
 
 @pytest.mark.parametrize("B,Hq,Hk,D,NB,k,sink,local", [
