@@ -342,9 +342,11 @@ __device__ __forceinline__ bool group_wait(int* counter, int group_size, long lo
     for (;;) {
       asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(counter) : "memory");
       if (v == 0) break;
+      // A failed exchange means the counter moved (an arrival, a withdrawal, the release): the
+      // loop reads it again.
       if ((v & kGroupArrivals) < group_size && clock64() - t0 >= limit &&
           atomicCAS(counter, v, v + kGroupWithdrawal) == v) {
-        released = 0;  // (a failed exchange: the counter moved, read it again)
+        released = 0;
         break;
       }
     }
