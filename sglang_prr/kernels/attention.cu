@@ -29,6 +29,13 @@ __device__ __forceinline__ bool repeats_earlier(const int32_t* list, int n, int 
 }
 
 
+// The timing probe's exit stamps (development only).
+__device__ __forceinline__ void timeline_exit(const AttnArgs& a) {
+  if (!kProbes || a.timeline == nullptr) return;
+  stamp(a, kTlExit);
+  stamp(a, kTlExitNs, global_ns());
+}
+
 // HeadsX: the grid's x runs over KV heads and its y over list entries (launch_partials), else the
 // other way round; a template argument, not a branch, so that D = 256 keeps its registers.
 template <typename T, int D, bool HeadsX>
@@ -39,6 +46,15 @@ block_attn_kernel(AttnArgs a, int nq) {
 
   const int n = HeadsX ? blockIdx.y : blockIdx.x, hk = HeadsX ? blockIdx.x : blockIdx.y;
   const int b = blockIdx.z;
+  if (kProbes && a.timeline) {  // the timing probe's entry stamps (development only)
+    unsigned sm;
+    asm("mov.u32 %0, %%smid;" : "=r"(sm));
+    timeline_begin(a);
+    stamp(a, kTlEntryNs, global_ns());
+    stamp(a, kTlSm, sm);
+    stamp(a, kTlId, ((unsigned long long)b << 40) | ((unsigned long long)hk << 20) | n);
+    stamp(a, kTlEntry);
+  }
   const int G = a.Hq / a.Hk;
   const int tid = threadIdx.x;
   const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;
@@ -54,8 +70,9 @@ block_attn_kernel(AttnArgs a, int nq) {
   // Fused merge: only the listed entries take part (entry 0 alone for an empty list, so the
   // first source is still merged); the CTAs of padding entries exit at once.
   const int parts = max(min(c, a.N), 1);
-  if (a.sem && n >= parts) return;
+  if (a.sem && n >= parts) return timeline_exit(a);
   const bool repeat = repeats_earlier(list, n, blk, earlier);
+  stamp(a, kTlLists);
   int ntok = 0;
   int64_t page = 0;
   if (n < c && !repeat && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
@@ -73,6 +90,7 @@ block_attn_kernel(AttnArgs a, int nq) {
   // One call site: the merge's code is in the kernel once (its instructions run cold). Its
   // first barrier orders the combine's s_o reads before the merge's arrays reuse s_dyn.
   if (a.sem) merge_tail(a, b, hk, n, s_dyn, parts, D);
+  timeline_exit(a);
 }
 
 // The merge alone, a CTA per (request, KV head) group: the fused tail's code (merge_loads,
@@ -132,10 +150,36 @@ bool fits_one_wave(K* kernel, int64_t ctas, size_t smem) {
 // grid is one wave (merge_tail's two forms), counted by attn_spread_launches.
 std::atomic<int64_t> g_spread_launches{0};
 
+// The timing probe's device buffer (a build with the probes, SGLANG_PRR_ATTN_TIMELINE=1 read at
+// each launch; eager launches only: a graph being captured runs without it). Allocated on first
+// use, zeroed before each probed launch; attn_timeline_read copies out the last one.
+constexpr int64_t kTimelineMaxCtas = 1 << 16;
+unsigned long long* g_timeline = nullptr;
+int64_t g_timeline_ctas = 0;
+
+cudaError_t timeline_setup(AttnArgs& c, int64_t ctas, cudaStream_t s) {
+  c.timeline = nullptr;
+  c.timeline_ctas = 0;
+  if (!kProbes) return cudaSuccess;
+  const char* v = getenv("SGLANG_PRR_ATTN_TIMELINE");
+  if (!(v && !strcmp(v, "1"))) return cudaSuccess;
+  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+  cudaError_t e = cudaStreamIsCapturing(s, &cap);
+  if (e != cudaSuccess || cap != cudaStreamCaptureStatusNone) return e;
+  const size_t bytes = (size_t)kTimelineMaxCtas * kTimelineSlots * sizeof(unsigned long long);
+  if (g_timeline == nullptr && (e = cudaMalloc(&g_timeline, bytes)) != cudaSuccess) return e;
+  g_timeline_ctas = std::min(ctas, kTimelineMaxCtas);
+  c.timeline = g_timeline;
+  c.timeline_ctas = g_timeline_ctas;
+  return cudaMemsetAsync(g_timeline, 0, bytes, s);
+}
+
 template <typename T, int D>
 cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, bool spread, cudaStream_t s) {
   auto launch = [&](auto* kernel, dim3 grid) {
     cudaError_t e = set_smem_limit(kernel, smem);
+    if (e != cudaSuccess) return e;
+    e = timeline_setup(c, (int64_t)grid.x * grid.y * grid.z, s);
     if (e != cudaSuccess) return e;
     c.spread = c.sem && spread && c.N <= kGroupArrivals &&
                fits_one_wave(kernel, (int64_t)c.B * c.Hk * c.N, smem);
@@ -234,6 +278,17 @@ cudaError_t attn_dispatch_d(const AttnArgs& args, cudaStream_t s) {
 bool launches_with_pdl() { return pdl_enabled(); }
 
 int64_t attn_spread_launches() { return g_spread_launches.load(); }
+
+int64_t attn_timeline_ctas() { return g_timeline_ctas; }
+
+int64_t attn_timeline_read(unsigned long long* host, int64_t max_ctas) {
+  const int64_t n = std::min(g_timeline_ctas, max_ctas);
+  if (g_timeline == nullptr || n <= 0) return 0;
+  if (cudaMemcpy(host, g_timeline, (size_t)n * kTimelineSlots * sizeof(unsigned long long),
+                 cudaMemcpyDeviceToHost) != cudaSuccess)
+    return -1;
+  return g_timeline_ctas;
+}
 
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s) {
   if (a.Hq % a.Hk != 0 || a.Hq / a.Hk > kMaxGroup) return cudaErrorInvalidValue;

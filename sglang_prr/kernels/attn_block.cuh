@@ -33,6 +33,57 @@ constexpr int kSlice = 16;                       // tokens per warp per chunk
 constexpr int kChunk = kAttnWarps * kSlice;      // tokens per chunk
 constexpr int kHeadsN = 8;                       // the MMA's n: query heads of a group
 
+// ============================================================================ timing probe
+// Compiled in only by a build with SGLANG_PRR_PROBES=1 (kernels/build.py): the kernels of other
+// builds hold none of its code. With SGLANG_PRR_ATTN_TIMELINE=1 at run time (development only)
+// thread 0 of every CTA records, per slot, the
+// SM's clock64 at a point of the chain (phase lengths within a CTA), %globaltimer (ns, one clock
+// for every SM) at entry and exit, its SM and its (b, hk, n). A slot the CTA never reaches stays
+// 0 (a padding entry has no partial; a CTA that does not merge, no merge stamps).
+#ifdef SGLANG_PRR_PROBES
+constexpr bool kProbes = true;
+#else
+constexpr bool kProbes = false;
+#endif
+constexpr int kTimelineSlots = 12;
+enum TimelineSlot {
+  kTlEntryNs, kTlSm, kTlEntry,
+  kTlLists,    // the list's round trip and the repeat check's barrier
+  kTlIssued,   // the page's round trip: the first chunk's K/V copies issued
+  kTlKv,       // the first chunk's K/V in shared memory
+  kTlPartial,  // the block's partial written
+  kTlArrival,  // the merge's ticket taken (a CTA that merges or arrives at the spread barrier)
+  kTlRows,     // the entries sorted and the barrier passed: the rows' merge starts
+  kTlExit, kTlExitNs, kTlId
+};
+
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// This CTA's record (thread 0's copy of the pointer, set by timeline_begin; null past the
+// buffer), kept in shared memory so that each stamp is a few instructions.
+__device__ __forceinline__ unsigned long long*& timeline_record() {
+  __shared__ unsigned long long* rec;
+  return rec;
+}
+
+__device__ __forceinline__ void timeline_begin(const AttnArgs& a) {
+  if (!kProbes || a.timeline == nullptr || threadIdx.x != 0) return;
+  const int64_t cta =
+      blockIdx.x + (int64_t)gridDim.x * (blockIdx.y + (int64_t)gridDim.y * blockIdx.z);
+  timeline_record() = cta < a.timeline_ctas ? a.timeline + cta * kTimelineSlots : nullptr;
+}
+
+// Slot `slot` of this CTA's record: `v`, or the clock when v is ~0ull.
+__device__ __forceinline__ void stamp(const AttnArgs& a, int slot, unsigned long long v = ~0ull) {
+  if (!kProbes || a.timeline == nullptr || threadIdx.x != 0) return;
+  unsigned long long* rec = timeline_record();
+  if (rec) rec[slot] = v == ~0ull ? (unsigned long long)clock64() : v;
+}
+
 template <typename T> struct Mma;
 template <> struct Mma<__nv_bfloat16> { using Op = cute::SM80_16x8x16_F32BF16BF16F32_TN; };
 template <> struct Mma<__half> { using Op = cute::SM80_16x8x16_F32F16F16F32_TN; };
@@ -288,6 +339,7 @@ __device__ __forceinline__ void block_partial(const AttnArgs& a, int b, int hk, 
   auto stage = [&](int st) { return s_dyn + st * AttnSmem<T, D>::kStageBytes; };
   issue_chunk<T, D>(a, hk, page, ntok, 0, stage(0));
   cute::cp_async_fence();
+  stamp(a, kTlIssued);
   T* s_q = reinterpret_cast<T*>(stage(stages));  // [nq][8][kQRow], after the stages
   stage_q<T, D>(a, b, hk, nq, s_q);
   WarpState<D> w;
@@ -301,12 +353,14 @@ __device__ __forceinline__ void block_partial(const AttnArgs& a, int b, int hk, 
       cute::cp_async_wait<0>();
     }
     __syncthreads();
+    if (ch == 0) stamp(a, kTlKv);
     chunk_step<T, D>(a, stage(st), ch, ntok, s_q, nq, w);
     __syncthreads();  // this stage is refilled two chunks later
   }
   // The combine's scratch aliases the K/V stages (read up to the barrier above).
   block_combine<D>(w, a.Hq / a.Hk, reinterpret_cast<float*>(s_dyn),
                    a.o + (row0 * a.N + n) * D, (int64_t)a.N * D, a.lse + row0 * a.N + n, a.N);
+  stamp(a, kTlPartial);
 }
 
 }  // namespace

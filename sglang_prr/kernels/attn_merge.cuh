@@ -390,9 +390,11 @@ __device__ void merge_tail(const AttnArgs& a, int b, int hk, int n, unsigned cha
   } else if (!last_of_group(counter, group)) {
     return;
   }
+  stamp(a, kTlArrival);
   if (a.debug_stop == 1) return;  // timing probe: the chain up to the ticket (the arrival)
   const int nk = merge_entries(a, b, hk, l, smem);
   if (wait && !group_wait(counter, group, a.spread_wait)) return;
+  stamp(a, kTlRows);
   if (a.debug_stop == 2) return;  // timing probe: + the lists, their sort (and the barrier)
   merge_rows(a, b, hk, smem,
              reinterpret_cast<float4*>(smem + merge_arrays_bytes(m.N, m.N1, m.Na, m.G)), nk, D,

@@ -9,6 +9,9 @@ another with the same torch. Environment:
 * ``CUTLASS_INCLUDE_DIR``: CUTLASS/CuTe headers (default: the ``nvidia-cutlass`` wheel's).
 * ``SGLANG_PRR_NVCC``: the nvcc to use (default: ``$CUDA_HOME/bin/nvcc`` or ``nvcc`` on PATH).
 * ``SGLANG_PRR_DEBUG=1``: add ``-lineinfo`` and keep host assertions (debug builds only).
+* ``SGLANG_PRR_PROBES=1``: compile the timing probes in (the attention's per-CTA timeline,
+  ``SGLANG_PRR_ATTN_TIMELINE=1`` at run time; ``benchmarks/bench_attn_timeline.py``); without it
+  the kernels hold no probe code.
 * ``SGLANG_PRR_BUILD_JOBS``: parallel compiler processes (default: number of CPUs; there are
   eight CUDA translation units and three host ones).
 """
@@ -92,6 +95,7 @@ def _abi_flag() -> str:
 def build_commands(out_dir: Path) -> List[List[str]]:
     """The compile commands (one per translation unit) and the link command, last."""
     debug = os.environ.get("SGLANG_PRR_DEBUG") == "1"
+    probes = ["-DSGLANG_PRR_PROBES"] if os.environ.get("SGLANG_PRR_PROBES") == "1" else []
     nvcc = nvcc_path()
     inc = ["-I", str(HERE)]
     cut = cutlass_include()
@@ -103,7 +107,7 @@ def build_commands(out_dir: Path) -> List[List[str]]:
     for src in CUDA_SOURCES:
         obj = out_dir / (src + ".o")
         cmds.append([nvcc, *NVCC_FLAGS, *GENCODE, *(["-lineinfo"] if debug else ["-DNDEBUG"]),
-                     *inc, "-c", str(HERE / src), "-o", str(obj)])
+                     *probes, *inc, "-c", str(HERE / src), "-o", str(obj)])
         objs.append(str(obj))
     cxx = os.environ.get("CXX", "g++")
     for src in HOST_SOURCES:
@@ -132,6 +136,8 @@ def source_hash() -> str:
     h.update(" ".join(NVCC_FLAGS + CXX_FLAGS + GENCODE).encode())
     h.update(torch.__version__.encode())
     h.update(os.environ.get("SGLANG_PRR_DEBUG", "0").encode())
+    if os.environ.get("SGLANG_PRR_PROBES") == "1":
+        h.update(b"probes")
     return h.hexdigest()[:16]
 
 

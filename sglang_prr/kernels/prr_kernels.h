@@ -46,11 +46,19 @@ struct AttnArgs {
   int spread;      // set by the launch: the fused merge spread over the group's CTAs (one wave)
   int spread_wait; // set by the launch: clocks a spread merge's CTA waits before withdrawing
   int debug_stop;  // timing probes only (SGLANG_PRR_ATTN_DEBUG_STOP): 0 runs everything
+  // Timing probe (SGLANG_PRR_ATTN_TIMELINE=1, eager launches only; set by the launch): each CTA
+  // below timeline_ctas records kTimelineSlots values (attn_block.cuh), else null.
+  unsigned long long* timeline; int64_t timeline_ctas;
 };
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s);
 // How many attention launches of this process spread their fused merge over the groups' CTAs
 // (counted on the host, at launch or capture: the tests' evidence that the form ran).
 int64_t attn_spread_launches();
+// The records of the last attention launch that ran the timeline probe, copied to `host`
+// (at most max_ctas CTAs of kTimelineSlots values; waits for the device): how many CTAs there
+// were. Development only.
+int64_t attn_timeline_read(unsigned long long* host, int64_t max_ctas);
+int64_t attn_timeline_ctas();
 
 struct QuestArgs {
   const void* q; int q_dtype; int64_t q_stride;  // [B, Hq, D], rows q_stride apart, heads packed

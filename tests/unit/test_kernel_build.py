@@ -98,6 +98,22 @@ def test_cache_key_changes_with_sources(monkeypatch):
     assert build.source_hash() != h1
 
 
+def test_the_probe_build_is_another_library(monkeypatch, tmp_path):
+    """SGLANG_PRR_PROBES=1 compiles the timing probes into the CUDA sources (the host sources do
+    not read them) and keys another cache entry, so a probe build is never loaded as the
+    default one; control: without it no command carries the define."""
+    monkeypatch.delenv("SGLANG_PRR_PROBES", raising=False)
+    h0 = build.source_hash()
+    plain = build.build_commands(tmp_path)
+    assert not any("-DSGLANG_PRR_PROBES" in c for c in plain)
+    monkeypatch.setenv("SGLANG_PRR_PROBES", "1")
+    probed = build.build_commands(tmp_path)
+    n_cuda = len(build.CUDA_SOURCES)
+    assert all("-DSGLANG_PRR_PROBES" in c for c in probed[:n_cuda])
+    assert not any("-DSGLANG_PRR_PROBES" in c for c in probed[n_cuda:])
+    assert build.source_hash() != h0
+
+
 def unlisted_sources(folder, listed) -> list:
     """The kernel sources (``KERNEL_SUFFIXES``) in ``folder`` that ``listed`` does not name."""
     return sorted(f.name for f in folder.iterdir()
