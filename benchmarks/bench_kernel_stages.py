@@ -31,8 +31,9 @@ as in the server (``bench_neighbours``, CUPTI's durations).
   incomplete; read once per process). One run per setting, the ``select_kernel`` and ``debug_stop``
   columns say which. ``SGLANG_PRR_ATTN_DEBUG_STOP=1|2|3`` ends the attention's merge tail after the
   last CTA's ticket / the lists' sort / the lse loads and weights (the same kind of probe).
-  ``SGLANG_PRR_ATTN_GRID=heads|entries`` and ``SGLANG_PRR_ATTN_MERGE=split|fused|ticket`` (which
-  force the attention launch's grid order and merge; by default its shape decides) are named in the
+  ``SGLANG_PRR_ATTN_GRID=heads|entries``, ``SGLANG_PRR_ATTN_MERGE=split|fused|ticket`` and
+  ``SGLANG_PRR_ATTN_SPREAD=row`` (which force the attention launch's grid order, its merge, and
+  a spread merge shared by the whole row; by default its shape decides) are named in the
   ``attn_launch`` column. ``--table-ctx`` makes the selection's block tables wider than the
   requests' contexts, as a server's are (its context length; the ``table_ctx`` column).
 

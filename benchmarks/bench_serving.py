@@ -74,6 +74,8 @@ the selection (the order before Quest's selection folded the new keys): ``update
 ``grid-heads`` / ``grid-entries``; ``SGLANG_PRR_ATTN_MERGE=split|fused|ticket`` forces its merge
 into a launch after the partials or into their tail, or the tail by the group's last CTA where a
 one-wave grid would spread it: ``merge-split`` / ``merge-fused`` / ``merge-ticket``;
+``SGLANG_PRR_ATTN_SPREAD=row`` shares a spread merge among every CTA of the row (those of
+entries past the list's count included): ``spread-row``;
 ``SGLANG_PRR_SELECT_GRID=rows|table`` forces every selection grid to two waves or to the table's
 width: ``select-rows`` / ``select-table``.
 ``--predictor side`` starts the PRR and auto servers with
@@ -652,7 +654,8 @@ def _launch() -> str:
     width (``SGLANG_PRR_SELECT_GRID``), ``grid-heads`` /
     ``grid-entries`` when they force the attention grid's order (``SGLANG_PRR_ATTN_GRID``),
     ``merge-split`` / ``merge-fused`` / ``merge-ticket`` when they force its merge
-    (``SGLANG_PRR_ATTN_MERGE``),
+    (``SGLANG_PRR_ATTN_MERGE``), ``spread-row`` when every CTA of a row shares a spread merge
+    (``SGLANG_PRR_ATTN_SPREAD=row``),
     ``carveout-max`` when every kernel asks for the SM's largest shared-memory carveout
     (``SGLANG_PRR_SMEM_CARVEOUT=max``), joined by ``+``, else ``""``."""
     parts = ["pdl"] if os.environ.get("SGLANG_PRR_PDL") == "1" else []

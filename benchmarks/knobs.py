@@ -9,8 +9,8 @@ import os
 def attn_launch() -> str:
     """The attention launch's forced settings: ``grid-heads`` / ``grid-entries``
     (``SGLANG_PRR_ATTN_GRID``), ``merge-split`` / ``merge-fused`` / ``merge-ticket``
-    (``SGLANG_PRR_ATTN_MERGE``),
-    joined by ``+``, else ``""`` (the launch's shape rule). Other values force nothing, as in
+    (``SGLANG_PRR_ATTN_MERGE``), ``spread-row`` (``SGLANG_PRR_ATTN_SPREAD=row``: a spread merge
+    shared by every CTA of the row), joined by ``+``, else ``""`` (the launch's shape rule). Other values force nothing, as in
     the launcher."""
     parts = []
     grid = os.environ.get("SGLANG_PRR_ATTN_GRID", "")
@@ -19,6 +19,8 @@ def attn_launch() -> str:
     merge = os.environ.get("SGLANG_PRR_ATTN_MERGE", "")
     if merge in ("split", "fused", "ticket"):
         parts.append(f"merge-{merge}")
+    if os.environ.get("SGLANG_PRR_ATTN_SPREAD", "") == "row":
+        parts.append("spread-row")
     return "+".join(parts)
 
 

@@ -67,10 +67,13 @@ block_attn_kernel(AttnArgs a, int nq) {
   const int blk = list[n];
   const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
   const int earlier = tid < n ? list[tid] : 0;
-  // Fused merge: only the listed entries take part (entry 0 alone for an empty list, so the
-  // first source is still merged); the CTAs of padding entries exit at once.
+  // Fused merge: only the listed entries compute a partial (entry 0 alone for an empty list, so
+  // the first source is still merged). The CTAs of the other entries exit at once or, where the
+  // merge is spread over the row (a.spread == 2), take their share of it: a repair over one
+  // block would else merge its entries' rows in one CTA (5.3 us against 2.4 for a share, run 27).
   const int parts = max(min(c, a.N), 1);
-  if (a.sem && n >= parts) return timeline_exit(a);
+  const int group = a.spread == 2 ? a.N : parts;
+  if (a.sem && n >= group) return timeline_exit(a);
   const bool repeat = repeats_earlier(list, n, blk, earlier);
   stamp(a, kTlLists);
   int ntok = 0;
@@ -80,7 +83,9 @@ block_attn_kernel(AttnArgs a, int nq) {
     const int64_t rem = sl - (int64_t)blk * a.page_size;
     ntok = clamp_count(rem, a.page_size);
   }
-  if (ntok == 0) {  // padding entry or block past the request: the empty state (0, -inf)
+  if (a.sem && n >= parts) {
+    // a share of the merge only: no partial (the merge reads the entries below the count)
+  } else if (ntok == 0) {  // padding entry or block past the request: the empty state (0, -inf)
     for (int e = tid; e < G * D; e += kAttnThreads)
       a.o[((row0 + e / D) * a.N + n) * D + e % D] = 0.f;
     if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
@@ -89,7 +94,7 @@ block_attn_kernel(AttnArgs a, int nq) {
   }
   // One call site: the merge's code is in the kernel once (its instructions run cold). Its
   // first barrier orders the combine's s_o reads before the merge's arrays reuse s_dyn.
-  if (a.sem) merge_tail(a, b, hk, n, s_dyn, parts, D);
+  if (a.sem) merge_tail(a, b, hk, n, s_dyn, group, D);
   timeline_exit(a);
 }
 
@@ -147,7 +152,9 @@ bool fits_one_wave(K* kernel, int64_t ctas, size_t smem) {
 // SGLANG_PRR_ATTN_GRID=entries asks (a measuring knob, read at each launch; a captured graph
 // keeps its order) or the list is wider than a grid's y (65535).
 // `spread`: a fused merge may be spread over the group's CTAs, which the launch does where its
-// grid is one wave (merge_tail's two forms), counted by attn_spread_launches.
+// grid is one wave (merge_tail's two forms), counted by attn_spread_launches; over every CTA of
+// the row, those of entries past the count included, where SGLANG_PRR_ATTN_SPREAD=row asks (a
+// measuring knob, read at each launch; a captured graph keeps its setting).
 std::atomic<int64_t> g_spread_launches{0};
 
 // The timing probe's device buffer (a build with the probes, SGLANG_PRR_ATTN_TIMELINE=1 read at
@@ -183,7 +190,9 @@ cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, bool spread, cudaSt
     if (e != cudaSuccess) return e;
     c.spread = c.sem && spread && c.N <= kGroupArrivals &&
                fits_one_wave(kernel, (int64_t)c.B * c.Hk * c.N, smem);
+    const char* row = getenv("SGLANG_PRR_ATTN_SPREAD");
     g_spread_launches += c.spread;
+    if (c.spread && row && !strcmp(row, "row")) c.spread = 2;
     launch_kernel(kernel, grid, kAttnThreads, smem, s, c, nq);
     return cudaGetLastError();
   };

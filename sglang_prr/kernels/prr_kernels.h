@@ -43,7 +43,8 @@ struct AttnArgs {
   bool p_exact;  // with p_idx: keep only P n A (else P u A); a repeated id of P counts once
   void* out_o; int out_dtype; float* out_lse;                // [B, Hq, D] (f32/f16/bf16), [B, Hq] or null
   int merge_rows;  // set by the launch: the merge tail's row-stage entries a round
-  int spread;      // set by the launch: the fused merge spread over the group's CTAs (one wave)
+  int spread;      // set by the launch: the fused merge spread over the group's CTAs (one wave;
+                  // 2: over every CTA of the row, SGLANG_PRR_ATTN_SPREAD=row)
   int spread_wait; // set by the launch: clocks a spread merge's CTA waits before withdrawing
   int debug_stop;  // timing probes only (SGLANG_PRR_ATTN_DEBUG_STOP): 0 runs everything
   // Timing probe (SGLANG_PRR_ATTN_TIMELINE=1, eager launches only; set by the launch): each CTA

@@ -166,6 +166,7 @@ LAUNCH_KNOBS = {"default": {}, "grid entries": {"SGLANG_PRR_ATTN_GRID": "entries
                 "merge fused": {"SGLANG_PRR_ATTN_MERGE": "fused"},
                 "merge ticket": {"SGLANG_PRR_ATTN_MERGE": "ticket"},
                 "spread withdraw": {"SGLANG_PRR_ATTN_SPREAD_WAIT": "0"},
+                "spread row": {"SGLANG_PRR_ATTN_SPREAD": "row"},
                 "entries, fused": {"SGLANG_PRR_ATTN_GRID": "entries",
                                    "SGLANG_PRR_ATTN_MERGE": "fused"}}
 
@@ -192,7 +193,8 @@ def test_launch_knobs_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatc
     qd, kd, vd, td, sld = _dev(q, k_buf, v_buf, table, sl)
     outs = {}
     for name, env in LAUNCH_KNOBS.items():
-        for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_ATTN_SPREAD_WAIT"):
+        for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_ATTN_SPREAD_WAIT",
+                  "SGLANG_PRR_ATTN_SPREAD"):
             monkeypatch.delenv(k, raising=False)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
@@ -235,10 +237,12 @@ def test_spread_merge_gives_the_ticket_bits(B, Hq, Hk, D, page, dtype, pages, mo
     """Where the grid is one wave the fused merge is spread over the group's CTAs (a barrier over
     the group, each CTA merging its share of the output items); SGLANG_PRR_ATTN_MERGE=ticket forces
     the last CTA's merge, and SGLANG_PRR_ATTN_SPREAD_WAIT=0 makes every waiting CTA withdraw at
-    once (the fallback of a member that cannot be scheduled: the last CTA merges every item).
-    All three give the same bits for serial DSA's attention + merge and PRR's repair (exact and
-    union), the launch counter says which form ran, and graph replays with new lists (the
-    barrier's counters back at zero, withdrawals included) still agree."""
+    once (the fallback of a member that cannot be scheduled: the last CTA merges every item);
+    SGLANG_PRR_ATTN_SPREAD=row spreads it over every CTA of the row, those of entries past the
+    count included (rows with |M| = 0 and 1 below). All give the same bits for serial DSA's
+    attention + merge and PRR's repair (exact and union), the launch counter says which form
+    ran, and graph replays with new lists (the barrier's counters back at zero, withdrawals
+    included) still agree."""
     seeded(f"spread merge B={B} Hq={Hq} Hk={Hk} D={D} page={page} pages={pages}")
     q, k_buf, v_buf, table, sl, NB, nblk = _attn_case(B, Hq, Hk, D, page, dtype, pages)
     N = min(nblk) // 2 + 5
@@ -249,6 +253,17 @@ def test_spread_merge_gives_the_ticket_bits(B, Hq, Hk, D, page, dtype, pages, mo
         idx, cnt = random_lists(B, Hk, N, nblk)
         idx[0, 0, 0], cnt[0, 0] = max(int(idx[0, 0, 0]), 0), max(int(cnt[0, 0]), 1)
         p_idx, p_cnt = random_lists(B, Hk, N + 2, nblk)
+        # Row (0, 0): P = A (M empty: the repair is a merge); row (0, 1): P = A less its last
+        # entry (|M| = 1): the repairs whose merge the other entries' CTAs share.
+        for h, drop in ((0, 0), (min(1, Hk - 1), 1)):
+            c = min(N, nblk[0], 6)
+            ids = torch.tensor(sorted(random.sample(range(nblk[0]), c)), dtype=torch.int32)
+            idx[0, h] = -1
+            idx[0, h, :c] = ids
+            cnt[0, h] = c
+            p_idx[0, h] = -1
+            p_idx[0, h, :c - drop] = ids[:c - drop]
+            p_cnt[0, h] = c - drop
         m_idx, m_cnt = ref.set_difference(idx, cnt, p_idx, p_cnt, NB)
         return [x.to(DEV) for x in (idx, cnt, p_idx, p_cnt, m_idx, m_cnt)]
 
@@ -264,10 +279,12 @@ def test_spread_merge_gives_the_ticket_bits(B, Hq, Hk, D, page, dtype, pages, mo
     from sglang_prr import kernels
     L = lists()
     forms = {"spread": {}, "withdraw": {"SGLANG_PRR_ATTN_SPREAD_WAIT": "0"},
+             "row": {"SGLANG_PRR_ATTN_SPREAD": "row"},
+             "row withdraw": {"SGLANG_PRR_ATTN_SPREAD": "row", "SGLANG_PRR_ATTN_SPREAD_WAIT": "0"},
              "ticket": {"SGLANG_PRR_ATTN_MERGE": "ticket"}}
 
     def use(form):
-        for k in ("SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_ATTN_SPREAD_WAIT"):
+        for k in ("SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_ATTN_SPREAD_WAIT", "SGLANG_PRR_ATTN_SPREAD"):
             monkeypatch.delenv(k, raising=False)
         for k, v in forms[form].items():
             monkeypatch.setenv(k, v)
@@ -279,8 +296,9 @@ def test_spread_merge_gives_the_ticket_bits(B, Hq, Hk, D, page, dtype, pages, mo
         n0 = kernels.attn_spread_launches()
         outs[form] = [x.cpu() for x in run(*L)]
         spread[form] = kernels.attn_spread_launches() - n0
-    assert spread == {"spread": 3, "withdraw": 3, "ticket": 0}, spread
-    for form in ("withdraw", "ticket"):
+    want = {"spread": 3, "withdraw": 3, "row": 3, "row withdraw": 3, "ticket": 0}
+    assert spread == want, spread
+    for form in ("withdraw", "row", "row withdraw", "ticket"):
         for i, (x, y) in enumerate(zip(outs["spread"], outs[form])):
             assert torch.equal(x, y), f"output {i}, {form}"
     assert torch.equal(outs["spread"][2], outs["spread"][0]), "PRR (exact) != serial DSA"
@@ -298,7 +316,7 @@ def test_spread_merge_gives_the_ticket_bits(B, Hq, Hk, D, page, dtype, pages, mo
     # CUDA graphs of the spread launches (waiting, and withdrawing), replayed with new lists in
     # the same buffers: the barrier's counters must be back at zero after every launch, or a
     # replay would hang or merge early. The eager launches they are checked against: the ticket.
-    for form in ("spread", "withdraw"):
+    for form in ("spread", "withdraw", "row"):
         use(form)
         static = lists()
         got = []

@@ -48,8 +48,10 @@ def test_rows_bytes_and_append(tmp_path):
 def test_attn_launch_names_forced_settings_only(monkeypatch):
     """The attn_launch column names what the environment forces (the launch's shape rule runs
     unnamed); unknown values force nothing, as in the launcher."""
-    for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE"):
+    for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_ATTN_SPREAD"):
         monkeypatch.delenv(k, raising=False)
+    assert bks.attn_launch() == ""
+    monkeypatch.setenv("SGLANG_PRR_ATTN_SPREAD", "1")  # only "row" forces anything
     assert bks.attn_launch() == ""
     monkeypatch.setenv("SGLANG_PRR_ATTN_GRID", "blocks")
     monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE", "x")
@@ -63,6 +65,8 @@ def test_attn_launch_names_forced_settings_only(monkeypatch):
     assert bks.attn_launch() == "grid-heads+merge-split"
     monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE", "ticket")
     assert bks.attn_launch() == "grid-heads+merge-ticket"
+    monkeypatch.setenv("SGLANG_PRR_ATTN_SPREAD", "row")
+    assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row"
 
 
 def test_selection_tables_wider_than_the_context():
