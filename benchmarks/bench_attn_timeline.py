@@ -171,6 +171,7 @@ def main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_attn_timeline needs a CUDA SM90 device and the kernel library")
     dev = torch.device("cuda")
+    common.require_kernels(dev)
     g = torch.Generator().manual_seed(0)
     page, sm = a.page, 1.0 / math.sqrt(stages.D)
     k_buf, v_buf, sets, na = stages.attention_sets(1, a.tokens, page, a.ctx // page, a.reps, dev,

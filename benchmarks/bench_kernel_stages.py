@@ -401,6 +401,7 @@ def main(argv=None):
     if a.quick:
         a.attn_points, a.repair_blocks, a.ctx_blocks = [(1, 64), (2, 64)], [1, 2], 16
         a.sel_points, a.page, a.top_k, a.n_pred, a.reps = [(1, 512), (2, 512)], 16, 64, 6, 2
+    common.require_kernels(dev)
     g = torch.Generator().manual_seed(0)
     bw = copy_gbps(dev)
     print(f"device {dev}, copy bandwidth {bw:.0f} GB/s, L2 {common.l2_bytes(dev) >> 20} MiB")

@@ -95,6 +95,20 @@ def flusher(device="cuda") -> L2Flush:
     return _flushers[key]
 
 
+def require_kernels(device) -> None:
+    """Stop (SystemExit, naming why) when ``device`` is a CUDA device the kernel library does not
+    serve: the ops would fall back to the torch reference, and a benchmark's rows would time it
+    under the library's name. A CPU device passes (the reference is what it times)."""
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return
+    from sglang_prr import kernels
+    if not kernels.active(dev):
+        raise SystemExit(f"the SM90 kernel library does not serve {dev}: "
+                         f"{kernels.load_error() or 'not an SM90 device'} (its rows would time "
+                         "the torch reference)")
+
+
 def pyplot():
     """matplotlib's pyplot on the file-only backend, or None (and a line saying so) without it."""
     try:

@@ -85,3 +85,16 @@ def test_write_rows_appends_after_the_rows_already_there(common, tmp_path):
     common.write_rows(str(path), second, cols)
     with open(path, newline="") as f:
         assert len(list(csv.DictReader(f))) == len(second)
+
+
+def test_require_kernels_stops_where_the_reference_would_be_timed(common, monkeypatch):
+    """On a CUDA device the library does not serve, a kernel benchmark stops and says why
+    (its rows would time the torch reference); a served device and a CPU pass."""
+    from sglang_prr import kernels
+    monkeypatch.setattr(kernels, "active", lambda dev: False)
+    monkeypatch.setattr(kernels, "load_error", lambda: "ops differ (test)")
+    with pytest.raises(SystemExit, match="ops differ"):
+        common.require_kernels("cuda")
+    common.require_kernels("cpu")  # the reference is what a CPU run times
+    monkeypatch.setattr(kernels, "active", lambda dev: True)
+    common.require_kernels("cuda")
