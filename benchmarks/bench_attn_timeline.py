@@ -19,9 +19,10 @@ an H200 under load runs at), and the launch-wide ``dispatch`` (a CTA's entry aft
 first, from ``%globaltimer``) and ``span`` (first entry to last exit); ``ctas_per_sm`` is the
 most CTAs of one launch on one SM. Phases: ``lists`` (entry to the list's entries and the repeat
 check), ``page`` (to the first chunk's copies issued: the page id's round trip), ``kv`` (to the
-chunk's K/V in shared memory), ``partial`` (the MMAs, softmax and the partial's stores),
-``arrival`` (the merge's ticket), ``sort_barrier`` (the entries' sort and the group's barrier),
-``rows`` (the merge of this CTA's items) and ``cta`` (entry to exit).
+chunk's K/V in shared memory), ``mma`` (the block's MMAs and online softmax), ``combine`` (the
+warps' combine and the partial's stores), ``arrival`` (the merge's ticket), ``sort_barrier``
+(the entries' sort and the group's barrier), ``rows`` (the merge of this CTA's items) and
+``cta`` (entry to exit).
 """
 
 from __future__ import annotations
@@ -44,22 +45,22 @@ from sglang_prr.kernels import build  # noqa: E402
 
 # Record slots (attn_block.cuh's TimelineSlot) and the phases between them.
 SLOTS = ["entry_ns", "sm", "entry", "lists", "issued", "kv", "partial", "arrival", "rows",
-         "exit", "exit_ns", "id"]
+         "exit", "exit_ns", "id", "mma"]
 PHASES = [("lists", "entry", "lists"), ("page", "lists", "issued"), ("kv", "issued", "kv"),
-          ("partial", "kv", "partial"), ("arrival", "partial", "arrival"),
+          ("mma", "kv", "mma"), ("combine", "mma", "partial"), ("arrival", "partial", "arrival"),
           ("sort_barrier", "arrival", "rows"), ("rows", "rows", "exit"), ("cta", "entry", "exit")]
 COLUMNS = ["case", "batch", "m_blocks", "phase", "ctas", "median_us", "p90_us", "max_us",
            "ctas_per_sm", "library"]
 
 
 def phase_samples(rec: torch.Tensor, khz: int) -> Dict[str, List[float]]:
-    """Per-phase durations in µs of one launch's records ``rec [ctas, 12]`` (int64; a slot a CTA
+    """Per-phase durations in µs of one launch's records ``rec [ctas, 13]`` (int64; a slot a CTA
     never reached is 0, and phases ending or starting there are left out), ``dispatch`` and
     ``span`` from the global timer. Raises on a record whose stamps run backwards."""
     col = {name: rec[:, i].tolist() for i, name in enumerate(SLOTS)}
     out: Dict[str, List[float]] = {name: [] for name, _, _ in PHASES}
     us = 1e3 / khz  # µs per clock
-    order = ["entry", "lists", "issued", "kv", "partial", "arrival", "rows", "exit"]
+    order = ["entry", "lists", "issued", "kv", "mma", "partial", "arrival", "rows", "exit"]
     for c in range(rec.shape[0]):
         seen = [(s, col[s][c]) for s in order if col[s][c] != 0]
         for (s0, t0), (s1, t1) in zip(seen, seen[1:]):

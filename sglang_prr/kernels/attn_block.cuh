@@ -45,8 +45,7 @@ constexpr bool kProbes = true;
 #else
 constexpr bool kProbes = false;
 #endif
-constexpr int kTimelineSlots = 12;
-enum TimelineSlot {
+enum TimelineSlot {  // kTimelineSlots (prr_kernels.h) of them
   kTlEntryNs, kTlSm, kTlEntry,
   kTlLists,    // the list's round trip and the repeat check's barrier
   kTlIssued,   // the page's round trip: the first chunk's K/V copies issued
@@ -54,7 +53,8 @@ enum TimelineSlot {
   kTlPartial,  // the block's partial written
   kTlArrival,  // the merge's ticket taken (a CTA that merges or arrives at the spread barrier)
   kTlRows,     // the entries sorted and the barrier passed: the rows' merge starts
-  kTlExit, kTlExitNs, kTlId
+  kTlExit, kTlExitNs, kTlId,
+  kTlMma       // the block's MMAs and online softmax done, every chunk (the partial's first part)
 };
 
 __device__ __forceinline__ unsigned long long global_ns() {
@@ -357,6 +357,7 @@ __device__ __forceinline__ void block_partial(const AttnArgs& a, int b, int hk, 
     chunk_step<T, D>(a, stage(st), ch, ntok, s_q, nq, w);
     __syncthreads();  // this stage is refilled two chunks later
   }
+  stamp(a, kTlMma);
   // The combine's scratch aliases the K/V stages (read up to the barrier above).
   block_combine<D>(w, a.Hq / a.Hk, reinterpret_cast<float*>(s_dyn),
                    a.o + (row0 * a.N + n) * D, (int64_t)a.N * D, a.lse + row0 * a.N + n, a.N);

@@ -597,9 +597,8 @@ int64_t attn_spread_launches() { return prr::attn_spread_launches(); }
 // [ctas, kTimelineSlots] int64 on the host, and the SM clock in kHz (clock64 stamps to time).
 // Waits for the device: development only.
 std::tuple<Tensor, int64_t> attn_timeline() {
-  constexpr int64_t kSlots = 12;  // attn_block.cuh's kTimelineSlots
   const int64_t n = prr::attn_timeline_ctas();
-  Tensor t = at::empty({n, kSlots}, at::TensorOptions().dtype(at::kLong));
+  Tensor t = at::empty({n, prr::kTimelineSlots}, at::TensorOptions().dtype(at::kLong));
   if (n > 0) {
     TORCH_CHECK(cudaDeviceSynchronize() == cudaSuccess, "attn_timeline: the device failed");
     TORCH_CHECK(prr::attn_timeline_read(

@@ -51,6 +51,7 @@ struct AttnArgs {
   // below timeline_ctas records kTimelineSlots values (attn_block.cuh), else null.
   unsigned long long* timeline; int64_t timeline_ctas;
 };
+constexpr int kTimelineSlots = 13;  // a CTA's record of the timing probe (attn_block.cuh)
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s);
 // How many attention launches of this process spread their fused merge over the groups' CTAs
 // (counted on the host, at launch or capture: the tests' evidence that the form ran).

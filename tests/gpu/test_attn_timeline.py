@@ -89,7 +89,7 @@ def test_timeline_records_the_chain(B, Hq, Hk, D, page, dtype, pages, merge, mon
     hk_of = (ident >> 20) & 0xFFFFF
     b_of = ident >> 40
     listed = n_of < cnt[b_of, hk_of].to(torch.int64)
-    assert (col["partial"][listed] > 0).all()
+    assert (col["partial"][listed] > 0).all() and (col["mma"][listed] > 0).all()
     assert (col["partial"][~listed] == 0).all()  # padding entries (and empty rows) exit early
     merged = col["rows"] > 0
     for b in range(B):

@@ -30,8 +30,8 @@ def _record(sm, entry_ns, clocks, exit_ns, ident=0):
 
 
 def _launch():
-    full = dict(entry=1000, lists=3000, issued=5000, kv=9000, partial=13000, arrival=14000,
-                rows=16000, exit=20000)
+    full = dict(entry=1000, lists=3000, issued=5000, kv=9000, mma=12000, partial=13000,
+                arrival=14000, rows=16000, exit=20000)
     padding = dict(entry=500, lists=2500, exit=2600)  # no partial, no merge
     arrives = {k: v + 7 for k, v in full.items() if k not in ("rows",)}  # ticket, no rows
     return torch.tensor([_record(3, 10_000, full, 20_000, 1),
@@ -44,7 +44,8 @@ def test_phases_dispatch_and_span():
     assert got["lists"] == pytest.approx([1.0, 1.0, 1.0])
     assert got["page"] == pytest.approx([1.0, 1.0])       # the padding CTA issued nothing
     assert got["kv"] == pytest.approx([2.0, 2.0])
-    assert got["partial"] == pytest.approx([2.0, 2.0])
+    assert got["mma"] == pytest.approx([1.5, 1.5])
+    assert got["combine"] == pytest.approx([0.5, 0.5])
     assert got["sort_barrier"] == pytest.approx([1.0])    # only the CTA that merged rows
     assert got["rows"] == pytest.approx([2.0])
     assert got["cta"] == pytest.approx([9.5, 1.05, 9.5])
@@ -64,7 +65,8 @@ def test_rows_and_plot(tmp_path):
     launches = [bat.phase_samples(_launch(), KHZ)] * 2
     rows = bat.summarize("case", 1, 0, launches, 2)
     by = {r["phase"]: r for r in rows}
-    assert set(by) >= {"lists", "page", "kv", "partial", "rows", "cta", "dispatch", "span"}
+    assert set(by) >= {"lists", "page", "kv", "mma", "combine", "rows", "cta", "dispatch",
+                       "span"}
     assert by["lists"]["ctas"] == 6 and by["rows"]["ctas"] == 2
     assert by["cta"]["median_us"] == pytest.approx(9.5) and by["cta"]["max_us"] == 9.5
     assert by["span"]["median_us"] == pytest.approx(10.0)
