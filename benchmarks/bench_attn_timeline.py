@@ -187,10 +187,7 @@ def main(argv=None) -> None:
     for m in a.repair_blocks:
         calls = []
         for s in sets:
-            mi = s["idx"].clone()
-            mi[:, :, :m] = s["idx"][:, :, na - m:]  # M: the last m blocks of A
-            mc = torch.full_like(s["cnt"], m)
-            pc = torch.full_like(s["cnt"], na - m)  # P: the first |A| - m blocks
+            mi, mc, pc = stages.repair_lists(s, na, m)
             o_s, l_s = stages.partials_set(s, k_buf, v_buf, page, sm, s["idx"], pc)
             calls.append(lambda s=s, o_s=o_s, l_s=l_s, mi=mi, mc=mc, pc=pc:
                          stages.repair_merge_set(s, k_buf, v_buf, page, sm, o_s, l_s, mi, mc,

@@ -145,6 +145,15 @@ def repair_merge_set(s, k_buf, v_buf, page: int, sm: float, o_s, l_s, m_idx, m_c
                                  s["table"].shape[1], True, out_dtype=torch.bfloat16)
 
 
+def repair_lists(s, na: int, m: int):
+    """PRR's lists for a repair over ``m`` of input set ``s``'s ``na`` listed blocks: M = the last
+    ``m`` blocks of A (``m_idx``, ``m_cnt``), P = the first ``na - m`` (A's list with count
+    ``p_cnt``)."""
+    mi = s["idx"].clone()
+    mi[:, :, :m] = s["idx"][:, :, na - m:]
+    return mi, torch.full_like(s["cnt"], m), torch.full_like(s["cnt"], na - m)
+
+
 def update_set(s, page: int) -> None:
     """Quest's decode update of selection set ``s``: its new keys folded into its summaries."""
     ops.quest_update(s["kmin"], s["kmax"], s["new_k"], s["new_loc"], s["new_pos"], page,
@@ -205,10 +214,7 @@ def bench_attention(a, dev, g, bw, rows):
                 calls = []
                 for s in sets:
                     o_s, l_s = partials(s)
-                    mi = s["idx"].clone()
-                    mi[:, :, :m] = s["idx"][:, :, na - m:]  # M: the last m blocks of A
-                    mc = torch.full_like(s["cnt"], m)
-                    pc = torch.full_like(s["cnt"], na - m)  # P: the first |A| - m blocks
+                    mi, mc, pc = repair_lists(s, na, m)
                     calls.append(lambda s=s, o_s=o_s, l_s=l_s, mi=mi, mc=mc, pc=pc:
                                  repair_merge_set(s, k_buf, v_buf, page, sm, o_s, l_s, mi, mc,
                                                   s["idx"], pc))

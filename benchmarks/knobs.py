@@ -10,7 +10,8 @@ def attn_launch() -> str:
     """The attention launch's forced settings: ``grid-heads`` / ``grid-entries``
     (``SGLANG_PRR_ATTN_GRID``), ``merge-split`` / ``merge-fused`` / ``merge-ticket``
     (``SGLANG_PRR_ATTN_MERGE``), ``spread-row`` (``SGLANG_PRR_ATTN_SPREAD=row``: a spread merge
-    shared by every CTA of the row), joined by ``+``, else ``""`` (the launch's shape rule). Other values force nothing, as in
+    shared by every CTA of the row), joined by ``+``, else ``""`` (the launch's shape rule).
+    Other values force nothing, as in
     the launcher."""
     parts = []
     grid = os.environ.get("SGLANG_PRR_ATTN_GRID", "")

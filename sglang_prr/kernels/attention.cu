@@ -173,12 +173,14 @@ cudaError_t timeline_setup(AttnArgs& c, int64_t ctas, cudaStream_t s) {
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
   cudaError_t e = cudaStreamIsCapturing(s, &cap);
   if (e != cudaSuccess || cap != cudaStreamCaptureStatusNone) return e;
-  const size_t bytes = (size_t)kTimelineMaxCtas * kTimelineSlots * sizeof(unsigned long long);
-  if (g_timeline == nullptr && (e = cudaMalloc(&g_timeline, bytes)) != cudaSuccess) return e;
+  constexpr size_t kRecord = kTimelineSlots * sizeof(unsigned long long);
+  if (g_timeline == nullptr &&
+      (e = cudaMalloc(&g_timeline, kTimelineMaxCtas * kRecord)) != cudaSuccess)
+    return e;
   g_timeline_ctas = std::min(ctas, kTimelineMaxCtas);
   c.timeline = g_timeline;
   c.timeline_ctas = g_timeline_ctas;
-  return cudaMemsetAsync(g_timeline, 0, bytes, s);
+  return cudaMemsetAsync(g_timeline, 0, g_timeline_ctas * kRecord, s);  // this launch's records
 }
 
 template <typename T, int D>
@@ -190,8 +192,8 @@ cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, bool spread, cudaSt
     if (e != cudaSuccess) return e;
     c.spread = c.sem && spread && c.N <= kGroupArrivals &&
                fits_one_wave(kernel, (int64_t)c.B * c.Hk * c.N, smem);
-    const char* row = getenv("SGLANG_PRR_ATTN_SPREAD");
     g_spread_launches += c.spread;
+    const char* row = getenv("SGLANG_PRR_ATTN_SPREAD");
     if (c.spread && row && !strcmp(row, "row")) c.spread = 2;
     launch_kernel(kernel, grid, kAttnThreads, smem, s, c, nq);
     return cudaGetLastError();
