@@ -32,7 +32,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Dict, List, Sequence
+from typing import Dict, List, NamedTuple, Sequence
 
 import torch
 
@@ -43,30 +43,50 @@ import common  # noqa: E402
 import bench_kernel_stages as stages  # noqa: E402  (the cases' inputs)
 from sglang_prr.kernels import build  # noqa: E402
 
-# Record slots (attn_block.cuh's TimelineSlot) and the phases between them.
-SLOTS = ["entry_ns", "sm", "entry", "lists", "issued", "kv", "partial", "arrival", "rows",
-         "exit", "exit_ns", "id", "mma"]
-PHASES = [("lists", "entry", "lists"), ("page", "lists", "issued"), ("kv", "issued", "kv"),
-          ("mma", "kv", "mma"), ("combine", "mma", "partial"), ("arrival", "partial", "arrival"),
-          ("sort_barrier", "arrival", "rows"), ("rows", "rows", "exit"), ("cta", "entry", "exit")]
+class Chain(NamedTuple):
+    """A probed kernel's record: the names of its slots (probe.cuh's entry, exit and id slots
+    and the kernel's links), its phases (name, from slot, to slot) in chain order, the last
+    one the CTA's whole time, and the environment variable that turns its probe on."""
+    slots: List[str]
+    phases: List[tuple]
+    env: str
+
+    def order(self) -> List[str]:
+        """The stamps in chain order: entry, each link, exit."""
+        first, last = self.phases[-1][1:]
+        links = [b for _, _, b in self.phases[:-1] if b != last]
+        return [first] + links + [last]
+
+
+# The attention's record (attn_block.cuh's AttnLink) and the phases between its stamps.
+ATTENTION = Chain(
+    slots=["entry_ns", "sm", "entry", "lists", "issued", "kv", "partial", "arrival", "rows",
+           "exit", "exit_ns", "id", "mma", "spare13", "spare14", "spare15"],
+    phases=[("lists", "entry", "lists"), ("page", "lists", "issued"), ("kv", "issued", "kv"),
+            ("mma", "kv", "mma"), ("combine", "mma", "partial"),
+            ("arrival", "partial", "arrival"), ("sort_barrier", "arrival", "rows"),
+            ("rows", "rows", "exit"), ("cta", "entry", "exit")],
+    env="SGLANG_PRR_ATTN_TIMELINE")
+SLOTS, PHASES = ATTENTION.slots, ATTENTION.phases
 COLUMNS = ["case", "batch", "m_blocks", "phase", "ctas", "median_us", "p90_us", "max_us",
            "ctas_per_sm", "library"]
 
 
-def phase_samples(rec: torch.Tensor, khz: int) -> Dict[str, List[float]]:
-    """Per-phase durations in µs of one launch's records ``rec [ctas, 13]`` (int64; a slot a CTA
+def phase_samples(rec: torch.Tensor, khz: int, chain: Chain = ATTENTION
+                  ) -> Dict[str, List[float]]:
+    """Per-phase durations in µs of one launch's records ``rec [ctas, 16]`` (int64; a slot a CTA
     never reached is 0, and phases ending or starting there are left out), ``dispatch`` and
     ``span`` from the global timer. Raises on a record whose stamps run backwards."""
-    col = {name: rec[:, i].tolist() for i, name in enumerate(SLOTS)}
-    out: Dict[str, List[float]] = {name: [] for name, _, _ in PHASES}
+    col = {name: rec[:, i].tolist() for i, name in enumerate(chain.slots)}
+    out: Dict[str, List[float]] = {name: [] for name, _, _ in chain.phases}
     us = 1e3 / khz  # µs per clock
-    order = ["entry", "lists", "issued", "kv", "mma", "partial", "arrival", "rows", "exit"]
+    order = chain.order()
     for c in range(rec.shape[0]):
         seen = [(s, col[s][c]) for s in order if col[s][c] != 0]
         for (s0, t0), (s1, t1) in zip(seen, seen[1:]):
             if t1 < t0:
                 raise ValueError(f"CTA {c}: stamp {s1} ({t1}) before {s0} ({t0})")
-        for name, a, b in PHASES:
+        for name, a, b in chain.phases:
             if col[a][c] and col[b][c]:
                 out[name].append((col[b][c] - col[a][c]) * us)
     entries = [t for t in col["entry_ns"] if t]
@@ -86,10 +106,10 @@ def ctas_per_sm(rec: torch.Tensor) -> int:
 
 
 def summarize(case: str, B: int, m: int, launches: Sequence[Dict[str, List[float]]],
-              per_sm: int) -> List[dict]:
+              per_sm: int, chain: Chain = ATTENTION) -> List[dict]:
     """One row per phase: the distribution over every CTA of every launch."""
     rows = []
-    names = [p for p, _, _ in PHASES] + ["dispatch", "span"]
+    names = [p for p, _, _ in chain.phases] + ["dispatch", "span"]
     for name in names:
         xs = sorted(x for L in launches for x in L.get(name, []))
         if not xs:
@@ -101,16 +121,17 @@ def summarize(case: str, B: int, m: int, launches: Sequence[Dict[str, List[float
     return rows
 
 
-def probe(fn, dev) -> tuple:
-    """Run ``fn`` eagerly after an L2 flush with the probe on; its records and the clock (kHz)."""
+def probe(fn, dev, chain: Chain = ATTENTION) -> tuple:
+    """Run ``fn`` eagerly after an L2 flush with the chain's probe on; the records of its last
+    probed launch and the clock (kHz)."""
     flush = common.flusher(dev)
-    os.environ["SGLANG_PRR_ATTN_TIMELINE"] = "1"
+    os.environ[chain.env] = "1"
     try:
         flush()
         fn()
-        rec, khz = torch.ops.sglang_prr_cuda.attn_timeline()
+        rec, khz = torch.ops.sglang_prr_cuda.probe_timeline()
     finally:
-        del os.environ["SGLANG_PRR_ATTN_TIMELINE"]
+        del os.environ[chain.env]
     if rec.shape[0] == 0:
         raise SystemExit("no records: the library has no probes (build it with "
                          "SGLANG_PRR_PROBES=1 python -m sglang_prr.kernels.build DIR and point "
@@ -118,28 +139,28 @@ def probe(fn, dev) -> tuple:
     return rec, khz
 
 
-def run_case(case: str, B: int, m: int, calls, dev) -> List[dict]:
-    """Probe each call (one attention launch; the records are its last launch's) and
-    summarize."""
+def run_case(case: str, B: int, m: int, calls, dev, chain: Chain = ATTENTION) -> List[dict]:
+    """Probe each call (one launch of the chain's kernel; the records are its last launch's)
+    and summarize."""
     launches, per_sm = [], 0
     for fn in calls:
-        rec, khz = probe(fn, dev)
-        launches.append(phase_samples(rec, khz))
+        rec, khz = probe(fn, dev, chain)
+        launches.append(phase_samples(rec, khz, chain))
         per_sm = max(per_sm, ctas_per_sm(rec))
-    rows = summarize(case, B, m, launches, per_sm)
+    rows = summarize(case, B, m, launches, per_sm, chain)
     for r in rows:
         print(f"{case:28s} {r['phase']:12s} n={r['ctas']:<5d} median {r['median_us']:7.2f}  "
               f"p90 {r['p90_us']:7.2f}  max {r['max_us']:7.2f} us  ({per_sm} CTAs/SM max)")
     return rows
 
 
-def plot(rows: Sequence[dict], png: str) -> None:
+def plot(rows: Sequence[dict], png: str, chain: Chain = ATTENTION) -> None:
     """Median µs of each link of the chain, stacked per case (the launch's span beside it)."""
     plt = common.pyplot()
     if plt is None:
         return
     cases = list(dict.fromkeys(r["case"] for r in rows))
-    links = [p for p, _, _ in PHASES if p != "cta"]
+    links = [p for p, _, _ in chain.phases[:-1]]
     fig, ax = plt.subplots(figsize=(8, 0.6 * len(cases) + 1.5))
     for i, case in enumerate(cases):
         got = {r["phase"]: float(r["median_us"]) for r in rows if r["case"] == case}
@@ -158,21 +179,31 @@ def plot(rows: Sequence[dict], png: str) -> None:
     print(f"wrote {png}")
 
 
+def add_run_args(ap: argparse.ArgumentParser, csv_name: str) -> None:
+    """A timeline benchmark's --reps, --csv (results/<csv_name> by default) and --append."""
+    ap.add_argument("--reps", type=int, default=20, help="probed launches a case")
+    ap.add_argument("--csv", default=str(ROOT / "benchmarks" / "results" / csv_name))
+    ap.add_argument("--append", action="store_true")
+
+
+def probe_device(name: str) -> torch.device:
+    """The CUDA device whose kernel library the probes run in; stops without one."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{name} needs a CUDA SM90 device and the kernel library")
+    dev = torch.device("cuda")
+    common.require_kernels(dev)
+    return dev
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--ctx", type=int, default=131072, help="the table's tokens")
     ap.add_argument("--tokens", type=int, default=2048, help="K: the listed tokens")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--repair-blocks", type=int, nargs="*", default=[1, 13])
-    ap.add_argument("--reps", type=int, default=20, help="probed launches a case")
-    ap.add_argument("--csv", default=str(ROOT / "benchmarks" / "results" /
-                                         "attn_timeline_h200.csv"))
-    ap.add_argument("--append", action="store_true")
+    add_run_args(ap, "attn_timeline_h200.csv")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_attn_timeline needs a CUDA SM90 device and the kernel library")
-    dev = torch.device("cuda")
-    common.require_kernels(dev)
+    dev = probe_device("bench_attn_timeline")
     g = torch.Generator().manual_seed(0)
     page, sm = a.page, 1.0 / math.sqrt(stages.D)
     k_buf, v_buf, sets, na = stages.attention_sets(1, a.tokens, page, a.ctx // page, a.reps, dev,

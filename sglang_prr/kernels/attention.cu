@@ -29,13 +29,6 @@ __device__ __forceinline__ bool repeats_earlier(const int32_t* list, int n, int 
 }
 
 
-// The timing probe's exit stamps (development only).
-__device__ __forceinline__ void timeline_exit(const AttnArgs& a) {
-  if (!kProbes || a.timeline == nullptr) return;
-  stamp(a, kTlExit);
-  stamp(a, kTlExitNs, global_ns());
-}
-
 // HeadsX: the grid's x runs over KV heads and its y over list entries (launch_partials), else the
 // other way round; a template argument, not a branch, so that D = 256 keeps its registers.
 template <typename T, int D, bool HeadsX>
@@ -46,15 +39,7 @@ block_attn_kernel(AttnArgs a, int nq) {
 
   const int n = HeadsX ? blockIdx.y : blockIdx.x, hk = HeadsX ? blockIdx.x : blockIdx.y;
   const int b = blockIdx.z;
-  if (kProbes && a.timeline) {  // the timing probe's entry stamps (development only)
-    unsigned sm;
-    asm("mov.u32 %0, %%smid;" : "=r"(sm));
-    timeline_begin(a);
-    stamp(a, kTlEntryNs, global_ns());
-    stamp(a, kTlSm, sm);
-    stamp(a, kTlId, ((unsigned long long)b << 40) | ((unsigned long long)hk << 20) | n);
-    stamp(a, kTlEntry);
-  }
+  probe_entry(a, ((unsigned long long)b << 40) | ((unsigned long long)hk << 20) | n);
   const int G = a.Hq / a.Hk;
   const int tid = threadIdx.x;
   const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;
@@ -73,7 +58,7 @@ block_attn_kernel(AttnArgs a, int nq) {
   // block would else merge its entries' rows in one CTA (5.3 us against 2.4 for a share, run 27).
   const int parts = max(min(c, a.N), 1);
   const int group = a.spread == 2 ? a.N : parts;
-  if (a.sem && n >= group) return timeline_exit(a);
+  if (a.sem && n >= group) return probe_exit(a);
   const bool repeat = repeats_earlier(list, n, blk, earlier);
   stamp(a, kTlLists);
   int ntok = 0;
@@ -95,7 +80,7 @@ block_attn_kernel(AttnArgs a, int nq) {
   // One call site: the merge's code is in the kernel once (its instructions run cold). Its
   // first barrier orders the combine's s_o reads before the merge's arrays reuse s_dyn.
   if (a.sem) merge_tail(a, b, hk, n, s_dyn, group, D);
-  timeline_exit(a);
+  probe_exit(a);
 }
 
 // The merge alone, a CTA per (request, KV head) group: the fused tail's code (merge_loads,
@@ -157,38 +142,13 @@ bool fits_one_wave(K* kernel, int64_t ctas, size_t smem) {
 // measuring knob, read at each launch; a captured graph keeps its setting).
 std::atomic<int64_t> g_spread_launches{0};
 
-// The timing probe's device buffer (a build with the probes, SGLANG_PRR_ATTN_TIMELINE=1 read at
-// each launch; eager launches only: a graph being captured runs without it). Allocated on first
-// use, zeroed before each probed launch; attn_timeline_read copies out the last one.
-constexpr int64_t kTimelineMaxCtas = 1 << 16;
-unsigned long long* g_timeline = nullptr;
-int64_t g_timeline_ctas = 0;
-
-cudaError_t timeline_setup(AttnArgs& c, int64_t ctas, cudaStream_t s) {
-  c.timeline = nullptr;
-  c.timeline_ctas = 0;
-  if (!kProbes) return cudaSuccess;
-  const char* v = getenv("SGLANG_PRR_ATTN_TIMELINE");
-  if (!(v && !strcmp(v, "1"))) return cudaSuccess;
-  cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
-  cudaError_t e = cudaStreamIsCapturing(s, &cap);
-  if (e != cudaSuccess || cap != cudaStreamCaptureStatusNone) return e;
-  constexpr size_t kRecord = kTimelineSlots * sizeof(unsigned long long);
-  if (g_timeline == nullptr &&
-      (e = cudaMalloc(&g_timeline, kTimelineMaxCtas * kRecord)) != cudaSuccess)
-    return e;
-  g_timeline_ctas = std::min(ctas, kTimelineMaxCtas);
-  c.timeline = g_timeline;
-  c.timeline_ctas = g_timeline_ctas;
-  return cudaMemsetAsync(g_timeline, 0, g_timeline_ctas * kRecord, s);  // this launch's records
-}
-
 template <typename T, int D>
 cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, bool spread, cudaStream_t s) {
   auto launch = [&](auto* kernel, dim3 grid) {
     cudaError_t e = set_smem_limit(kernel, smem);
     if (e != cudaSuccess) return e;
-    e = timeline_setup(c, (int64_t)grid.x * grid.y * grid.z, s);
+    e = probe_setup("SGLANG_PRR_ATTN_TIMELINE", (int64_t)grid.x * grid.y * grid.z, s,
+                    &c.timeline, &c.timeline_ctas);
     if (e != cudaSuccess) return e;
     c.spread = c.sem && spread && c.N <= kGroupArrivals &&
                fits_one_wave(kernel, (int64_t)c.B * c.Hk * c.N, smem);
@@ -289,17 +249,6 @@ cudaError_t attn_dispatch_d(const AttnArgs& args, cudaStream_t s) {
 bool launches_with_pdl() { return pdl_enabled(); }
 
 int64_t attn_spread_launches() { return g_spread_launches.load(); }
-
-int64_t attn_timeline_ctas() { return g_timeline_ctas; }
-
-int64_t attn_timeline_read(unsigned long long* host, int64_t max_ctas) {
-  const int64_t n = std::min(g_timeline_ctas, max_ctas);
-  if (g_timeline == nullptr || n <= 0) return 0;
-  if (cudaMemcpy(host, g_timeline, (size_t)n * kTimelineSlots * sizeof(unsigned long long),
-                 cudaMemcpyDeviceToHost) != cudaSuccess)
-    return -1;
-  return g_timeline_ctas;
-}
 
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s) {
   if (a.Hq % a.Hk != 0 || a.Hq / a.Hk > kMaxGroup) return cudaErrorInvalidValue;

@@ -5,6 +5,7 @@
 #pragma once
 #include "prr_kernels.h"
 #include "common.cuh"
+#include "probe.cuh"
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -34,55 +35,18 @@ constexpr int kChunk = kAttnWarps * kSlice;      // tokens per chunk
 constexpr int kHeadsN = 8;                       // the MMA's n: query heads of a group
 
 // ============================================================================ timing probe
-// Compiled in only by a build with SGLANG_PRR_PROBES=1 (kernels/build.py): the kernels of other
-// builds hold none of its code. With SGLANG_PRR_ATTN_TIMELINE=1 at run time (development only)
-// thread 0 of every CTA records, per slot, the
-// SM's clock64 at a point of the chain (phase lengths within a CTA), %globaltimer (ns, one clock
-// for every SM) at entry and exit, its SM and its (b, hk, n). A slot the CTA never reaches stays
-// 0 (a padding entry has no partial; a CTA that does not merge, no merge stamps).
-#ifdef SGLANG_PRR_PROBES
-constexpr bool kProbes = true;
-#else
-constexpr bool kProbes = false;
-#endif
-enum TimelineSlot {  // kTimelineSlots (prr_kernels.h) of them
-  kTlEntryNs, kTlSm, kTlEntry,
-  kTlLists,    // the list's round trip and the repeat check's barrier
-  kTlIssued,   // the page's round trip: the first chunk's K/V copies issued
-  kTlKv,       // the first chunk's K/V in shared memory
-  kTlPartial,  // the block's partial written
-  kTlArrival,  // the merge's ticket taken (a CTA that merges or arrives at the spread barrier)
-  kTlRows,     // the entries sorted and the barrier passed: the rows' merge starts
-  kTlExit, kTlExitNs, kTlId,
-  kTlMma       // the block's MMAs and online softmax done, every chunk (the partial's first part)
+// The attention's links (probe.cuh's slots 0-2 and 9-11 are the entry, exit and id).
+enum AttnLink {
+  kTlLists = 3,  // the list's round trip and the repeat check's barrier
+  kTlIssued,     // the page's round trip: the first chunk's K/V copies issued
+  kTlKv,         // the first chunk's K/V in shared memory
+  kTlPartial,    // the block's partial written
+  kTlArrival,    // the merge's ticket taken (a CTA that merges or arrives at the spread barrier)
+  kTlRows,       // the entries sorted and the barrier passed: the rows' merge starts
+  kTlMma = 12    // the block's MMAs and online softmax done, every chunk (the partial's first part)
 };
-
-__device__ __forceinline__ unsigned long long global_ns() {
-  unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// This CTA's record (thread 0's copy of the pointer, set by timeline_begin; null past the
-// buffer), kept in shared memory so that each stamp is a few instructions.
-__device__ __forceinline__ unsigned long long*& timeline_record() {
-  __shared__ unsigned long long* rec;
-  return rec;
-}
-
-__device__ __forceinline__ void timeline_begin(const AttnArgs& a) {
-  if (!kProbes || a.timeline == nullptr || threadIdx.x != 0) return;
-  const int64_t cta =
-      blockIdx.x + (int64_t)gridDim.x * (blockIdx.y + (int64_t)gridDim.y * blockIdx.z);
-  timeline_record() = cta < a.timeline_ctas ? a.timeline + cta * kTimelineSlots : nullptr;
-}
-
-// Slot `slot` of this CTA's record: `v`, or the clock when v is ~0ull.
-__device__ __forceinline__ void stamp(const AttnArgs& a, int slot, unsigned long long v = ~0ull) {
-  if (!kProbes || a.timeline == nullptr || threadIdx.x != 0) return;
-  unsigned long long* rec = timeline_record();
-  if (rec) rec[slot] = v == ~0ull ? (unsigned long long)clock64() : v;
-}
+static_assert(kTlRows == 8 && kTlMma < kTimelineSlots, "the attention's links fit the record");
+// (Slots 13-15 are the selection's: an attention record leaves them 0.)
 
 template <typename T> struct Mma;
 template <> struct Mma<__nv_bfloat16> { using Op = cute::SM80_16x8x16_F32BF16BF16F32_TN; };

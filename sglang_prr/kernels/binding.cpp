@@ -593,17 +593,17 @@ bool launches_with_pdl() { return prr::launches_with_pdl(); }
 
 int64_t attn_spread_launches() { return prr::attn_spread_launches(); }
 
-// The timing probe's records of the last probed attention launch (SGLANG_PRR_ATTN_TIMELINE=1):
-// [ctas, kTimelineSlots] int64 on the host, and the SM clock in kHz (clock64 stamps to time).
-// Waits for the device: development only.
-std::tuple<Tensor, int64_t> attn_timeline() {
-  const int64_t n = prr::attn_timeline_ctas();
+// The timing probe's records of the last probed launch (SGLANG_PRR_ATTN_TIMELINE=1 or
+// SGLANG_PRR_SELECT_TIMELINE=1): [ctas, kTimelineSlots] int64 on the host, and the SM clock in
+// kHz (clock64 stamps to time). Waits for the device: development only.
+std::tuple<Tensor, int64_t> probe_timeline() {
+  const int64_t n = prr::probe_timeline_ctas();
   Tensor t = at::empty({n, prr::kTimelineSlots}, at::TensorOptions().dtype(at::kLong));
   if (n > 0) {
-    TORCH_CHECK(cudaDeviceSynchronize() == cudaSuccess, "attn_timeline: the device failed");
-    TORCH_CHECK(prr::attn_timeline_read(
+    TORCH_CHECK(cudaDeviceSynchronize() == cudaSuccess, "probe_timeline: the device failed");
+    TORCH_CHECK(prr::probe_timeline_read(
                     reinterpret_cast<unsigned long long*>(t.data_ptr<int64_t>()), n) >= 0,
-                "attn_timeline: the copy failed");
+                "probe_timeline: the copy failed");
   }
   int dev = 0, khz = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -665,7 +665,7 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
   // No tensor argument: a catch-all kernel (dispatched without a device).
   m.def("launches_with_pdl() -> bool", &launches_with_pdl);
   m.def("attn_spread_launches() -> int", &attn_spread_launches);
-  m.def("attn_timeline() -> (Tensor, int)", &attn_timeline);
+  m.def("probe_timeline() -> (Tensor, int)", &probe_timeline);
 }
 
 TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {

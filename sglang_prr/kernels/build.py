@@ -9,11 +9,12 @@ another with the same torch. Environment:
 * ``CUTLASS_INCLUDE_DIR``: CUTLASS/CuTe headers (default: the ``nvidia-cutlass`` wheel's).
 * ``SGLANG_PRR_NVCC``: the nvcc to use (default: ``$CUDA_HOME/bin/nvcc`` or ``nvcc`` on PATH).
 * ``SGLANG_PRR_DEBUG=1``: add ``-lineinfo`` and keep host assertions (debug builds only).
-* ``SGLANG_PRR_PROBES=1``: compile the timing probes in (the attention's per-CTA timeline,
-  ``SGLANG_PRR_ATTN_TIMELINE=1`` at run time; ``benchmarks/bench_attn_timeline.py``); without it
-  the kernels hold no probe code.
+* ``SGLANG_PRR_PROBES=1``: compile the timing probes in (per-CTA timelines of the attention,
+  ``SGLANG_PRR_ATTN_TIMELINE=1`` at run time, and of the one-pass selection,
+  ``SGLANG_PRR_SELECT_TIMELINE=1``; ``benchmarks/bench_attn_timeline.py``,
+  ``benchmarks/bench_select_timeline.py``); without it the kernels hold no probe code.
 * ``SGLANG_PRR_BUILD_JOBS``: parallel compiler processes (default: number of CPUs; there are
-  eight CUDA translation units and three host ones).
+  nine CUDA translation units and three host ones).
 """
 
 from __future__ import annotations
@@ -30,10 +31,10 @@ from typing import List, Optional
 
 HERE = Path(__file__).resolve().parent
 CUDA_SOURCES = ["attention.cu", "selection.cu", "select_predict.cu", "predictor.cu", "merge.cu",
-                "summaries.cu", "calib_kernels.cu", "infllm_kernels.cu"]
+                "summaries.cu", "calib_kernels.cu", "infllm_kernels.cu", "probe.cu"]
 HOST_SOURCES = ["binding.cpp", "select_binding.cpp", "infllm_binding.cpp"]
 HEADERS = ["kernel_limits.h", "prr_kernels.h", "binding_common.h", "infllm_kernels.h", "common.cuh",
-           "topk.cuh", "attn_block.cuh", "attn_merge.cuh"]
+           "topk.cuh", "attn_block.cuh", "attn_merge.cuh", "probe.cuh"]
 LIB_NAME = "libsglang_prr_kernels.so"
 STAMP_NAME = "source_hash"  # beside a library built into a named folder
 

@@ -146,6 +146,50 @@ __device__ __forceinline__ int64_t ld_index(const void* p, int64_t i, bool is64)
               : (int64_t)__ldg(reinterpret_cast<const int*>(p) + i);
 }
 
+// ld_index in two steps, the load (ld_index_raw) and the value (index_of), so that a kernel's
+// prologue can have every independent load in flight before it uses any: the compiler places
+// ld_index's widening next to its load where the load sits in a branch (a bounds check, an
+// optional tensor), and the widening waits for the data there, one round trip per load.
+struct RawIndex { long long v64; int v32; };
+__device__ __forceinline__ RawIndex ld_index_raw(const void* p, int64_t i, bool is64) {
+  RawIndex r;
+  r.v64 = is64 ? __ldg(reinterpret_cast<const long long*>(p) + i) : 0;
+  r.v32 = is64 ? 0 : __ldg(reinterpret_cast<const int*>(p) + i);
+  return r;
+}
+__device__ __forceinline__ int64_t index_of(const RawIndex& r, bool is64) {
+  return is64 ? r.v64 : (int64_t)r.v32;
+}
+
+// load8_any in two steps (as ld_index_raw / index_of): 8 consecutive elements of dtype `dt` as
+// loaded (16 bytes, or 32 for float32) and, later, as floats.
+struct Raw8Any { uint4 a, b; };
+__device__ __forceinline__ Raw8Any ld8_raw(const void* base, int64_t off, int dt) {
+  const bool f32 = dt == kF32;
+  const uint4* p =
+      reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(base) + off * (f32 ? 4 : 2));
+  Raw8Any r;
+  r.a = __ldg(p);
+  r.b = f32 ? __ldg(p + 1) : make_uint4(0u, 0u, 0u, 0u);
+  return r;
+}
+__device__ __forceinline__ void raw8_floats(const Raw8Any& r, int dt, float* f) {
+  if (dt == kF32) {
+    const float* x = reinterpret_cast<const float*>(&r);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) f[i] = x[i];
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t w = (&r.a.x)[i];
+    const float2 x = dt == kF16 ? __half22float2(*reinterpret_cast<const __half2*>(&w))
+                                : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+    f[2 * i] = x.x;
+    f[2 * i + 1] = x.y;
+  }
+}
+
 // Load 8 consecutive elements of a tensor of dtype `dt` as floats (16- or 32-byte aligned).
 __device__ __forceinline__ void load8_any(const void* base, int64_t off, int dt, float* f) {
   if (dt == kF32) {
@@ -219,14 +263,16 @@ __device__ __forceinline__ void fold_key4(float4 x, bool first, float4& lo, floa
 
 // Where row b's new key enters its selection (SelectArgs::new_k): its block, or -1 (none), and
 // whether it is the first token of its page.
-__device__ __forceinline__ int new_key_block(const void* new_k, const void* new_pos, bool pos64,
-                                             int page_size, int b, bool& first) {
+__device__ __forceinline__ int new_key_block_at(int64_t pos, int page_size, bool& first) {
   first = false;
-  if (!new_k) return -1;
-  const int64_t pos = ld_index(new_pos, b, pos64);
   if (pos < 0) return -1;
   first = pos % page_size == 0;
   return (int)min(pos / page_size, (int64_t)INT_MAX);
+}
+__device__ __forceinline__ int new_key_block(const void* new_k, const void* new_pos, bool pos64,
+                                             int page_size, int b, bool& first) {
+  first = false;
+  return new_k ? new_key_block_at(ld_index(new_pos, b, pos64), page_size, first) : -1;
 }
 
 // Store 4 floats at element offset `off` of a tensor of dtype `dt` (rounded to nearest).

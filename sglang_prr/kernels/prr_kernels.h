@@ -48,19 +48,25 @@ struct AttnArgs {
   int spread_wait; // set by the launch: clocks a spread merge's CTA waits before withdrawing
   int debug_stop;  // timing probes only (SGLANG_PRR_ATTN_DEBUG_STOP): 0 runs everything
   // Timing probe (SGLANG_PRR_ATTN_TIMELINE=1, eager launches only; set by the launch): each CTA
-  // below timeline_ctas records kTimelineSlots values (attn_block.cuh), else null.
+  // below timeline_ctas records kTimelineSlots values (probe.cuh, attn_block.cuh), else null.
   unsigned long long* timeline; int64_t timeline_ctas;
 };
-constexpr int kTimelineSlots = 13;  // a CTA's record of the timing probe (attn_block.cuh)
 cudaError_t launch_sparse_attn_partials(const AttnArgs& a, cudaStream_t s);
 // How many attention launches of this process spread their fused merge over the groups' CTAs
 // (counted on the host, at launch or capture: the tests' evidence that the form ran).
 int64_t attn_spread_launches();
-// The records of the last attention launch that ran the timeline probe, copied to `host`
-// (at most max_ctas CTAs of kTimelineSlots values; waits for the device): how many CTAs there
-// were. Development only.
-int64_t attn_timeline_read(unsigned long long* host, int64_t max_ctas);
-int64_t attn_timeline_ctas();
+
+// The timing probe (development only; probe.cu, probe.cuh): a CTA's record, in slots.
+constexpr int kTimelineSlots = 16;
+// A launch of `ctas` CTAs on stream s asks for records: where the build holds the probes, the
+// environment variable `env` is "1" and s is not capturing, the shared buffer's first `ctas`
+// records (zeroed on s) go to *timeline / *timeline_ctas, else null / 0.
+cudaError_t probe_setup(const char* env, int64_t ctas, cudaStream_t s,
+                        unsigned long long** timeline, int64_t* timeline_ctas);
+// The records of the last probed launch, copied to `host` (at most max_ctas CTAs of
+// kTimelineSlots values; waits for the device): how many CTAs there were (-1: the copy failed).
+int64_t probe_timeline_read(unsigned long long* host, int64_t max_ctas);
+int64_t probe_timeline_ctas();
 
 struct QuestArgs {
   const void* q; int q_dtype; int64_t q_stride;  // [B, Hq, D], rows q_stride apart, heads packed
@@ -124,6 +130,9 @@ struct SelectArgs {
   // Candidate workspace of the one-pass kernel: [B * Hk, nch, kca + kcp] keys, counts.
   unsigned long long* ws; int* ws_cnt; int nch, kca, kcp;
   int debug_stop;  // timing probes only (SGLANG_PRR_SELECT_DEBUG_STOP): 0 runs everything
+  // Timing probe of the one-pass kernel (SGLANG_PRR_SELECT_TIMELINE=1, eager launches only; set
+  // by the launch): each CTA below timeline_ctas records kTimelineSlots values, else null.
+  unsigned long long* timeline; int64_t timeline_ctas;
   // The step's new keys (new_k != nullptr): row b's key at position new_pos[b] enters the score
   // of its block (new_pos[b] / page_size) as the decode update folds it into the summary (the
   // first position of a page: the key alone). Folded in registers: a concurrent update of the

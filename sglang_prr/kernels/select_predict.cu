@@ -5,6 +5,7 @@
 // shapes, device-side counts, no host reads.
 #include "prr_kernels.h"
 #include "common.cuh"
+#include "probe.cuh"
 #include "topk.cuh"
 
 #include <cuda_bf16.h>
@@ -33,6 +34,21 @@ namespace {
 constexpr int kOpThreads = 256;
 constexpr int kOpChunk = 64;
 constexpr size_t kOpMaxSmem = 160 * 1024;
+
+// The one-pass kernel's links for the timing probe (probe.cuh's slots 0-2 and 9-11 are the entry,
+// exit and id; a CTA that loops over chunks stamps its first chunk's links).
+enum SelectLink {
+  kSlLoaded = 3,  // the counts' and q's round trip (q in shared memory)
+  kSlScored,      // the summaries' round trip, the chunk's scores and Holt step, its keys
+  kSlRanked,      // the chunk's candidates ranked and written (every chunk of the CTA)
+  kSlArrival,     // the row's ticket taken (every CTA; the last one goes on to the tail)
+  kSlTailLoads,   // the tail's loads of the chunks' candidates
+  kSlTopK,        // the row's top-K (and P(t+1)'s)
+  kSlLists = 12,  // A, P(t+1) and M written
+  kSlCounts,      // the block counts' round trip (the chunk known to hold blocks)
+  kSlIssued       // the pages' round trip: the summaries' loads issued
+};
+static_assert(kSlTopK == 8 && kSlIssued < kTimelineSlots, "the selection's links fit the record");
 
 __device__ __forceinline__ unsigned long long comp_key(uint32_t key, int id) {
   return key ? ((unsigned long long)key << 32) | (unsigned long long)(0xFFFFFFFFu - (uint32_t)id)
@@ -109,6 +125,8 @@ template <typename S, int D, bool Loop>
 __global__ void __launch_bounds__(kOpThreads, kOpCtasPerSm)
 quest_select_onepass_kernel(SelectArgs a) {
   pdl_begin();  // before any global-memory access (PDL)
+  probe_entry(a, ((unsigned long long)blockIdx.z << 40) | ((unsigned long long)blockIdx.y << 20) |
+                     blockIdx.x);
   constexpr int L = D / 8;               // lanes per block (8 dims each)
   constexpr int BPP = kOpThreads / L;    // blocks per pass
   constexpr int PASSES = kOpChunk / BPP;
@@ -124,28 +142,44 @@ quest_select_onepass_kernel(SelectArgs a) {
   const int G = a.Hq / a.Hk, NB = a.NB;
   const bool pred = a.level != nullptr;
   const int64_t row = (int64_t)b * a.Hk + hk;
-  // ---- every load that does not depend on another, in one round trip: the block counts, q,
-  // the chunk's pages (read for every block of the table's width: the count is not known yet),
-  // the state and theta. A chunk past the row's blocks then exits.
+  // ---- every load that does not depend on another, in one round trip: the chunk's pages (read
+  // for every block of the table's width: the count is not known yet; past the width, the row's
+  // first entry, unused), the block counts, the new key's position and slot, q, the state and
+  // theta. A chunk past the row's blocks then exits. Their raw forms are converted only after
+  // (index_of, raw8_floats): converted beside its load, each load waited in turn (3 us of the
+  // kernel's 16 at 128K / 1, bench_select_timeline, run 28).
   // Issue order matters: the pages first (the summaries wait on them), q kept in registers until
   // the summary loads are out, the state (which waits on the request's row) last.
-  int64_t page[PASSES];
+  RawIndex page_raw[PASSES];
   const auto load_pages = [&](int c) {
 #pragma unroll
     for (int p = 0; p < PASSES; ++p) {
       const int blk = c * kOpChunk + p * BPP + grp;
-      page[p] = blk < NB ? ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64) : 0;
+      page_raw[p] = ld_index_raw(a.table, (int64_t)b * a.table_stride + (blk < NB ? blk : 0),
+                                 a.table64);
     }
   };
   load_pages(ch);
-  const int nb = clamp_count(ld_index(a.nblk, b, a.nblk64), NB);
-  const int nbn = pred ? clamp_count(ld_index(a.nblk_next, b, a.nblk_next64), NB) : nb;
-  bool first_tok;
-  const int newest = new_key_block(a.new_k, a.new_pos, a.new_pos64, a.page_size, b, first_tok);
-  const int64_t wpage = new_key_page(a.new_loc, a.new_loc64, a.page_size, b);  // the update's
-  float qf8[8];
+  // Optional tensors are read without a branch (a branch's join would convert the value there,
+  // waiting for it): an absent one's load reads nblk instead, and its value is not used.
+  const auto or_nblk = [&](const void* p) { return p ? p : a.nblk; };
+  const RawIndex nb_raw = ld_index_raw(a.nblk, b, a.nblk64);
+  const RawIndex nbn_raw =
+      ld_index_raw(or_nblk(pred ? a.nblk_next : nullptr), b, pred ? a.nblk_next64 : a.nblk64);
+  const RawIndex pos_raw =
+      ld_index_raw(or_nblk(a.new_k ? a.new_pos : nullptr), b, a.new_k ? a.new_pos64 : a.nblk64);
+  const RawIndex loc_raw = ld_index_raw(or_nblk(a.new_loc), b, a.new_loc ? a.new_loc64 : a.nblk64);
   const int qe = tid * 8;  // G * D <= 8 * kOpThreads: one 8-wide piece per thread at most
-  if (qe < G * D) load8_any(a.q, b * a.q_stride + (int64_t)hk * G * D + qe, a.q_dtype, qf8);
+  // (a thread past the group's G * D reads its first piece again, unused: no branch)
+  const Raw8Any q_raw =
+      ld8_raw(a.q, b * a.q_stride + (int64_t)hk * G * D + (qe < G * D ? qe : 0), a.q_dtype);
+  const int nb = clamp_count(index_of(nb_raw, a.nblk64), NB);
+  const int nbn = pred ? clamp_count(index_of(nbn_raw, a.nblk_next64), NB) : nb;
+  bool first_tok = false;
+  const int newest =
+      a.new_k ? new_key_block_at(index_of(pos_raw, a.new_pos64), a.page_size, first_tok) : -1;
+  // the update's page (new_key_page's value)
+  const int64_t wpage = a.new_loc ? index_of(loc_raw, a.new_loc64) / a.page_size : -1;
   const int64_t srow = pred ? slot_of(a.rows, a.rows64, b) : 0;
   float al = 0.f, be = 0.f, gam = 0.f;
   int ninit = 0;
@@ -171,7 +205,9 @@ quest_select_onepass_kernel(SelectArgs a) {
   load_state(ch);
   const int Lr = max(nb, nbn);
   const int nch = max((Lr + kOpChunk - 1) / kOpChunk, 1);
-  if (ch >= nch) return;  // chunks past the row's blocks (the table is as wide as the longest)
+  if (ch >= nch) return probe_exit(a);  // chunks past the row's blocks (the table is as wide
+                                        // as the longest)
+  stamp(a, kSlCounts);
   // The CTAs of the row that hold chunks: the group the last-CTA counters wait for.
   const int nwork = Loop ? min((int)gridDim.x, nch) : nch;
   const int ninit_new = max(ninit, nb);
@@ -187,7 +223,7 @@ quest_select_onepass_kernel(SelectArgs a) {
     for (int p = 0; p < PASSES; ++p) {
       const int blk = ch * kOpChunk + p * BPP + grp;
       if (blk < nb) {
-        const int64_t off = (page[p] * a.Hk + hk) * D + ln * 8;
+        const int64_t off = (index_of(page_raw[p], a.table64) * a.Hk + hk) * D + ln * 8;
         rlo[p].load(kmin + off);
         rhi[p].load(kmax + off);
       }
@@ -198,13 +234,17 @@ quest_select_onepass_kernel(SelectArgs a) {
     const bool has_new = newest >= 0 && newest < nb && rel >= 0 && rel < kOpChunk && rel % BPP == 0;
     if (has_new)
       load8_any(a.new_k, b * a.new_k_stride + (int64_t)hk * D + ln * 8, a.new_k_dtype, kf);
+    if (first) stamp(a, kSlIssued);
     if (first && qe < G * D) {
+      float qf8[8];
+      raw8_floats(q_raw, a.q_dtype, qf8);
       const int qrow = qe - qe % D, ql = (qe % D) / 8;  // the head's row, the lane of the dims
       *reinterpret_cast<float4*>(s_q + qrow + ql * 4) = make_float4(qf8[0], qf8[1], qf8[2], qf8[3]);
       *reinterpret_cast<float4*>(s_q + qrow + D / 2 + ql * 4) =
           make_float4(qf8[4], qf8[5], qf8[6], qf8[7]);
     }
     __syncthreads();  // s_q (the first chunk); the previous chunk's s_ck reads (the others)
+    if (first) stamp(a, kSlLoaded);
 #pragma unroll
     for (int p = 0; p < PASSES; ++p) {
       const int blk = ch * kOpChunk + p * BPP + grp;
@@ -267,6 +307,7 @@ quest_select_onepass_kernel(SelectArgs a) {
       }
     }
     __syncthreads();
+    if (first) stamp(a, kSlScored);
     // n_init: raised once every CTA of the request has read it (every read above was used). The
     // ticket is taken here, its answer used at the end, so its round trip overlaps the rest.
     if (first && pred && tid == 0) ticket = atomicAdd(a.req_sem + b, 1);
@@ -294,7 +335,8 @@ quest_select_onepass_kernel(SelectArgs a) {
     load_pages(ch);  // the next chunk's round trips (the summaries wait on the pages)
     load_state(ch);
   }
-  if (a.debug_stop == 1) return;  // timing probe: the chunks' pass alone
+  stamp(a, kSlRanked);
+  if (a.debug_stop == 1) return probe_exit(a);  // timing probe: the chunks' pass alone
   // P(t) is an input, not the row's result: every CTA issues its count and first entries before
   // the ticket, so the last CTA's copies arrive with the ticket (a round trip off its tail).
   int pc_raw = 0, p_first = -1;
@@ -304,12 +346,13 @@ quest_select_onepass_kernel(SelectArgs a) {
     if (tid < a.Np) p_first = a.p_idx[prow * a.Np + tid];
   }
   const bool last = last_of_group(a.sem + row, nwork);
+  stamp(a, kSlArrival);
   if (ticket == a.Hk * nwork - 1) {
     atomicExch(a.req_sem + b, 0);
     if (a.ninit64) reinterpret_cast<long long*>(a.n_init)[srow] = ninit_new;
     else reinterpret_cast<int*>(a.n_init)[srow] = ninit_new;
   }
-  if (!last) return;
+  if (!last) return probe_exit(a);
 
   // ================================================================ the row's tail
   if (srow_out)
@@ -374,7 +417,8 @@ quest_select_onepass_kernel(SelectArgs a) {
     for (int i = tid + kOpThreads; i < pc; i += kOpThreads) s_pl[i] = a.p_idx[prow * a.Np + i];
   }
   __syncthreads();
-  if (a.debug_stop == 2) return;  // timing probe: up to the tail's loads
+  stamp(a, kSlTailLoads);
+  if (a.debug_stop == 2) return probe_exit(a);  // timing probe: up to the tail's loads
   // The K best candidates of each kind without log2(chunks) rounds of merges:
   // (1) a sample S, every list's first j (|S| ~ 2K), flat in the second buffer with 0 (below
   //     every key) where a list is shorter; T = S's K-th best. S holds >= K candidates, so T is
@@ -436,7 +480,8 @@ quest_select_onepass_kernel(SelectArgs a) {
     }
     __syncthreads();
   }
-  if (a.debug_stop == 3) return;  // timing probe: up to the top-K
+  stamp(a, kSlTopK);
+  if (a.debug_stop == 3) return probe_exit(a);  // timing probe: up to the top-K
   const int ca = min(CNT_A(0)[0], KA), cp = min(CNT_P(0)[0], KP);
   // the chosen ids in ascending order (rank sort: distinct ids)
 #pragma unroll 1
@@ -503,11 +548,16 @@ quest_select_onepass_kernel(SelectArgs a) {
       atomicAdd(a.stats + kStatRows, 1ull);
     }
   }
+  stamp(a, kSlLists);
+  probe_exit(a);
 }
 
 template <typename S, int D, bool Loop>
-cudaError_t onepass_launch_grid(const SelectArgs& a, int gx, size_t smem, cudaStream_t s) {
+cudaError_t onepass_launch_grid(SelectArgs a, int gx, size_t smem, cudaStream_t s) {
   cudaError_t e = set_smem_limit(quest_select_onepass_kernel<S, D, Loop>, smem);
+  if (e != cudaSuccess) return e;
+  e = probe_setup("SGLANG_PRR_SELECT_TIMELINE", (int64_t)gx * a.Hk * a.B, s, &a.timeline,
+                  &a.timeline_ctas);
   if (e != cudaSuccess) return e;
   launch_kernel(quest_select_onepass_kernel<S, D, Loop>, dim3(gx, a.Hk, a.B), kOpThreads, smem,
                 s, a);

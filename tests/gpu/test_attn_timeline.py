@@ -54,7 +54,7 @@ def _probed(B, Hq, Hk, D, page, dtype, pages, merge, monkeypatch):
     plain = run()
     monkeypatch.setenv("SGLANG_PRR_ATTN_TIMELINE", "1")
     probed = run()
-    rec, khz = CUDA.attn_timeline()
+    rec, khz = CUDA.probe_timeline()
     monkeypatch.delenv("SGLANG_PRR_ATTN_TIMELINE")
     return plain, probed, rec, khz, cnt, N
 

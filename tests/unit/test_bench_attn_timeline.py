@@ -17,15 +17,16 @@ import bench_attn_timeline as bat  # noqa: E402
 KHZ = 2_000_000  # 2 GHz: 2000 clocks a µs
 
 
-def _record(sm, entry_ns, clocks, exit_ns, ident=0):
-    """One CTA's record: ``clocks`` maps slot names (entry .. exit) to clock values."""
-    r = [0] * len(bat.SLOTS)
-    r[bat.SLOTS.index("entry_ns")] = entry_ns
-    r[bat.SLOTS.index("sm")] = sm
-    r[bat.SLOTS.index("exit_ns")] = exit_ns
-    r[bat.SLOTS.index("id")] = ident
+def _record(sm, entry_ns, clocks, exit_ns, ident=0, slots=bat.SLOTS):
+    """One CTA's record of a chain with these ``slots``: ``clocks`` maps slot names (entry ..
+    exit) to clock values."""
+    r = [0] * len(slots)
+    r[slots.index("entry_ns")] = entry_ns
+    r[slots.index("sm")] = sm
+    r[slots.index("exit_ns")] = exit_ns
+    r[slots.index("id")] = ident
     for k, v in clocks.items():
-        r[bat.SLOTS.index(k)] = v
+        r[slots.index(k)] = v
     return r
 
 
