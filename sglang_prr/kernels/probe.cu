@@ -1,6 +1,6 @@
 // The kernels' timing probe (development only), host side: one device buffer of records, shared
 // by the probed kernels (probe.cuh), holding the last probed launch's.
-#include "prr_kernels.h"
+#include "probe.cuh"
 
 #include <algorithm>
 #include <cstdlib>
@@ -9,11 +9,6 @@
 namespace prr {
 namespace {
 
-#ifdef SGLANG_PRR_PROBES
-constexpr bool kProbeBuild = true;
-#else
-constexpr bool kProbeBuild = false;
-#endif
 constexpr int64_t kTimelineMaxCtas = 1 << 16;
 unsigned long long* g_timeline = nullptr;  // allocated on first use
 int64_t g_timeline_ctas = 0;
@@ -24,7 +19,7 @@ cudaError_t probe_setup(const char* env, int64_t ctas, cudaStream_t s,
                         unsigned long long** timeline, int64_t* timeline_ctas) {
   *timeline = nullptr;
   *timeline_ctas = 0;
-  if (!kProbeBuild) return cudaSuccess;
+  if (!kProbes) return cudaSuccess;
   const char* v = getenv(env);
   if (!(v && !strcmp(v, "1"))) return cudaSuccess;
   cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;

@@ -38,7 +38,7 @@ constexpr size_t kOpMaxSmem = 160 * 1024;
 // The one-pass kernel's links for the timing probe (probe.cuh's slots 0-2 and 9-11 are the entry,
 // exit and id; a CTA that loops over chunks stamps its first chunk's links).
 enum SelectLink {
-  kSlLoaded = 3,  // the counts' and q's round trip (q in shared memory)
+  kSlLoaded = 3,  // q in shared memory
   kSlScored,      // the summaries' round trip, the chunk's scores and Holt step, its keys
   kSlRanked,      // the chunk's candidates ranked and written (every chunk of the CTA)
   kSlArrival,     // the row's ticket taken (every CTA; the last one goes on to the tail)
