@@ -360,31 +360,30 @@ quest_select_onepass_kernel(SelectArgs a) {
   int n2 = 1;
   while (n2 < nch) n2 <<= 1;
   const int KA = max(a.k, 0), KP = pred ? max(a.n_pred, 0) : 0;
-  // Ping-pong buffers: list buffers (A: 2 x n2 x kca, P: 2 x n2 x kcp keys), counts (2 x n2
-  // each); buffer `c` of a kind is at base + c * stride.
-  unsigned long long* const bA = reinterpret_cast<unsigned long long*>(s_dyn);
-  unsigned long long* const bP = bA + 2 * (size_t)n2 * a.kca;
-  int* const cA = reinterpret_cast<int*>(bP + 2 * (size_t)n2 * a.kcp);
+  // Shared memory: the chunks' candidates as the workspace holds them (chunk c's A list at
+  // cand[c * W], its P list at cand[c * W + kca]: a flat copy), then a second buffer of each kind
+  // (A1, P1: the sample, then the survivors), the counts (chunk c's at cA[c], cP[c]; 2 x n2
+  // ints each, as select_one_pass sizes them); the top-K (A's at cand[0], P(t+1)'s at
+  // cand[n2 * kca]) overwrites the candidates once they are read.
+  const int W = a.kca + a.kcp;
+  unsigned long long* const cand = reinterpret_cast<unsigned long long*>(s_dyn);
+  unsigned long long* const A1 = cand + (size_t)n2 * W;
+  unsigned long long* const P1 = A1 + (size_t)n2 * a.kca;
+  unsigned long long* const resA = cand;
+  unsigned long long* const resP = cand + (size_t)n2 * a.kca;
+  int* const cA = reinterpret_cast<int*>(P1 + (size_t)n2 * a.kcp);
   int* const cP = cA + 2 * n2;
-  const size_t sA = (size_t)n2 * a.kca, sP = (size_t)n2 * a.kcp;
-#define BUF_A(c) (bA + (c) * sA)
-#define BUF_P(c) (bP + (c) * sP)
-#define CNT_A(c) (cA + (c) * n2)
-#define CNT_P(c) (cP + (c) * n2)
   int* s_pl = cP + 2 * n2;                // P(t) [Np]
   int* s_ida = s_pl + a.Np;               // A's top ids, ascending [KA]
   int* s_idp = s_ida + KA;                // P(t+1)'s top ids, ascending [KP]
   int* s_alist = s_idp + KP;              // A [n_out]
-  // candidates (third round trip, L2), and P(t) for M
-  // Every candidate load in flight at once (kTailLoads per thread per round trip).
+  // candidates (third round trip, L2), and P(t) for M: the counts' loads, then every candidate
+  // load in flight at once (kTailLoads per thread per round trip).
   constexpr int kTailLoads = 16;
-  const int W = a.kca + a.kcp;
   const unsigned long long* wrow = a.ws + row * a.nch * W;
-  // Entry e = c * W + j; the thread's (c, j) advance by kOpThreads entries a step (one division
-  // per thread, not one per entry).
-  const int W1 = W > 0 ? W : 1;
-  const int dq = kOpThreads / W1, dr = kOpThreads % W1;
-  int cc = tid / W1, cj = tid % W1;
+  const int* crow = a.ws_cnt + row * a.nch * 2;
+  int cnt_a = 0, cnt_p = 0;
+  if (tid < nch) { cnt_a = __ldcg(crow + 2 * tid); cnt_p = __ldcg(crow + 2 * tid + 1); }
 #pragma unroll 1
   for (int e0 = tid; e0 < nch * W; e0 += kTailLoads * kOpThreads) {
     unsigned long long x[kTailLoads];
@@ -396,18 +395,14 @@ quest_select_onepass_kernel(SelectArgs a) {
 #pragma unroll
     for (int u = 0; u < kTailLoads; ++u) {
       const int e = e0 + u * kOpThreads;
-      if (e >= nch * W) break;
-      if (cj < a.kca) BUF_A(0)[cc * a.kca + cj] = x[u];
-      else BUF_P(0)[cc * a.kcp + (cj - a.kca)] = x[u];
-      cj += dr;
-      cc += dq;
-      if (cj >= W1) { cj -= W1; ++cc; }
+      if (e < nch * W) cand[e] = x[u];
     }
   }
+  if (tid < nch) { cA[tid] = cnt_a; cP[tid] = cnt_p; }
 #pragma unroll 1
-  for (int c = tid; c < nch; c += kOpThreads) {
-    CNT_A(0)[c] = __ldcg(a.ws_cnt + (row * a.nch + c) * 2);
-    CNT_P(0)[c] = __ldcg(a.ws_cnt + (row * a.nch + c) * 2 + 1);
+  for (int c = tid + kOpThreads; c < nch; c += kOpThreads) {
+    cA[c] = __ldcg(crow + 2 * c);
+    cP[c] = __ldcg(crow + 2 * c + 1);
   }
   int pc = 0;
   if (a.p_idx) {
@@ -427,7 +422,7 @@ quest_select_onepass_kernel(SelectArgs a) {
   // (2) the survivors (>= T: about K to 2K when the best blocks spread over the chunks, every
   //     candidate at worst) gathered over S in the second buffer;
   // (3) each survivor's rank among the survivors, which is its rank among all candidates for the
-  //     top K (distinct keys); rank < K writes it at its place in the first buffer.
+  //     top K (distinct keys); rank < K writes it at its place in the top-K (resA / resP).
   // A rank is a flat loop of broadcast loads (independent, unrolled), not a chain of searches.
   // One chunk: its lists are the answer (kca <= K, kcp <= |P|).
   __shared__ unsigned long long s_thr[2];
@@ -440,15 +435,15 @@ quest_select_onepass_kernel(SelectArgs a) {
     for (int e = tid; e < nsa + nsp; e += kOpThreads) {
       const bool isA = e < nsa;
       const int j = isA ? jA : jP, ee = isA ? e : e - nsa, c = ee / j, i = ee % j;
-      const unsigned long long* lst = (isA ? BUF_A(0) : BUF_P(0)) + c * (isA ? a.kca : a.kcp);
-      (isA ? BUF_A(1) : BUF_P(1))[ee] = i < (isA ? CNT_A(0) : CNT_P(0))[c] ? lst[i] : 0ull;
+      const unsigned long long* lst = cand + c * W + (isA ? 0 : a.kca);
+      (isA ? A1 : P1)[ee] = i < (isA ? cA : cP)[c] ? lst[i] : 0ull;
     }
     if (tid < 2) { s_thr[tid] = 0ull; s_nsurv[tid] = 0; }
     __syncthreads();
 #pragma unroll 1
     for (int e = tid; e < nsa + nsp; e += kOpThreads) {
       const bool isA = e < nsa;
-      const unsigned long long* sv = isA ? BUF_A(1) : BUF_P(1);
+      const unsigned long long* sv = isA ? A1 : P1;
       const unsigned long long x = sv[isA ? e : e - nsa];
       // one key at most has rank K - 1 (distinct keys)
       if (x != 0 && count_above(sv, isA ? nsa : nsp, x) == (isA ? KA : KP) - 1)
@@ -456,38 +451,37 @@ quest_select_onepass_kernel(SelectArgs a) {
     }
     __syncthreads();
 #pragma unroll 1
-    for (int e = tid; e < nch * (a.kca + a.kcp); e += kOpThreads) {
-      const bool isA = e < nch * a.kca;
-      const int W1 = isA ? a.kca : a.kcp, ee = isA ? e : e - nch * a.kca;
-      if (ee % W1 >= (isA ? CNT_A(0) : CNT_P(0))[ee / W1]) continue;
-      const unsigned long long x = (isA ? BUF_A(0) : BUF_P(0))[ee];
-      if (x >= s_thr[isA ? 0 : 1])
-        (isA ? BUF_A(1) : BUF_P(1))[atomicAdd(s_nsurv + (isA ? 0 : 1), 1)] = x;
+    for (int e = tid; e < nch * W; e += kOpThreads) {
+      const int c = e / W, j = e - c * W;
+      const bool isA = j < a.kca;
+      if ((isA ? j : j - a.kca) >= (isA ? cA : cP)[c]) continue;
+      const unsigned long long x = cand[e];
+      if (x >= s_thr[isA ? 0 : 1]) (isA ? A1 : P1)[atomicAdd(s_nsurv + (isA ? 0 : 1), 1)] = x;
     }
     __syncthreads();
     const int nsA = s_nsurv[0], nsP = s_nsurv[1];
 #pragma unroll 1
     for (int e = tid; e < nsA + nsP; e += kOpThreads) {
       const bool isA = e < nsA;
-      const unsigned long long* sv = isA ? BUF_A(1) : BUF_P(1);
+      const unsigned long long* sv = isA ? A1 : P1;
       const unsigned long long x = sv[isA ? e : e - nsA];
       const int r = count_above(sv, isA ? nsA : nsP, x);
-      if (r < (isA ? KA : KP)) (isA ? BUF_A(0) : BUF_P(0))[r] = x;
+      if (r < (isA ? KA : KP)) (isA ? resA : resP)[r] = x;
     }
     if (tid == 0) {
-      CNT_A(0)[0] = min(KA, nsA);
-      CNT_P(0)[0] = min(KP, nsP);
+      cA[0] = min(KA, nsA);
+      cP[0] = min(KP, nsP);
     }
     __syncthreads();
   }
   stamp(a, kSlTopK);
   if (a.debug_stop == 3) return probe_exit(a);  // timing probe: up to the top-K
-  const int ca = min(CNT_A(0)[0], KA), cp = min(CNT_P(0)[0], KP);
+  const int ca = min(cA[0], KA), cp = min(cP[0], KP);
   // the chosen ids in ascending order (rank sort: distinct ids)
 #pragma unroll 1
   for (int e = tid; e < ca + cp; e += kOpThreads) {
     const bool isA = e < ca;
-    const unsigned long long* lst = isA ? BUF_A(0) : BUF_P(0);
+    const unsigned long long* lst = isA ? resA : resP;
     const int c = isA ? ca : cp, i = isA ? e : e - ca;
     const int id = comp_id(lst[i]);
     int r = 0;
@@ -495,10 +489,6 @@ quest_select_onepass_kernel(SelectArgs a) {
     for (int j = 0; j < c; ++j) r += comp_id(lst[j]) < id;
     (isA ? s_ida : s_idp)[r] = id;
   }
-#undef BUF_A
-#undef BUF_P
-#undef CNT_A
-#undef CNT_P
   __syncthreads();
   const bool dense = a.dense_row && a.dense_row[b];
   // A: dense rows take every block; else [0, sink) ++ top-K ++ [nb - local, nb).
