@@ -357,23 +357,21 @@ quest_select_onepass_kernel(SelectArgs a) {
   // ================================================================ the row's tail
   if (srow_out)
     for (int i = nch * kOpChunk + tid; i < NB; i += kOpThreads) srow_out[i] = -INFINITY;
-  int n2 = 1;
-  while (n2 < nch) n2 <<= 1;
   const int KA = max(a.k, 0), KP = pred ? max(a.n_pred, 0) : 0;
-  // Shared memory: the chunks' candidates as the workspace holds them (chunk c's A list at
-  // cand[c * W], its P list at cand[c * W + kca]: a flat copy), then a second buffer of each kind
-  // (A1, P1: the sample, then the survivors), the counts (chunk c's at cA[c], cP[c]; 2 x n2
-  // ints each, as select_one_pass sizes them); the top-K (A's at cand[0], P(t+1)'s at
-  // cand[n2 * kca]) overwrites the candidates once they are read.
+  // Shared memory, sized by the row's chunks (select_one_pass sizes it by the table's): the
+  // chunks' candidates as the workspace holds them (chunk c's A list at cand[c * W], its P list
+  // at cand[c * W + kca]: a flat copy), then a second buffer of each kind (A1, P1: the sample,
+  // then the survivors), the counts (chunk c's at cA[c], cP[c]); the top-K (A's at cand[0],
+  // P(t+1)'s at cand[nch * kca]) overwrites the candidates once they are read.
   const int W = a.kca + a.kcp;
   unsigned long long* const cand = reinterpret_cast<unsigned long long*>(s_dyn);
-  unsigned long long* const A1 = cand + (size_t)n2 * W;
-  unsigned long long* const P1 = A1 + (size_t)n2 * a.kca;
+  unsigned long long* const A1 = cand + (size_t)nch * W;
+  unsigned long long* const P1 = A1 + (size_t)nch * a.kca;
   unsigned long long* const resA = cand;
-  unsigned long long* const resP = cand + (size_t)n2 * a.kca;
-  int* const cA = reinterpret_cast<int*>(P1 + (size_t)n2 * a.kcp);
-  int* const cP = cA + 2 * n2;
-  int* s_pl = cP + 2 * n2;                // P(t) [Np]
+  unsigned long long* const resP = cand + (size_t)nch * a.kca;
+  int* const cA = reinterpret_cast<int*>(P1 + (size_t)nch * a.kcp);
+  int* const cP = cA + nch;
+  int* s_pl = cP + nch;                   // P(t) [Np]
   int* s_ida = s_pl + a.Np;               // A's top ids, ascending [KA]
   int* s_idp = s_ida + KA;                // P(t+1)'s top ids, ascending [KP]
   int* s_alist = s_idp + KP;              // A [n_out]
@@ -604,11 +602,13 @@ bool select_one_pass(int D, int G, int NB, int k, int n_pred, int Np, int n_out,
                      int* kca, int* kcp, size_t* smem) {
   if (!(D == 64 || D == 128 || D == 256) || G < 1 || G > kMaxGroup || NB <= 0) return false;
   const int n = (NB + kOpChunk - 1) / kOpChunk;
-  int n2 = 1;
-  while (n2 < n) n2 <<= 1;
   const int ka = std::min(std::max(k, 0), kOpChunk), kp = std::min(std::max(n_pred, 0), kOpChunk);
-  const size_t bytes = 2 * (size_t)n2 * (ka + kp) * sizeof(unsigned long long) +
-                       4 * (size_t)n2 * sizeof(int) +
+  // The tail's candidates, its second buffers and the chunks' counts (the kernel's layout),
+  // then P(t), A's and P(t+1)'s ids and A. Sized by the chunks, not by a power of two above
+  // them: a table a few tokens past 128K (2051 blocks, 33 chunks, the server's at 128K) takes
+  // 43 KB a CTA, not 82.
+  const size_t bytes = 2 * (size_t)n * (ka + kp) * sizeof(unsigned long long) +
+                       2 * (size_t)n * sizeof(int) +
                        ((size_t)Np + std::max(k, 0) + std::max(n_pred, 0) + n_out) * sizeof(int);
   *nch = n; *kca = ka; *kcp = kp; *smem = bytes;
   return bytes <= kOpMaxSmem;
