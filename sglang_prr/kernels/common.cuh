@@ -62,9 +62,10 @@ inline bool pdl_enabled() {
 
 // Whether every kernel asks for the SM's largest shared-memory carveout
 // (SGLANG_PRR_SMEM_CARVEOUT=max, read once per process; a measuring knob). The driver sizes an
-// SM's shared memory for the kernel that fills it (two 82 KB CTAs of PRR's one-pass selection),
-// which leaves too little beside them for a CTA of the speculative pass on the other stream, so
-// the pass starts when the selection's CTAs leave (6.5-8.3 us into the layer at 128K / batch 1).
+// SM's shared memory for the kernel that fills it (two 82 KB CTAs of PRR's one-pass selection,
+// 43 KB since its tail is sized by its chunks), which left too little beside them for a CTA of
+// the speculative pass on the other stream, so the pass started when the selection's CTAs left
+// (6.5-8.3 us into the layer at 128K / batch 1).
 // With the whole 228 KB it starts beside the selection, but every kernel of the layer gets slower
 // and PRR's step 3% longer (run 25): off by default. The same bits either way.
 inline bool carveout_max() {
