@@ -9,7 +9,6 @@ backend.
 
 from __future__ import annotations
 
-import os
 import random
 from types import SimpleNamespace
 
@@ -136,11 +135,8 @@ def _forward(backend, world, fb, q, k, v):
     return torch.stack(outs)
 
 
-@pytest.mark.parametrize("method, hq, hk, batch", [
-    ("quest", 4, 1, 3), ("quest", 8, 2, 1), ("infllm_v2", 4, 4, 3), ("infllm_v2", 8, 2, 3)])
-def test_prr_exact_equals_serial_in_backend(method, hq, hk, batch):
-    seed = random.randrange(1 << 30)
-    print(f"seed={seed} method={method} hq={hq} hk={hk} batch={batch}")
+def _run_backends(seed, method, hq, hk, batch):
+    """One scenario through every backend; the largest decode differences from serial DSA."""
     rng = random.Random(seed)
     base = dict(method=method, block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40,
                 calib_queries=6)
@@ -172,6 +168,21 @@ def test_prr_exact_equals_serial_in_backend(method, hq, hk, batch):
                 diffs[name] = max(diffs[name], (outs[name] - ref).abs().max().item())
             dense_gap = max(dense_gap, (outs["full"] - outs["dense"]).abs().max().item())
             dense_vs_serial = (outs["dense"] - ref).abs().max().item()
+    return backs, diffs, dense_gap, dense_vs_serial
+
+
+@pytest.mark.parametrize("method, hq, hk, batch", [
+    ("quest", 4, 1, 3), ("quest", 8, 2, 1), ("infllm_v2", 4, 4, 3), ("infllm_v2", 8, 2, 3)])
+def test_prr_exact_equals_serial_in_backend(method, hq, hk, batch):
+    # Fresh inputs, but a scenario whose predictions all hit never runs the repair (seed
+    # 676607544, quest 8/2/1: |M| = 0 in every step), so the exactness it shows would not cover
+    # the repair and the negative control could not fail: such a seed is replaced by another.
+    for _ in range(4):
+        seed = random.randrange(1 << 30)
+        print(f"seed={seed} method={method} hq={hq} hk={hk} batch={batch}")
+        backs, diffs, dense_gap, dense_vs_serial = _run_backends(seed, method, hq, hk, batch)
+        if backs["prr"].stats.snapshot()["mean_repair_blocks"] > 0:
+            break
     st = backs["prr"].stats.snapshot()
     assert st["mean_repair_blocks"] > 0, st  # predictions missed: the repair had work to do
     # The flag reaches the step: Quest fuses its predictor unless told otherwise.
