@@ -7,7 +7,8 @@ the one-pass kernel's timing probe (``SelectLink`` in ``kernels/select_predict.c
 of ``bench_attn_timeline``): each CTA's SM clock at each link, ``%globaltimer`` at entry and exit.
 Each probed launch runs eagerly after an L2 flush on fresh inputs of ``bench_kernel_stages``'
 selection cases (the Llama-3-8B layer's 8 KV heads, bf16 summaries, page 64, K = 2048 tokens,
-block tables as wide as a 128K server's), in the server's forms: serial DSA's selection with the
+block tables 128K wide; a 128K server's are 192 tokens wider, its context length: ``--table-ctx
+131264``), in the server's forms: serial DSA's selection with the
 step's new keys folded in and written, PRR's with M = A \\ P(t) beside it, and PRR's with the
 predictor's step in its epilogue.
 
@@ -71,7 +72,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--contexts", type=int, nargs="+", default=[131072, 32768])
     ap.add_argument("--table-ctx", type=int, default=131072,
-                    help="the block tables' width in tokens (a server's context length)")
+                    help="the block tables' width in tokens (a server's: its context length, "
+                         "bench_serving's context + 192)")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=2048, help="K in tokens")
     ap.add_argument("--n-pred", type=int, default=48, help="|P| in blocks")
