@@ -657,7 +657,8 @@ def _launch() -> str:
     (``SGLANG_PRR_ATTN_MERGE``), ``spread-row`` when every CTA of a row shares a spread merge
     (``SGLANG_PRR_ATTN_SPREAD=row``),
     ``carveout-max`` when every kernel asks for the SM's largest shared-memory carveout
-    (``SGLANG_PRR_SMEM_CARVEOUT=max``), joined by ``+``, else ``""``."""
+    (``SGLANG_PRR_SMEM_CARVEOUT=max``), ``carveout-select`` when PRR's one-pass selection alone
+    does (``=select``), joined by ``+``, else ``""``."""
     parts = ["pdl"] if os.environ.get("SGLANG_PRR_PDL") == "1" else []
     if os.environ.get("SGLANG_PRR_FOLD_NEW_KEYS") == "0":
         parts.append("update-first")
@@ -670,8 +671,9 @@ def _launch() -> str:
     attn = attn_launch()
     if attn:
         parts.append(attn)
-    if os.environ.get("SGLANG_PRR_SMEM_CARVEOUT") == "max":
-        parts.append("carveout-max")
+    carveout = os.environ.get("SGLANG_PRR_SMEM_CARVEOUT", "")
+    if carveout in ("max", "select"):
+        parts.append(f"carveout-{carveout}")
     return "+".join(parts)
 
 

@@ -60,33 +60,43 @@ inline bool pdl_enabled() {
   return on;
 }
 
-// Whether every kernel asks for the SM's largest shared-memory carveout
-// (SGLANG_PRR_SMEM_CARVEOUT=max, read once per process; a measuring knob). The driver sizes an
+// Which kernels ask for the SM's largest shared-memory carveout (SGLANG_PRR_SMEM_CARVEOUT, read
+// once per process; a measuring knob): =max every kernel, =select PRR's one-pass selection only
+// (the kernel whose CTAs fill the SMs first, so that the SMs it configures hold the speculative
+// pass's CTAs beside it while every other kernel keeps its L1), else none. The driver sizes an
 // SM's shared memory for the kernel that fills it (two 82 KB CTAs of PRR's one-pass selection,
-// 43 KB since its tail is sized by its chunks), which left too little beside them for a CTA of
+// 55 KB since its tail is sized by its chunks), which left too little beside them for a CTA of
 // the speculative pass on the other stream, so the pass started when the selection's CTAs left
-// (6.5-8.3 us into the layer at 128K / batch 1).
-// With the whole 228 KB it starts beside the selection, but every kernel of the layer gets slower
-// and PRR's step 3% longer (run 25): off by default. The same bits either way.
-inline bool carveout_max() {
-  static const bool on = [] {
+// (6.5-8.3 us into the layer at 128K / batch 1; 6.7 with the 55 KB CTAs, run 30).
+// With the whole 228 KB for every kernel it starts beside the selection, but every kernel of the
+// layer gets slower and PRR's step 3% longer (run 25): off by default. The same bits either way.
+enum class Carveout { kNone, kMax, kSelect };
+inline Carveout carveout_mode() {
+  static const Carveout mode = [] {
     const char* v = std::getenv("SGLANG_PRR_SMEM_CARVEOUT");
-    return v != nullptr && std::strcmp(v, "max") == 0;
+    if (v != nullptr && std::strcmp(v, "max") == 0) return Carveout::kMax;
+    if (v != nullptr && std::strcmp(v, "select") == 0) return Carveout::kSelect;
+    return Carveout::kNone;
   }();
-  return on;
+  return mode;
+}
+
+// Asks the driver for the SM's largest shared-memory carveout for `kernel`.
+template <typename... KArgs>
+cudaError_t ask_carveout_max(void (*kernel)(KArgs...)) {
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                              (int)cudaSharedmemCarveoutMaxShared);
 }
 
 // Launch `kernel` on `grid` x `block` with `smem` bytes of dynamic shared memory on stream `s`
 // (with the PDL attribute when enabled; with the largest shared-memory carveout asked for where
-// carveout_max()). Returns the launch's error, which is also the runtime's last error, so
-// launchers keep ending in cudaGetLastError().
+// carveout_mode() is kMax). Returns the launch's error, which is also the runtime's last error,
+// so launchers keep ending in cudaGetLastError().
 template <typename... KArgs, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
                           cudaStream_t s, Args&&... args) {
-  if (carveout_max()) {
-    const cudaError_t e = cudaFuncSetAttribute(kernel,
-                                               cudaFuncAttributePreferredSharedMemoryCarveout,
-                                               (int)cudaSharedmemCarveoutMaxShared);
+  if (carveout_mode() == Carveout::kMax) {
+    const cudaError_t e = ask_carveout_max(kernel);
     if (e != cudaSuccess) return e;
   }
   cudaLaunchConfig_t cfg = {};

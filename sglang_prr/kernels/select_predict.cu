@@ -543,6 +543,8 @@ quest_select_onepass_kernel(SelectArgs a) {
 template <typename S, int D, bool Loop>
 cudaError_t onepass_launch_grid(SelectArgs a, int gx, size_t smem, cudaStream_t s) {
   cudaError_t e = set_smem_limit(quest_select_onepass_kernel<S, D, Loop>, smem);
+  if (e == cudaSuccess && carveout_mode() == Carveout::kSelect)
+    e = ask_carveout_max(quest_select_onepass_kernel<S, D, Loop>);
   if (e != cudaSuccess) return e;
   e = probe_setup("SGLANG_PRR_SELECT_TIMELINE", (int64_t)gx * a.Hk * a.B, s, &a.timeline,
                   &a.timeline_ctas);

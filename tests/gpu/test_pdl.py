@@ -1,5 +1,6 @@
 """Programmatic dependent launch (``SGLANG_PRR_PDL=1``) on the GPU: the same bits as without it;
-likewise the largest shared-memory carveout (``SGLANG_PRR_SMEM_CARVEOUT=max``).
+likewise the largest shared-memory carveout (``SGLANG_PRR_SMEM_CARVEOUT=max`` for every kernel,
+``=select`` for PRR's one-pass selection alone).
 
 With PDL a kernel may be scheduled while the kernel before it still runs, and only its
 ``griddepcontrol.wait`` (``pdl_begin`` in common.cuh) orders it after its inputs; a kernel that
@@ -80,18 +81,20 @@ def test_decode_graph_with_pdl_gives_the_same_bits(tmp_path):
     assert not torch.equal(other["outs"][0]["ser"], on["outs"][0]["ser"])
 
 
-def test_decode_graph_with_the_largest_carveout_gives_the_same_bits(tmp_path):
+@pytest.mark.parametrize("carveout", ["max", "select"])
+def test_decode_graph_with_the_largest_carveout_gives_the_same_bits(tmp_path, carveout):
     """``SGLANG_PRR_SMEM_CARVEOUT=max`` (every kernel asks for the SM's whole shared memory, so
-    that PRR's two streams' kernels can share an SM) launches without error and changes no bit of
-    the decode step; another seed is the negative control."""
+    that PRR's two streams' kernels can share an SM) and ``=select`` (the one-pass selection
+    alone asks) launch without error and change no bit of the decode step; another seed is the
+    negative control."""
     seed = int.from_bytes(os.urandom(4), "little")
-    print(f"[carveout] seed={seed}")
-    on, off = _run(tmp_path, seed, "0", carveout="max"), _run(tmp_path, seed, "0")
+    print(f"[carveout={carveout}] seed={seed}")
+    on, off = _run(tmp_path, seed, "0", carveout=carveout), _run(tmp_path, seed, "0")
     for t, (a, b) in enumerate(zip(on["outs"], off["outs"])):
         for name in ("prr", "ser"):
             assert torch.isfinite(a[name]).all(), (t, name)
             assert torch.equal(a[name], b[name]), (t, name)
         assert torch.equal(a["prr"], a["ser"]), t
     assert torch.equal(on["stats"], off["stats"]) and int(on["stats"][3]) > 0
-    other = _run(tmp_path, seed + 1, "0", steps=1, carveout="max")
+    other = _run(tmp_path, seed + 1, "0", steps=1, carveout=carveout)
     assert not torch.equal(other["outs"][0]["ser"], on["outs"][0]["ser"])

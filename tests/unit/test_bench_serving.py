@@ -121,7 +121,8 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     ({"SGLANG_PRR_SELECT_GRID": "rows"}, "select-rows"), ({"SGLANG_PRR_SELECT_GRID": "2"}, ""),
     ({"SGLANG_PRR_SELECT_GRID": "table"}, "select-table"),
     ({"SGLANG_PRR_SMEM_CARVEOUT": "max"}, "carveout-max"),
-    ({"SGLANG_PRR_SMEM_CARVEOUT": "1"}, ""),  # only "max" asks for it, as in the launcher
+    ({"SGLANG_PRR_SMEM_CARVEOUT": "select"}, "carveout-select"),
+    ({"SGLANG_PRR_SMEM_CARVEOUT": "1"}, ""),  # only "max" / "select" ask, as in the launcher
     ({"SGLANG_PRR_PDL": "1", "SGLANG_PRR_FOLD_NEW_KEYS": "0",
       "SGLANG_PRR_SELECT_KERNEL": "rowtail"}, "pdl+update-first+select-rowtail")])
 def test_launch_column_names_the_knobs(bench, monkeypatch, env, want):
