@@ -19,7 +19,9 @@ another with the same torch. Environment:
 
 from __future__ import annotations
 
+import argparse
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -72,13 +74,16 @@ def nvcc_path() -> str:
 
 
 def cutlass_include() -> Optional[str]:
+    """The CUTLASS/CuTe include folder: ``CUTLASS_INCLUDE_DIR``, else the ``nvidia-cutlass``
+    wheel's, else None. The wheel's package is located, not imported: importing
+    ``cutlass_library`` parses the process's command line (``-h`` there prints its help and
+    exits), whichever program is building."""
     if os.environ.get("CUTLASS_INCLUDE_DIR"):
         return os.environ["CUTLASS_INCLUDE_DIR"]
-    try:
-        import cutlass_library  # the nvidia-cutlass wheel
-    except ImportError:
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or spec.origin is None:
         return None
-    inc = Path(cutlass_library.__file__).resolve().parent / "source" / "include"
+    inc = Path(spec.origin).resolve().parent / "source" / "include"
     return str(inc) if inc.is_dir() else None
 
 
@@ -208,6 +213,17 @@ def library_path() -> Path:
     return build()
 
 
-if __name__ == "__main__":  # python -m sglang_prr.kernels.build [OUT_DIR]
-    path = build(Path(sys.argv[1]) if len(sys.argv) > 1 else None, verbose=True)
-    print(path)
+def main(argv: Optional[List[str]] = None) -> None:
+    """``python -m sglang_prr.kernels.build [OUT_DIR]``: build (or find current) and print the
+    library's path."""
+    p = argparse.ArgumentParser(prog="python -m sglang_prr.kernels.build",
+                                description="Compile the SM90 kernel library and print its path.")
+    p.add_argument("out_dir", nargs="?", type=Path,
+                   help="folder for the library and its source hash (default: the hash-keyed "
+                        "cache, SGLANG_PRR_CACHE_DIR)")
+    args = p.parse_args(argv)
+    print(build(args.out_dir, verbose=True))
+
+
+if __name__ == "__main__":
+    main()

@@ -5,6 +5,7 @@ implements. Skipped only when nvcc is absent. Takes about 1.5-2 minutes on 2 cor
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -166,3 +167,39 @@ def test_named_output_folder_rebuilds_a_library_of_other_sources(monkeypatch, tm
     (out / build.STAMP_NAME).write_text("0" * 16)
     (out / build.LIB_NAME).write_text("stale")
     assert build.build(out).read_text() == "new" and len(built) == 2
+
+
+def test_the_cutlass_headers_are_found_without_reading_the_command_line(monkeypatch):
+    """The nvidia-cutlass wheel's package parses ``sys.argv`` when imported (``--help`` there
+    prints its usage and exits): the build locates its headers without importing it, whatever
+    the building program's command line holds. Negative control: without the package, None."""
+    if importlib.util.find_spec("cutlass_library") is None:
+        pytest.skip("the nvidia-cutlass wheel is not installed")
+    monkeypatch.delenv("CUTLASS_INCLUDE_DIR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["server", "--help"])
+    monkeypatch.delitem(sys.modules, "cutlass_library", raising=False)
+    inc = build.cutlass_include()
+    assert inc is not None and os.path.isfile(os.path.join(inc, "cute", "tensor.hpp"))
+    assert "cutlass_library" not in sys.modules
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert build.cutlass_include() is None
+
+
+def test_the_build_command_line(monkeypatch, tmp_path, capsys):
+    """``python -m sglang_prr.kernels.build --help`` prints the usage and builds nothing (it
+    once built into a folder named ``--help``); a second folder is an error; a folder builds
+    there and prints the library's path."""
+    monkeypatch.chdir(tmp_path)
+    calls = []
+    monkeypatch.setattr(build, "build", lambda out, verbose=False: calls.append(out) or "lib.so")
+    with pytest.raises(SystemExit) as e:
+        build.main(["--help"])
+    assert e.value.code == 0 and "out_dir" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as e:
+        build.main(["a", "b"])
+    assert e.value.code == 2 and "unrecognized arguments: b" in capsys.readouterr().err
+    assert calls == [] and list(tmp_path.iterdir()) == []
+    build.main(["kb"])
+    assert calls == [build.Path("kb")] and capsys.readouterr().out.strip() == "lib.so"
+    build.main([])
+    assert calls[-1] is None
