@@ -2,7 +2,8 @@
 
 * PRR (exact) == serial DSA over the same selection, with chunked prefill (tolerance 1e-4 on
   logprobs: the two paths sum the same attention partials in a different order, fp32);
-* PRR with K covering every block == SGLang's dense attention;
+* PRR with K covering every block == SGLang's dense attention (tolerance 5e-4: every layer's
+  decode attention sums in another order, one softmax against merged per-block partials);
 * negative controls on the same prompts: serial DSA at small K != dense, and PRR without its
   repair step != serial DSA (so the equalities above are not vacuous).
 """
@@ -20,6 +21,13 @@ from helpers import first_step_diff, generate, max_logprob_diff, prompt_ids
 pytestmark = pytest.mark.server
 
 TOL = 1e-4  # fp32 logprobs; the paths differ only in summation order
+# PRR at K = all blocks against SGLang's dense attention: every layer's decode attention is one
+# softmax there and merged per-block partials here (PRR (exact) and serial DSA merge the same
+# partials). Over 13 seeds x 3 lengths (39 runs of 10 tokens) the largest top-N logprob
+# difference was 1.8e-4 (seed 113798114, 301 tokens, the first decode step; none at the token
+# the prefill chose), two runs above 1e-4, the median ~1.5e-5; a real difference in attention is
+# above DIFFERENT (the negative controls).
+TOL_DENSE = 5e-4
 DIFFERENT = 1e-2  # a real difference in attention shows up far above this
 NEW_TOKENS = 10
 SEED = int(os.environ.get("PRR_TEST_SEED", random.randrange(1 << 30)))
@@ -75,4 +83,4 @@ def test_full_k_equals_dense(full_server, dense_out, prompts):
     out = _run(full_server, prompts)
     for n, a, b in zip(LENGTHS, out, dense_out):
         d = max_logprob_diff(a, b)
-        assert d <= TOL, f"len {n}: PRR(K=all) vs dense logprob diff {d} (seed {SEED})"
+        assert d <= TOL_DENSE, f"len {n}: PRR(K=all) vs dense logprob diff {d} (seed {SEED})"
