@@ -45,7 +45,12 @@ The decode time per step is the median inter-token latency (ITL), timed per toke
 (``completion_tokens`` of each streamed chunk, not its text: random weights often decode to
 empty strings). TPOT is per request (first to last token); ``output_tok_s`` counts the output
 tokens that arrived after every request had its first token, over that window's wall time (the
-decode phase). The hit rate, |M| (``mean_repair_blocks``) and |A| (``mean_selected_blocks``)
+decode phase). ``--passes N`` times the point N times on its server (one pass after another; with
+``--arrival staggered`` each pass cold): ITL, TPOT and TTFT are medians over every pass's
+values, ``itl_pass_ms`` keeps each pass's median ITL. ``--rounds R`` starts every server R
+times, all of them once a round in the plan's order; the rows say their ``round`` and the run
+ends with each point's ITL by round and each variant's ratio to serial DSA in that round.
+The hit rate, |M| (``mean_repair_blocks``) and |A| (``mean_selected_blocks``)
 come from ``/prr/stats`` around the point; ``delta`` is the speculation budget that ran (0:
 serial DSA; for ``auto`` the server's choice at this batch size, -1 when it runs dense
 attention there). Each server first decodes one
@@ -170,7 +175,7 @@ COLUMNS = ["variant", "label", "ctx", "batch", "out", "median_itl_ms", "p90_itl_
            "decode_steps", "steady", "arrival", "profile_bs", "prefill_cached_frac",
            "median_warm_ttft_ms", "delta", "mean_repair_blocks", "mean_selected_blocks",
            "logprob_max_abs_diff", "first_diff_token", "prompt", "launch", "predictor",
-           "library", "sparse_wall_us_per_layer"]
+           "library", "sparse_wall_us_per_layer", "round", "itl_pass_ms"]
 
 
 @dataclass(frozen=True, order=True)
@@ -446,7 +451,27 @@ def timing(marks: List[list]) -> dict:
     return dict(median_itl_ms=ms(itl), p90_itl_ms=ms(itl, 0.9), median_tpot_ms=ms(tpot),
                 median_ttft_ms=ms(ttft),
                 output_tok_s=after / (t_end - t_all) if t_end > t_all else None,
-                completed=len(marks), tokens=sum(k for m in marks for _, k in m))
+                completed=len(marks), tokens=sum(k for m in marks for _, k in m),
+                itl=itl, ttft=ttft, tpot=tpot)
+
+
+def pool_passes(passes: List[dict]) -> dict:
+    """The timings of several timed passes of one point (``timing`` dicts) as one: median and
+    p90 ITL, TPOT and TTFT over every pass's values together, ``output_tok_s`` the median of the
+    passes', ``completed`` the fewest requests a pass completed, and ``itl_pass_ms`` each pass's
+    median ITL (how much the passes differ; the pooled median is the row's number)."""
+    if len(passes) == 1:
+        return dict(passes[0], itl_pass_ms=None)
+    ms = lambda xs, q=0.5: 1e3 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+    pool = lambda key: [x for r in passes for x in r[key]]  # noqa: E731
+    rates = sorted(r["output_tok_s"] for r in passes if r["output_tok_s"])
+    return dict(median_itl_ms=ms(pool("itl")), p90_itl_ms=ms(pool("itl"), 0.9),
+                median_tpot_ms=ms(pool("tpot")), median_ttft_ms=ms(pool("ttft")),
+                output_tok_s=rates[len(rates) // 2] if rates else None,
+                completed=min(r["completed"] for r in passes),
+                tokens=sum(r["tokens"] for r in passes), itl=pool("itl"), ttft=pool("ttft"),
+                tpot=pool("tpot"),
+                itl_pass_ms=";".join(f"{r['median_itl_ms']:.3f}" for r in passes))
 
 
 # ----------------------------------------------------------------------------- decode batch
@@ -762,14 +787,16 @@ def _prr_numbers(before: dict, after: dict) -> dict:
 
 
 def timed_then_profiled(send, url: str, prompts, out: int, prof: Optional[Profile],
-                        num_layers: int, after_timed=lambda: None):
-    """The point's timed pass, then (with ``prof``) a profiled pass of the same prompts.
+                        num_layers: int, after_timed=lambda: None, passes: int = 1):
+    """The point's timed passes (``passes`` of them, one after another, pooled by
+    ``pool_passes``), then (with ``prof``) a profiled pass of the same prompts.
 
     Returns ``(timing dict, after_timed(), profile summary or None)``. The timing never comes
     from the pass that the profiler records: starting it and exporting the trace stall the
-    scheduler between decode steps. ``after_timed`` runs between the passes (the caller reads
-    the timed pass's log lines there, so the profiled pass's warm prefill is not counted)."""
-    r = timing(send(url, prompts, out)["marks"])
+    scheduler between decode steps. ``after_timed`` runs between the timed passes and the
+    profiled one (the caller reads the timed passes' log lines there, so the profiled pass's
+    warm prefill is not counted)."""
+    r = pool_passes([timing(send(url, prompts, out)["marks"]) for _ in range(passes)])
     between = after_timed()
     if prof is None:
         return r, between, None
@@ -780,9 +807,10 @@ def timed_then_profiled(send, url: str, prompts, out: int, prof: Optional[Profil
 
 
 def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: str,
-                  prof_dir: Path, label: str, num_layers: int) -> dict:
+                  prof_dir: Path, label: str, num_layers: int, rnd: int = 0) -> dict:
     """One point on a running server: cold prefill (TTFT), then the steady batch (or the
-    staggered control), the decode batch from the log and profile, the PRR counters."""
+    staggered control), the decode batch from the log and profile, the PRR counters. ``rnd``:
+    the round of ``--rounds`` (0: one round; the row's ``round`` is then empty)."""
     t_point = time.time()
     prompts, prompt_desc = _prompts(srv, pt, a, model_path)
     tag = f"[{srv.name}] {pt.kind} ctx={pt.ctx} batch={pt.batch}"
@@ -797,14 +825,20 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
         time.sleep(LOG_SETTLE_S)  # the cold requests' last log lines before the window opens
     before = prr_stats(url)
     start = log_size(log)
-    send = stream_batch if pt.arrival == "steady" else stream_staggered
+
+    def cold_staggered(url, prompts, out, on_all_first=None):  # every pass cold, as the first
+        flush_cache(url)
+        return stream_staggered(url, prompts, out, on_all_first)
+
+    send = stream_batch if pt.arrival == "steady" else cold_staggered
     prof = Profile(url, prof_dir, a.profile_steps, cpu=a.device == "cpu") if a.profile else None
 
     def timed_log() -> str:
         time.sleep(LOG_SETTLE_S)  # the timed pass's last log lines
         return read_log(log, start, log_size(log))
 
-    r, text, s = timed_then_profiled(send, url, prompts, a.out, prof, num_layers, timed_log)
+    r, text, s = timed_then_profiled(send, url, prompts, a.out, prof, num_layers, timed_log,
+                                     passes=getattr(a, "passes", 1))
     logged = logged_decode_batches(text)
     n_pf, new_tok, cached_tok = logged_prefills(text)
     ok, why = steady_check(pt.batch, logged, s["step_spans"] if s else None)
@@ -818,7 +852,7 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
         median_tpot_ms=round(r["median_tpot_ms"], 3),
         median_ttft_ms=round(cold_ttft if cold_ttft is not None else r["median_ttft_ms"], 1),
         output_tok_s=round(r["output_tok_s"], 1) if r["output_tok_s"] else None,
-        completed=r["completed"],
+        completed=r["completed"], itl_pass_ms=r["itl_pass_ms"],
         kernels_per_step=round(s["kernels_per_step"], 2) if s else None,
         gpu_busy_ms_per_step=round(s["gpu_busy_ms_per_step"], 4) if s else None,
         kernels_per_layer=round(s["kernels_per_layer"], 3) if s else None,
@@ -834,7 +868,7 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
         prefill_cached_frac=(round(cached_tok / (new_tok + cached_tok), 4)
                              if new_tok + cached_tok else None),
         median_warm_ttft_ms=round(r["median_ttft_ms"], 1) if cold_ttft is not None else None,
-        delta=_delta(srv, after, pt.batch, a), prompt=prompt_desc, **setup,
+        delta=_delta(srv, after, pt.batch, a), prompt=prompt_desc, round=rnd or None, **setup,
         **(_prr_numbers(before, after) if srv.variant != "dense" else {}))
     if srv.variant == "serial":
         row["hit_rate"] = None  # serial DSA predicts nothing
@@ -852,7 +886,7 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
             row["logprob_max_abs_diff"] = float(f"{diff:.4g}")
             row["first_diff_token"] = -1 if first is None else first
     if s:
-        suffix = "".join(f"-{x[:8]}" for x in setup.values() if x)
+        suffix = "".join(f"-{x[:8]}" for x in setup.values() if x) + (f"-round{rnd}" if rnd else "")
         md = _profile_path(a.csv, f"_{srv.name}{suffix}_{pt.kind}_{pt.ctx}_{pt.batch}")
         md.write_text(profile_trace.markdown(
             s, f"{label}, {pt.kind}, ctx {pt.ctx}, batch {pt.batch} ({Path(s['trace']).name})"))
@@ -870,8 +904,9 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
 
 
 def run_server(srv: Server, points: List[Point], model: str, a, workdir: Path,
-               num_layers: int):
-    """Start the server, warm it up and yield one CSV row per point."""
+               num_layers: int, rnd: int = 0):
+    """Start the server, warm it up and yield one CSV row per point (``rnd``: the round of
+    ``--rounds``, 0 for one round)."""
     log = workdir / f"server-{srv.name}.log"
     prof_dir = workdir / f"profile-{srv.name}"
     prof_dir.mkdir(exist_ok=True)
@@ -889,7 +924,7 @@ def run_server(srv: Server, points: List[Point], model: str, a, workdir: Path,
         stream_batch(url, random_prompts(longest, 1, 1), WARMUP_OUT)
         print(f"[{srv.name}] warm-up ({longest} tokens) {time.time() - t1:.0f} s", flush=True)
         for pt in points:
-            yield measure_point(url, log, srv, pt, a, model, prof_dir, label, num_layers)
+            yield measure_point(url, log, srv, pt, a, model, prof_dir, label, num_layers, rnd)
     finally:
         server.stop(STOP_GRACE_S)
 
@@ -984,12 +1019,12 @@ def _key(r: dict) -> tuple:
     r = _fill(r)
     return (str(r["variant"]), r["method"], r["model"], r["kind"], int(r["ctx"]),
             int(r["batch"]), r.get("launch") or "", r.get("predictor") or "",
-            r.get("library") or "")
+            r.get("library") or "", str(r.get("round") or ""))
 
 
 def _merge(old: list, new: list) -> list:
     """``old`` rows without those that ``new`` measures again (same variant, method, model,
-    kind, ctx, batch, launch, predictor, library), then ``new``."""
+    kind, ctx, batch, launch, predictor, library and round), then ``new``."""
     again = {_key(r) for r in new}
     return [r for r in old if _key(r) not in again] + new
 
@@ -1020,6 +1055,33 @@ def _write_profile_table(csv_path: str) -> None:
               f"{r['kernels_per_layer']} | {r['gpu_busy_ms_per_step']} | "
               f"{r.get('sparse_wall_us_per_layer') or '-'} | {r['median_itl_ms']} |" for r in rows]
     _profile_path(csv_path).write_text("\n".join(lines) + "\n")
+
+
+def rounds_table(rows: List[dict]) -> str:
+    """Each point's median ITL by round and variant, and each variant's ratio to serial DSA in
+    the same round (a markdown table): how far a ratio moves between starts of its servers."""
+    groups: Dict[tuple, Dict[int, Dict[str, float]]] = {}
+    for r in rows:
+        if not r.get("median_itl_ms"):
+            continue
+        key = (r["method"], r["model"], r["kind"], int(r["ctx"]), int(r["batch"]),
+               r.get("launch") or "")
+        name = r["variant"] + (f" ({r['predictor']})" if r.get("predictor") else "")
+        groups.setdefault(key, {}).setdefault(int(r.get("round") or 1), {})[name] = float(
+            r["median_itl_ms"])
+    lines = ["| point | round | median ITL ms | / serial DSA |", "|---|---:|---|---|"]
+    for (method, model, kind, ctx, batch, launch), by_round in groups.items():
+        point = f"{method} {model} {kind} {_ctx(ctx)} / {batch}" + (f" {launch}" if launch
+                                                                     else "")
+        for rnd in sorted(by_round):
+            itl = by_round[rnd]
+            ref = itl.get("serial")
+            ratios = ", ".join(f"{n} {v / ref:.3f}x" for n, v in itl.items()
+                               if ref and n != "serial")
+            lines.append(f"| {point} | {rnd} | "
+                         + ", ".join(f"{n} {v:.3f}" for n, v in itl.items())
+                         + f" | {ratios or '-'} |")
+    return "\n".join(lines)
 
 
 # ----------------------------------------------------------------------------- main
@@ -1058,6 +1120,13 @@ def parse_args(argv=None):
     ap.add_argument("--strict", action=argparse.BooleanOptionalAction, default=True,
                     help="exit with status 3 when a point was not a steady batch-B decode")
     ap.add_argument("--out", type=int, default=128, help="output tokens per request")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="timed passes of each point on its server, pooled (the row's ITL is "
+                         "the median over every pass's; itl_pass_ms: each pass's median)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="start every server this many times, all of them once a round in the "
+                         "plan's order (serial DSA, PRR, serial DSA, PRR, ...); the rows say "
+                         "their round and a table of each round's ratios ends the run")
     ap.add_argument("--page", type=int, default=64, help="KV page = PRR block, tokens")
     ap.add_argument("--top-k", type=int, default=2048, help="K, tokens")
     ap.add_argument("--budget", default="1.5", help="--prr-budget (delta) of the prr variant")
@@ -1093,6 +1162,9 @@ def parse_args(argv=None):
         ap.error(f"--decode-log-interval {a.decode_log_interval}: allowed >= 1")
     if a.out < 2:
         ap.error(f"--out {a.out}: a decode step needs at least 2 output tokens")
+    for name in ("passes", "rounds"):
+        if getattr(a, name) < 1:
+            ap.error(f"--{name} {getattr(a, name)}: allowed >= 1")
     for c, b in a.smollm2 if "smollm2" in a.only else []:
         if c + a.out + 64 > SMOLLM2_MAX_POSITIONS:
             ap.error(f"--smollm2 {c}x{b}: {c} prompt + {a.out} output tokens (+64) exceed "
@@ -1136,10 +1208,11 @@ def main(argv=None):
         shaped = demo.shaped_model_dir(
             workdir / f"{a.shape}-shape", **{**shape, "num_hidden_layers": a.layers,
                                              "max_position_embeddings": longest + a.out + 64})
-    total = sum(len(p) for _, p in servers)
-    print(f"{len(servers)} servers, {total} points: " + "; ".join(
-        f"{s.name} ({', '.join(f'{p.kind} {p.ctx}x{p.batch}' for p in pts)})"
-        for s, pts in servers), flush=True)
+    total = sum(len(p) for _, p in servers) * a.rounds
+    print(f"{len(servers)} servers{f' x {a.rounds} rounds' if a.rounds > 1 else ''}, {total} "
+          f"points: " + "; ".join(
+              f"{s.name} ({', '.join(f'{p.kind} {p.ctx}x{p.batch}' for p in pts)})"
+              for s, pts in servers), flush=True)
     if a.dry_run:
         for s, pts in servers:
             model = smollm2_path if s.model == SMOLLM2 else (shaped or "MODEL")
@@ -1151,14 +1224,18 @@ def main(argv=None):
             sys.exit(f"bench_serving: the kernel library does not load, no server started: {err}")
     kept = _read(a.csv) if a.append else []
     rows, done = [], 0
-    for i, (srv, pts) in enumerate(servers):
+    schedule = [(rnd, srv, pts) for rnd in range(1, a.rounds + 1) for srv, pts in servers]
+    for i, (rnd, srv, pts) in enumerate(schedule):
         t_v = time.time()
-        print(f"== server {i + 1}/{len(servers)}: {srv.name} (method {srv.method}, model "
-              f"{srv.model}) ==", flush=True)
+        print(f"== server {i + 1}/{len(schedule)}: {srv.name} (method {srv.method}, model "
+              f"{srv.model}{f', round {rnd}' if a.rounds > 1 else ''}) ==", flush=True)
         model = smollm2_path if srv.model == SMOLLM2 else shaped
         layers = (json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"]
                   if srv.model == SMOLLM2 else a.layers)
-        for row in run_server(srv, pts, model, a, workdir, layers):
+        # A round's servers log and trace in a folder of their own.
+        wd = workdir if rnd == 1 else workdir / f"round{rnd}"
+        wd.mkdir(exist_ok=True)
+        for row in run_server(srv, pts, model, a, wd, layers, rnd if a.rounds > 1 else 0):
             rows.append(row)
             done += 1
             # After each point: a later failure or timeout keeps the rows so far.
@@ -1177,6 +1254,8 @@ def main(argv=None):
               f"{r['median_ttft_ms']:9.1f} {str(r['output_tok_s']):>8s} "
               f"{str(r.get('hit_rate')):>6s} {str(r.get('mean_repair_blocks')):>6s} "
               f"{str(r['gpu_busy_ms_per_step']):>8s}")
+    if a.rounds > 1:
+        print(rounds_table(rows), flush=True)
     if rows:
         plot(a.csv, os.path.splitext(a.csv)[0] + ".png")
     print(f"total runtime {time.time() - t_run:.0f} s (workdir {workdir})", flush=True)

@@ -60,7 +60,8 @@ def test_plan_selection(bench):
 def test_bad_options_are_named(bench, capsys):
     for argv, word in ((["--smollm2", "8100x1"], "8100x1"), (["--out", "1"], "--out 1"),
                        (["--throughput", "32768"], "CTXxBATCH"),
-                       (["--decode-log-interval", "0"], "--decode-log-interval 0")):
+                       (["--decode-log-interval", "0"], "--decode-log-interval 0"),
+                       (["--passes", "0"], "--passes 0"), (["--rounds", "-1"], "--rounds -1")):
         with pytest.raises(SystemExit):
             bench.parse_args(argv)
         assert word in capsys.readouterr().err
@@ -224,6 +225,63 @@ def test_timing_comes_from_the_pass_without_the_profiler(bench):
     assert calls == [None] and s2 is None and r2["median_itl_ms"] == pytest.approx(100.0)
 
 
+def test_passes_are_pooled(bench):
+    """Three timed passes of 100 / 100 / 130 ms steps: the row's ITL is the median over all
+    their ITLs (100 ms), each pass's median is kept, the profiled pass comes after all three;
+    one pass (the control) is that pass's timing alone, with no per-pass column."""
+    steps = iter([0.1, 0.1, 0.13, 0.1, 0.1])  # three timed passes, the profiled one, the control
+    calls = []
+
+    def send(url, prompts, out, on_all_first=None):
+        calls.append(on_all_first)
+        if on_all_first is not None:
+            on_all_first()
+        dt = next(steps)
+        return {"marks": [[(1.0, 1)] + [(1.0 + dt * (i + 1), 1) for i in range(out - 1)]
+                          for _ in prompts]}
+
+    class FakeProfile:
+        def start(self):
+            pass
+
+        def summary(self, num_layers):
+            return {}
+
+    prof = FakeProfile()
+    r, between, _ = bench.timed_then_profiled(send, "url", [[1], [2]], 5, prof, 2,
+                                              lambda: len(calls), passes=3)
+    assert between == 3 and calls == [None, None, None, prof.start]
+    assert r["median_itl_ms"] == pytest.approx(100.0)
+    assert r["p90_itl_ms"] == pytest.approx(130.0)
+    assert r["itl_pass_ms"] == "100.000;100.000;130.000"
+    assert r["completed"] == 2 and r["tokens"] == 30
+    assert r["output_tok_s"] == pytest.approx(20.0)  # the median pass's rate: 8 tokens in 0.4 s
+    one = bench.pool_passes([bench.timing(send("url", [[1]], 5)["marks"])])
+    assert one["itl_pass_ms"] is None and one["median_itl_ms"] == pytest.approx(100.0)
+
+
+def test_rounds_keep_their_rows_and_show_their_ratios(bench, tmp_path):
+    """Rows of two rounds of the same point sit side by side in the CSV (a round measured
+    again replaces only itself), and the rounds table gives each round's ratio to serial DSA."""
+    path = str(tmp_path / "serving.csv")
+    row = lambda v, rnd, itl, **kw: dict(  # noqa: E731
+        variant=v, method="quest", model="llama3-8b-shape", kind="grid", ctx=131072, batch=1,
+        median_itl_ms=itl, round=rnd, **kw)
+    rows = [row("serial", 1, 5.0), row("prr", 1, 5.2, predictor="side"),
+            row("serial", 2, 5.1), row("prr", 2, 5.0, predictor="side")]
+    bench._write(bench._merge([], rows), path)
+    bench._write(bench._merge(bench._read(path), [row("serial", 2, 4.0)]), path)
+    back = [(r["variant"], r["round"], r["median_itl_ms"]) for r in bench._read(path)]
+    assert back == [("serial", "1", "5.0"), ("prr", "1", "5.2"), ("prr", "2", "5.0"),
+                    ("serial", "2", "4.0")]
+    table = bench.rounds_table(rows).splitlines()
+    assert table[2] == ("| quest llama3-8b-shape grid 128K / 1 | 1 | serial 5.000, prr (side) "
+                        "5.200 | prr (side) 1.040x |")
+    assert table[3].endswith("| 2 | serial 5.100, prr (side) 5.000 | prr (side) 0.980x |")
+    # a round without serial DSA has no ratio
+    assert bench.rounds_table([row("prr", 3, 5.0)]).splitlines()[2].endswith("| - |")
+
+
 def test_logprob_comparison(bench):
     ref = {"ids": [5, 6, 7, 8], "logprobs": [-0.5, -1.0, -0.25, -2.0]}
     assert bench.compare_logprobs(ref, dict(ref)) == (0.0, None)
@@ -326,7 +384,7 @@ def test_cpu_server_steady_batch_and_staggered_control(bench, tmp_path):
     _, a = bench.parse_args(
         ["--device", "cpu", "--shape", "demo", "--layers", "2", "--out", "8", "--page", "16",
          "--top-k", "32", "--min-context", "64", "--profile", "--profile-steps", "3",
-         "--csv", str(tmp_path / "serving.csv"), "--start-timeout", "600"])
+         "--passes", "2", "--csv", str(tmp_path / "serving.csv"), "--start-timeout", "600"])
     model = demo.shaped_model_dir(tmp_path / "demo-shape", num_hidden_layers=2,
                                   max_position_embeddings=1024)
     srv = bench.Server("prr", "quest", "demo-shape")
@@ -336,7 +394,9 @@ def test_cpu_server_steady_batch_and_staggered_control(bench, tmp_path):
     assert steady["arrival"] == "steady" and staggered["arrival"] == "staggered"
     assert steady["steady"] == 1, steady
     assert steady["decode_batch"] == steady["decode_batch_min"] == 2
-    assert steady["decode_steps"] >= a.out - 1  # every step of the 7 after the first token
+    # every step of the 7 after the first token, in each of the two timed passes
+    assert steady["decode_steps"] >= 2 * (a.out - 1)
+    assert len(steady["itl_pass_ms"].split(";")) == 2
     assert steady["profile_bs"] == "2:3"
     assert steady["prefill_cached_frac"] > 0.9  # the measured prefill hit the warm cache
     assert steady["median_warm_ttft_ms"] is not None and steady["output_tok_s"] > 0
