@@ -207,7 +207,9 @@ class Calibrator:
                                    self.betas, self.gammas)  # [Lc, C]
                 st.h_sum[layers, row] += H * (Phi - 1)
                 st.h_cnt[layers, row] += Phi - 1
-                best = torch.argmax(st.h_sum[layers, row], dim=-1)  # first max: lower index
+                # Eq 5 (first max: the lower index; a NaN sum, from weights that overflowed,
+                # is never chosen: torch.argmax would take it).
+                best = ref.best_theta(st.h_sum[layers, row])
                 chosen = self.grid[best]  # [Lc, 3]
                 st.theta[layers, row] = chosen
                 # What a request that cannot calibrate starts from (PRRState.shared_theta).

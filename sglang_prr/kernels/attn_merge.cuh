@@ -221,10 +221,13 @@ __device__ __forceinline__ void merge_weights(float* s_w, int nk, int G, float* 
   }
 }
 
-// One weighted partial row added to a merge's sum (a NaN value counts as 0).
+// One weighted partial row added to a merge's sum. A row of weight 0 (an empty state, or an lse
+// far below the max) is skipped, not multiplied, so that whatever it holds adds nothing; a kept
+// row's NaN or inf (a non-finite V inside the request) reaches the output, as in the reference
+// and in dense attention. Skipping adds nothing a multiplication by 0 would have: the sum starts
+// at +0 and never becomes -0, so finite inputs give the same bits either way.
 __device__ __forceinline__ void merge_accum(float4& acc, float wt, float4 y) {
-  y.x = y.x != y.x ? 0.f : y.x; y.y = y.y != y.y ? 0.f : y.y;
-  y.z = y.z != y.z ? 0.f : y.z; y.w = y.w != y.w ? 0.f : y.w;
+  if (wt == 0.f) return;
   acc.x = fmaf(wt, y.x, acc.x); acc.y = fmaf(wt, y.y, acc.y);
   acc.z = fmaf(wt, y.z, acc.z); acc.w = fmaf(wt, y.w, acc.w);
 }

@@ -90,13 +90,13 @@ calib_grid_terms_kernel(CalibArgs a) {
       }
       __syncthreads();  // s_key and s_red are reused
     }
-    // Eq 3 (a level that is not finite restarts like a new block; blocks past nblk keep their
-    // state).
+    // Eq 3 (a level or trend that is not finite restarts like a new block; blocks past nblk keep
+    // their state).
     for (int i = tid; i < NB; i += kCalibThreads) {
       if (i >= n_raw) continue;
       const float s = sc[i];
       const float l0 = s_level[i];
-      if (i < n_init && isfinite(l0)) {
+      if (i < n_init && isfinite(l0) && isfinite(s_trend[i])) {
         s_trend[i] = __fadd_rn(__fmul_rn(be, __fsub_rn(s, l0)),
                                __fmul_rn(__fsub_rn(1.f, be), s_trend[i]));
         s_level[i] = __fadd_rn(__fmul_rn(al, s), __fmul_rn(__fsub_rn(1.f, al), l0));

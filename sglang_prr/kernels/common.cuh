@@ -301,12 +301,18 @@ __device__ __forceinline__ void store4_any(void* base, int64_t off, int dt, floa
   }
 }
 
+// The page a new key in slot `loc` is written to: the slot's page, or page 0 (the padding sink
+// no request reads) for a negative slot, which would else name a page before the pool's start.
+__device__ __forceinline__ int64_t slot_page(int64_t loc, int page_size) {
+  return loc < 0 ? 0 : loc / page_size;
+}
+
 // The page row b's new key is written to (SelectArgs::new_loc: the page of its slot), or -1 where
 // the launch does not write the summaries. Callers load it beside new_pos (one round trip).
 __device__ __forceinline__ int64_t new_key_page(const void* new_loc, bool loc64, int page_size,
                                                 int b) {
   if (!new_loc) return -1;
-  return ld_index(new_loc, b, loc64) / page_size;
+  return slot_page(ld_index(new_loc, b, loc64), page_size);
 }
 
 // 4 dims of a head's folded bounds stored as the summaries of type S hold them (float32, or

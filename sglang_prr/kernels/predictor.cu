@@ -83,9 +83,10 @@ predict_update_kernel(PredictArgs a) {
       if (i >= nb) s[u] = 0.f;
       float l = 0.f, v = 0.f;
       if (i < nb) {  // eq 3, rounded op by op like the reference
-        // A level that is not finite (InfLLM-v2 scores -inf before a complete compressed key)
-        // restarts like a new block, as in the reference.
-        if (i < ninit && isfinite(l0[u])) {
+        // A level or trend that is not finite (InfLLM-v2 scores -inf before a complete
+        // compressed key; scores near the float limits) restarts like a new block, as in the
+        // reference.
+        if (i < ninit && isfinite(l0[u]) && isfinite(t0[u])) {
           v = __fadd_rn(__fmul_rn(be, __fsub_rn(s[u], l0[u])),
                         __fmul_rn(__fsub_rn(1.f, be), t0[u]));
           l = __fadd_rn(__fmul_rn(al, s[u]), __fmul_rn(__fsub_rn(1.f, al), l0[u]));
@@ -126,11 +127,11 @@ __global__ void holt_update_kernel(HoltArgs a) {
     if (i >= nb) continue;
     const int64_t ni = ld_index(a.n_init, b, a.ninit64);
     const float s = a.scores[e];
-    const float lv = a.level[e];
-    if (i < ni && isfinite(lv)) {  // a non-finite level restarts like a new block
+    const float lv = a.level[e], tv = a.trend[e];
+    if (i < ni && isfinite(lv) && isfinite(tv)) {  // a non-finite state restarts like a new block
       const float al = a.alpha[b * a.alpha_stride], be = a.beta[b * a.beta_stride];
       // Rounded op by op like the reference (no fused multiply-add): the state feeds top-K ties.
-      a.trend[e] = __fadd_rn(__fmul_rn(be, __fsub_rn(s, lv)), __fmul_rn(__fsub_rn(1.f, be), a.trend[e]));
+      a.trend[e] = __fadd_rn(__fmul_rn(be, __fsub_rn(s, lv)), __fmul_rn(__fsub_rn(1.f, be), tv));
       a.level[e] = __fadd_rn(__fmul_rn(al, s), __fmul_rn(__fsub_rn(1.f, al), lv));
     } else {
       a.trend[e] = 0.f;

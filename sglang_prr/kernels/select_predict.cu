@@ -179,7 +179,7 @@ quest_select_onepass_kernel(SelectArgs a) {
   const int newest =
       a.new_k ? new_key_block_at(index_of(pos_raw, a.new_pos64), a.page_size, first_tok) : -1;
   // the update's page (new_key_page's value)
-  const int64_t wpage = a.new_loc ? index_of(loc_raw, a.new_loc64) / a.page_size : -1;
+  const int64_t wpage = a.new_loc ? slot_page(index_of(loc_raw, a.new_loc64), a.page_size) : -1;
   const int64_t srow = pred ? slot_of(a.rows, a.rows64, b) : 0;
   float al = 0.f, be = 0.f, gam = 0.f;
   int ninit = 0;
@@ -284,9 +284,9 @@ quest_select_onepass_kernel(SelectArgs a) {
         if (pred && blk < Lr) {
           float l = 0.f, v = 0.f;
           if (blk < nb) {  // eq 3, rounded op by op like the reference
-            // A level that is not finite (InfLLM-v2 scores -inf before a complete compressed
-            // key) restarts like a new block, as in the reference.
-            if (blk < ninit && isfinite(l0[p])) {
+            // A level or trend that is not finite (InfLLM-v2 scores -inf before a complete
+            // compressed key) restarts like a new block, as in the reference.
+            if (blk < ninit && isfinite(l0[p]) && isfinite(v0[p])) {
               v = __fadd_rn(__fmul_rn(be, __fsub_rn(part, l0[p])),
                             __fmul_rn(__fsub_rn(1.f, be), v0[p]));
               l = __fadd_rn(__fmul_rn(al, part), __fmul_rn(__fsub_rn(1.f, al), l0[p]));

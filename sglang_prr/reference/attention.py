@@ -63,7 +63,9 @@ def merge_partials(o: Tensor, lse: Tensor, keep: Optional[Tensor] = None) -> Tup
     """Merge the kept partial states along dim -2 of ``o`` (eq 6 over many states at once).
 
     o: ``[..., N, D]``; lse: ``[..., N]``; keep: ``[..., N]`` bool (default all). Returns
-    ``(o [..., D], lse [...])``; nothing kept gives ``(0, -inf)``.
+    ``(o [..., D], lse [...])``; nothing kept gives ``(0, -inf)``. An entry of weight 0 (not
+    kept, lse -inf, or far below the max) adds nothing whatever its ``o`` holds; a NaN or inf in
+    a kept entry's ``o`` reaches the output.
     """
     lse = lse.float()
     if lse.shape[-1] == 0:  # nothing to merge: the empty state
@@ -75,7 +77,10 @@ def merge_partials(o: Tensor, lse: Tensor, keep: Optional[Tensor] = None) -> Tup
     m_safe = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
     w = torch.exp(lse - m_safe)  # 0 for -inf entries
     l = w.sum(-1, keepdim=True)
-    out = (w.unsqueeze(-1) * o.float().nan_to_num(0.0)).sum(-2) / l.clamp(min=1e-30)
+    # Entries of weight 0 add nothing whatever they hold (an unwritten or empty partial); a kept
+    # entry's NaN or inf reaches the output, as in dense attention (the kernels' merge_accum).
+    o = torch.where(w.unsqueeze(-1) > 0, o.float(), torch.zeros((), device=o.device))
+    out = (w.unsqueeze(-1) * o).sum(-2) / l.clamp(min=1e-30)
     return out, (m_safe + torch.log(l)).squeeze(-1)
 
 

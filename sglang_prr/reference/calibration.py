@@ -172,11 +172,12 @@ def calib_grid_terms(scores: Tensor, nblk: Tensor, wa: Tensor, am: Tensor, alpha
             out[phi - 1] = torch.where(den > 0, num / den.clamp(min=1e-30), plain).view(
                 R, A * B * G, Hk)
             del p
-        # Eq 3 on the tracks (holt_update's arithmetic, operand for operand). A level that is
-        # not finite restarts like a new block.
+        # Eq 3 on the tracks (holt_update's arithmetic, operand for operand). A level or trend
+        # that is not finite restarts like a new block.
         sv = row6(s)
         exists = (ar < n.unsqueeze(-1)).view(R, 1, 1, 1, 1, nb)
-        old = (ar < n_init.unsqueeze(-1)).view(R, 1, 1, 1, 1, nb) & exists & level.isfinite()
+        old = (ar < n_init.unsqueeze(-1)).view(R, 1, 1, 1, 1, nb) & exists & level.isfinite() \
+            & trend.isfinite()
         # New blocks (exists, not old) start at l = IS, v = 0; blocks past nblk keep their state.
         trend = torch.where(old, b * (sv - level) + (1 - b) * trend,
                             torch.where(exists, 0.0, trend))
@@ -186,8 +187,12 @@ def calib_grid_terms(scores: Tensor, nblk: Tensor, wa: Tensor, am: Tensor, alpha
 
 
 def best_theta(H: Tensor) -> Tensor:
-    """Eq 5: ``argmax_C H`` per request, ties to the lowest candidate index. ``H: [R, C]`` -> ``[R]``."""
+    """Eq 5: ``argmax_C H`` per request, ties to the lowest candidate index. ``H: [R, C]`` -> ``[R]``.
+
+    A NaN hit rate (eq 4's weights overflow on scores near the float limits) ranks below every
+    number, so it is never chosen over one; a row of NaN alone picks candidate 0."""
     C = H.shape[-1]
     ar = torch.arange(C, device=H.device)
+    H = H.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
     top = H == H.amax(-1, keepdim=True)
     return torch.where(top, ar, torch.full_like(ar, C)).amin(-1)

@@ -58,11 +58,13 @@ def list_to_mask(idx: Tensor, cnt: Tensor, nb: int) -> Tensor:
 
 
 def list_isin(idx: Tensor, cnt: Tensor, ref_idx: Tensor, ref_cnt: Tensor, nb: int) -> Tensor:
-    """For each valid entry of ``idx``, is it in the set ``ref``? ``[..., n]`` bool (False on padding)."""
-    ref_mask = list_to_mask(ref_idx, ref_cnt, nb + 1)  # [..., nb+1]
-    safe = idx.long().clamp(min=0, max=nb)
-    hit = torch.gather(ref_mask, -1, safe)
-    valid = (torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1).long()) & (idx >= 0)
+    """For each valid entry of ``idx``, is it in the set ``ref``? ``[..., n]`` bool (False on
+    padding). Ids outside ``[0, nb)`` are padding in both lists, never members."""
+    ref_mask = list_to_mask(ref_idx, ref_cnt, nb)  # [..., nb]
+    safe = idx.long().clamp(min=0, max=max(nb - 1, 0))
+    hit = torch.gather(ref_mask, -1, safe) if nb > 0 else torch.zeros_like(idx, dtype=torch.bool)
+    valid = ((torch.arange(idx.shape[-1], device=idx.device) < cnt.unsqueeze(-1).long())
+             & (idx >= 0) & (idx < nb))
     return hit & valid
 
 

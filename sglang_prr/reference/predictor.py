@@ -30,16 +30,19 @@ def holt_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor, nb
 
     ``v = beta (IS - l) + (1 - beta) v``; ``l = alpha IS + (1 - alpha) l`` for blocks that had
     state; a block seen for the first time (id >= n_init) starts at ``l = IS, v = 0``, and so does
-    a block whose level is not finite: InfLLM-v2 scores a block ``-inf`` until a complete
+    a block whose level or trend is not finite: InfLLM-v2 scores a block ``-inf`` until a complete
     compressed key covers it, and a level of ``-inf`` would otherwise stay ``-inf`` (with a
-    non-finite trend) and never be predicted again. Blocks past ``nblk`` are untouched;
+    non-finite trend) and never be predicted again; finite scores near the float limits (-3e38,
+    then 3e38) leave a finite level with an infinite trend, which would predict the block always
+    (or, NaN, never). Blocks past ``nblk`` are untouched;
     ``n_init`` becomes ``max(n_init, nblk)``.
     level, trend, scores: ``[B, Hk, NB]``; n_init, nblk, alpha, beta: ``[B]``.
     """
     nb = level.shape[-1]
     ar = torch.arange(nb, device=level.device)
     exists = (ar < nblk.long().unsqueeze(-1)).unsqueeze(1)
-    old = (ar < n_init.long().unsqueeze(-1)).unsqueeze(1) & exists & torch.isfinite(level)
+    old = (ar < n_init.long().unsqueeze(-1)).unsqueeze(1) & exists & torch.isfinite(level) \
+        & torch.isfinite(trend)
     a = alpha.float().view(-1, 1, 1)
     b = beta.float().view(-1, 1, 1)
     s = scores.float()

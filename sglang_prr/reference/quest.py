@@ -116,14 +116,17 @@ def write_new_keys(kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor, new_
     in place, to page ``new_loc[b] // page_size`` (the page its slot lies in: the same page for
     the server's rows, so this is ``quest_update(..., one_per_page=True)``). Rows whose key folds
     nothing (a negative position, a block at or past ``nblk``) write page 0, the padding sink no
-    request reads, as ``quest_update`` resets it; rows writing the same page leave one of their
-    values there (a request's newest page is its own; padding rows share page 0). No host sync.
+    request reads, as ``quest_update`` resets it; so do rows whose slot is negative (its page
+    would be one counted from the pool's end, another request's). Rows writing the same page
+    leave one of their values there (a request's newest page is its own; padding rows share page
+    0). No host sync.
     """
     B, NB = table.shape
     ok, col = _key_blocks(new_pos, nblk, NB, page_size)
     src = table[torch.arange(B, device=table.device), col].long()
     lo, hi = _folded(kmin[src].float(), kmax[src].float(), kmin.dtype, new_k, new_pos, page_size)
-    dst = torch.where(ok, new_loc.long().div(page_size, rounding_mode="floor"),
+    loc = new_loc.long()
+    dst = torch.where(ok & (loc >= 0), loc.div(page_size, rounding_mode="floor"),
                       torch.zeros_like(col))
     kmin[dst] = lo.to(kmin.dtype)
     kmax[dst] = hi.to(kmax.dtype)

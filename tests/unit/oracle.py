@@ -117,8 +117,8 @@ def holt_loop(series: Sequence[Sequence[float]], alpha: float, beta: float, gamm
               restart_nonfinite: bool = True) -> List[Dict[int, float]]:
     """Eqs 2-3 for one (request, head): series[t][j] = IS of block j at step t (blocks only grow).
 
-    A block whose level is not finite starts again like a new one (``restart_nonfinite``; False
-    is the rule without that fix, kept for negative controls). Returns, for each step t >= 1, the
+    A block whose level or trend is not finite starts again like a new one
+    (``restart_nonfinite``; False is the rule without that fix, kept for negative controls). Returns, for each step t >= 1, the
     prediction IS_hat[t][j] made before step t's update, for the blocks that had state."""
     level: Dict[int, float] = {}
     trend: Dict[int, float] = {}
@@ -127,7 +127,8 @@ def holt_loop(series: Sequence[Sequence[float]], alpha: float, beta: float, gamm
         if t > 0:
             preds.append({j: level[j] + gamma * trend[j] for j in level})
         for j, s in enumerate(row):
-            if j not in level or (restart_nonfinite and not math.isfinite(level[j])):
+            if j not in level or (restart_nonfinite and not (math.isfinite(level[j])
+                                                             and math.isfinite(trend[j]))):
                 level[j], trend[j] = s, 0.0
             else:
                 v = beta * (s - level[j]) + (1 - beta) * trend[j]
