@@ -87,7 +87,7 @@ def test_exact_merge_equals_attention_over_a_with_ids_past_the_table(seed):
     """PRR's exact merge with P holding ids past the table (padding) and A's lists: the
     attention over A, whatever P holds past ``nb``."""
     rnd = random.Random(seed)
-    p = make_paged(seed, [rnd.randint(60, 90)], hk=1)
+    p = make_paged(seed, [rnd.randint(100, 160)], hk=1)  # 7-10 blocks: some outside A
     n = int(p.nblk[0])
     a = set(rnd.sample(range(n), 4))
     pred = set(rnd.sample(sorted(a), 2)) | {p.nb, p.nb + 3}  # two hits, two ids past the table
