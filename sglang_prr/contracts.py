@@ -10,6 +10,11 @@ What the checks cannot see (values) has a defined result instead, in both implem
 block ids outside ``[0, NB)`` and entries past a list's count are ignored, counts are clamped to
 ``[0, width]``, ``nblk`` past the table's width is clamped to it, and K/V slots at or past a
 request's length are never read into the arithmetic (a NaN there does not reach the output).
+
+The shared rules live in ``contracts_base``, the predictor's and the calibration's checks in
+``contracts_predictor`` and InfLLM-v2's in ``contracts_infllm``; this module holds the attention
+and selection checks and re-exports the others, so that every op's check is
+``contracts.check_<op>``.
 """
 
 from __future__ import annotations
@@ -19,8 +24,24 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-_INTS = (torch.int32, torch.int64)
+from .contracts_base import (_FLOATS, _batch, block_list, fail, floating, index_tensor, nonneg,
+                             page_size, rows_of, shape, softmax_scale)
+from .contracts_predictor import (check_best_theta, check_calib_grid_terms, check_calibrate,
+                                  check_holt_update, check_predict_set, check_predict_update,
+                                  check_predict_update_rows)
+
+# The ops (custom_ops, the kernels' guards) call each check as ``contracts.check_<op>`` and the
+# methods use the shared rules as ``contracts.<rule>``: the family modules' names are here too.
+__all__ = [
+    "STATS_SLOTS", "new_stats", "fail", "shape", "nonneg", "page_size", "softmax_scale",
+    "floating", "index_tensor", "rows_of", "block_list", "query", "paged_attention", "selection",
+    "summaries", "summary_count", "new_keys", "check_sparse_attn_partials",
+    "check_sparse_attn_merge", "check_select_topk", "check_quest_select", "check_quest_update",
+    "check_quest_select_predict", "check_quest_scores", "check_set_difference",
+    "check_accumulate_stats", "check_holt_update", "check_predict_set", "check_predict_update",
+    "check_predict_update_rows", "check_calib_grid_terms", "check_calibrate", "check_best_theta",
+    "check_prr_merge", "check_merge_partials",
+]
 
 # The decode counters the selection accumulates (int64, one slot each, in this order): sum |A|,
 # sum |M| and sum |P| over the sparse (request, KV head) rows of every layer-step, and the
@@ -34,63 +55,25 @@ def new_stats(device=None) -> Tensor:
     return torch.zeros(len(STATS_SLOTS), dtype=torch.int64, device=device)
 
 
-def fail(op: str, what: str, got, expected: str) -> None:
-    raise ValueError(f"{op}: {what} is {got}, expected {expected}")
-
-
-def shape(t: Tensor):
-    return tuple(t.shape)
-
-
-def nonneg(op: str, **ints: int) -> None:
-    for name, v in ints.items():
-        if not isinstance(v, int) or v < 0:
-            fail(op, name, repr(v), "an integer >= 0")
-
-
-def page_size(op: str, page: int) -> None:
-    if not isinstance(page, int) or page <= 0:
-        fail(op, "page_size", repr(page), "an integer > 0")
-
-
-def index_tensor(op: str, name: str, t: Tensor, dims: int) -> None:
-    if t.dtype not in _INTS:
-        fail(op, f"{name}.dtype", t.dtype, "int32 or int64")
-    if t.dim() != dims:
-        fail(op, f"{name}.shape", shape(t), f"{dims} dims")
-
-
-def rows_of(op: str, name: str, rows: Optional[Tensor], batch: int, lists: Tensor) -> None:
-    """``lists`` is ``[B, ...]``, or pool-wide ``[R, ...]`` read at ``rows: [B]``."""
-    if rows is None:
-        if lists.shape[0] != batch:
-            fail(op, f"{name}.shape[0]", lists.shape[0], f"the batch size {batch}")
-        return
-    index_tensor(op, f"{name} rows", rows, 1)
-    if rows.shape[0] != batch:
-        fail(op, f"{name} rows.shape", shape(rows), f"({batch},)")
-
-
-def block_list(op: str, name: str, idx: Tensor, cnt: Tensor, heads: int) -> None:
-    """``idx: [*, Hk, N]`` int32 with counts ``cnt: [*, Hk]`` int32."""
-    pre = f"{name}_" if name else ""  # "p_idx", or the op's own "idx"
-    if idx.dtype != torch.int32 or cnt.dtype != torch.int32:
-        fail(op, f"{pre}idx/{pre}cnt dtypes", (idx.dtype, cnt.dtype), "int32 lists and counts")
-    if idx.dim() != 3 or idx.shape[1] != heads:
-        fail(op, f"{pre}idx.shape", shape(idx), f"[rows, {heads}, N]")
-    if shape(cnt) != shape(idx)[:2]:
-        fail(op, f"{pre}cnt.shape", shape(cnt), f"{shape(idx)[:2]}")
+def query(op: str, q: Tensor) -> None:
+    """A decode query ``[B, Hq, D]`` of a float dtype the kernels read (float32, float16 or
+    bfloat16): the scoring ops accept what the attention ops accept."""
+    if q.dim() != 3:
+        fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
+    if q.dtype not in _FLOATS:
+        fail(op, "q.dtype", q.dtype, "float32, float16 or bfloat16")
 
 
 def paged_attention(op: str, q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor,
                     seq_lens: Tensor, page: int) -> None:
-    """q ``[B, Hq, D]``; k_buf/v_buf ``[slots, Hk, D]``; table ``[B, NB]``; seq_lens ``[B]``."""
-    if q.dim() != 3:
-        fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
+    """q ``[B, Hq, D]``; k_buf/v_buf ``[slots, Hk, D]``; table ``[B, NB]``; seq_lens ``[B]``.
+    The pool holds at least one page and the table at least one block: a padding entry reads
+    block 0 of the table and its page (masked afterwards), which must exist."""
+    query(op, q)
     if k_buf.dim() != 3 or shape(k_buf) != shape(v_buf):
         fail(op, "k_buf/v_buf shapes", (shape(k_buf), shape(v_buf)),
              "both [num_slots, num_kv_heads, head_dim]")
-    for name, t in (("q", q), ("k_buf", k_buf), ("v_buf", v_buf)):
+    for name, t in (("k_buf", k_buf), ("v_buf", v_buf)):
         if t.dtype not in _FLOATS:
             fail(op, f"{name}.dtype", t.dtype, "float32, float16 or bfloat16")
     B, Hq, D = q.shape
@@ -99,11 +82,13 @@ def paged_attention(op: str, q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Ten
     if k_buf.shape[1] == 0 or Hq % k_buf.shape[1] != 0:
         fail(op, "num_kv_heads", k_buf.shape[1], f"a divisor of num_qo_heads={Hq}")
     page_size(op, page)
-    if k_buf.shape[0] % page != 0:
-        fail(op, "KV slots", k_buf.shape[0], f"a multiple of page_size={page}")
+    if k_buf.shape[0] == 0 or k_buf.shape[0] % page != 0:
+        fail(op, "KV slots", k_buf.shape[0], f"a multiple of page_size={page}, at least one page")
     index_tensor(op, "table", table, 2)
     if table.shape[0] != B:
         fail(op, "table.shape[0]", table.shape[0], f"the batch size {B}")
+    if table.shape[1] == 0:
+        fail(op, "table.shape[1]", 0, "NB >= 1 blocks per request")
     index_tensor(op, "seq_lens", seq_lens, 1)
     if seq_lens.shape[0] != B:
         fail(op, "seq_lens.shape", shape(seq_lens), f"({B},)")
@@ -134,19 +119,34 @@ def summaries(op: str, q: Tensor, parts: Sequence[Tensor], heads_dim: int) -> No
         fail(op, "kmin/kmax dtypes", (parts[0].dtype, parts[1].dtype), "equal")
 
 
+def summary_count(op: str, method: str, summary: Sequence[Tensor], layout: Sequence) -> None:
+    """A DSA method's summary: one tensor per entry of its ``layout`` (``DSAMethod.layout``), in
+    that order. One missing fails as an IndexError inside the method; an extra one is ignored."""
+    names = [t.name for t in layout]
+    if len(summary) != len(names):
+        fail(op, "len(summary)", len(summary),
+             f"{len(names)}: the tensors {names} of method {method!r}")
+
+
 # ----------------------------------------------------------------------------- per op
 def check_sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size_,
-                               idx_rows=None, op="sparse_attn_partials") -> None:
+                               idx_rows=None, op="sparse_attn_partials", sm_scale=None) -> None:
     paged_attention(op, q, k_buf, v_buf, table, seq_lens, page_size_)
+    softmax_scale(op, sm_scale)
     block_list(op, "", idx, cnt, k_buf.shape[1])
     rows_of(op, "idx", idx_rows, q.shape[0], idx)
 
 
 def check_sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size_, o_spec,
                             lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact,
-                            p_rows=None) -> None:
+                            p_rows=None, sm_scale=None) -> None:
+    """With ``o_spec`` both merges read P's list (an id repeated in P merges once, and P's
+    entries are o_spec's N1 partials); the exact one also reads A and ``nb``, which must be the
+    table's width: the merge keeps a P entry by looking it up in A among ``nb`` ids, so another
+    ``nb`` silently keeps or drops blocks of the table."""
     op = "sparse_attn_merge"
-    check_sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size_, op=op)
+    check_sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size_, op=op,
+                               sm_scale=sm_scale)
     if o_spec is None:
         return
     B, Hq, D = q.shape
@@ -155,17 +155,23 @@ def check_sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_siz
         fail(op, "o_spec/lse_spec shapes",
              (shape(o_spec), None if lse_spec is None else shape(lse_spec)),
              f"[{B}, {Hq}, N1, {D}] and [{B}, {Hq}, N1]")
-    if not exact:
-        return
-    if p_idx is None or p_cnt is None or a_idx is None or a_cnt is None:
-        fail(op, "exact merge lists", "missing", "p_idx, p_cnt, a_idx and a_cnt")
+    floating(op, "o_spec", o_spec)
+    floating(op, "lse_spec", lse_spec)
+    if p_idx is None or p_cnt is None:
+        fail(op, "p_idx/p_cnt", "missing", "P's list and counts with o_spec (both merges)")
     block_list(op, "p", p_idx, p_cnt, k_buf.shape[1])
-    block_list(op, "a", a_idx, a_cnt, k_buf.shape[1])
     if p_idx.shape[2] != o_spec.shape[2]:
         fail(op, "p_idx width", p_idx.shape[2], f"o_spec's N1 = {o_spec.shape[2]}")
     rows_of(op, "p", p_rows, B, p_idx)
+    if not exact:
+        return
+    if a_idx is None or a_cnt is None:
+        fail(op, "a_idx/a_cnt", "missing", "A's list and counts for the exact merge")
+    block_list(op, "a", a_idx, a_cnt, k_buf.shape[1])
     rows_of(op, "a", None, B, a_idx)
     nonneg(op, nb=nb)
+    if nb != table.shape[1]:
+        fail(op, "nb", nb, f"the table's width table.shape[1] = {table.shape[1]}")
 
 
 def check_select_topk(scores, nblk, k, sink, local, n_out, dense_row=None) -> None:
@@ -184,8 +190,7 @@ def check_select_topk(scores, nblk, k, sink, local, n_out, dense_row=None) -> No
 def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out,
                        p_rows=None, dense_row=None, stats=None, new_k=None, new_pos=None,
                        page_size_=0, op: str = "quest_select", new_loc=None) -> None:
-    if q.dim() != 3:
-        fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
+    query(op, q)
     summaries(op, q, (kmin, kmax), 1)
     index_tensor(op, "table", table, 2)
     index_tensor(op, "nblk", nblk, 1)
@@ -241,52 +246,6 @@ def check_quest_update(kmin, kmax, k, out_loc, positions, page_size_) -> None:
             fail(op, f"{name}.shape", shape(t), f"({k.shape[0]},)")
 
 
-def check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
-                              nblk_next, n_pred, sink, local, p_rows=None,
-                              op: str = "predict_update_rows") -> None:
-    nonneg(op, n_pred=n_pred, sink_blocks=sink, local_blocks=local)
-    if level.dim() != 3 or shape(trend) != shape(level):
-        fail(op, "level/trend shapes", (shape(level), shape(trend)), "both [rows, Hk, NB]")
-    R, Hk, NB = level.shape
-    if scores.dim() != 3 or shape(scores)[1:] != (Hk, NB):
-        fail(op, "scores.shape", shape(scores), f"[batch, {Hk}, {NB}]")
-    B = scores.shape[0]
-    index_tensor(op, "rows", rows, 1)
-    for name, t in (("rows", rows), ("nblk", nblk), ("nblk_next", nblk_next)):
-        if shape(t) != (B,):
-            fail(op, f"{name}.shape", shape(t), f"({B},)")
-    if shape(n_init) != (R,) or shape(theta) != (R, 3):
-        fail(op, "n_init/theta shapes", (shape(n_init), shape(theta)), f"({R},) and ({R}, 3)")
-    block_list(op, "p", p_idx, p_cnt, Hk)
-    # P's rows are the state's rows, or its own (p_rows: e.g. the other half of a double buffer).
-    if p_rows is None and p_idx.shape[0] != R:
-        fail(op, "p_idx.shape[0]", p_idx.shape[0], f"the state's rows {R} (or give p_rows)")
-    if p_idx.shape[2] < n_pred + sink + local:
-        fail(op, "p_idx.shape", shape(p_idx), f"[rows, {Hk}, >= {n_pred + sink + local}]")
-    if p_rows is not None:
-        rows_of(op, "p", p_rows, B, p_idx)
-
-
-def check_calib_grid_terms(scores, nblk, wa, am, alphas, betas, gammas, n_pred, sink,
-                           local) -> None:
-    op = "calib_grid_terms"
-    nonneg(op, n_pred=n_pred, sink_blocks=sink, local_blocks=local)
-    if scores.dim() != 4 or scores.dtype != torch.float32:
-        fail(op, "scores", f"{scores.dtype} {shape(scores)}", "float32 [R, Phi, Hk, NB]")
-    R, Phi, Hk, nb = scores.shape
-    index_tensor(op, "nblk", nblk, 2)
-    if shape(nblk) != (R, Phi):
-        fail(op, "nblk.shape", shape(nblk), f"({R}, {Phi})")
-    want = (max(Phi - 1, 0), R, Hk, nb)
-    if wa.dtype != torch.float32 or shape(wa) != want:
-        fail(op, "wa", f"{wa.dtype} {shape(wa)}", f"float32 {want}")
-    if am.dtype != torch.bool or shape(am) != want:
-        fail(op, "am", f"{am.dtype} {shape(am)}", f"bool {want}")
-    for name, t in (("alphas", alphas), ("betas", betas), ("gammas", gammas)):
-        if t.dim() != 1 or t.shape[0] < 1 or t.dtype != torch.float32:
-            fail(op, name, f"{t.dtype} {shape(t)}", "float32 [n >= 1]")
-
-
 def check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                                p_next_rows, level, trend, n_init, theta, rows, k, n_pred, sink,
                                local, n_out, dense_row=None, stats=None, new_k=None,
@@ -302,17 +261,9 @@ def check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_c
 
 
 # ----------------------------------------------------------------------------- the other ops
-def _batch(op: str, B: int, **ts: Tensor) -> None:
-    """Each of ``ts`` is ``[B]`` (or ``[B, ...]``: only the first dim is checked)."""
-    for name, t in ts.items():
-        if t.dim() == 0 or t.shape[0] != B:
-            fail(op, f"{name}.shape", shape(t), f"({B}, ...): the batch size")
-
-
 def check_quest_scores(q, kmin, kmax, table, nblk) -> None:
     op = "quest_scores"
-    if q.dim() != 3:
-        fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
+    query(op, q)
     summaries(op, q, (kmin, kmax), 1)
     index_tensor(op, "table", table, 2)
     index_tensor(op, "nblk", nblk, 1)
@@ -351,62 +302,6 @@ def check_accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row) -> None:
         fail(op, "dense_row", (dense_row.dtype, shape(dense_row)), f"bool ({a_cnt.shape[0]},)")
 
 
-def _holt_state(op, level, trend) -> None:
-    if level.dim() != 3 or level.dtype != torch.float32:
-        fail(op, "level", (level.dtype, shape(level)), "float32 [batch, num_kv_heads, NB]")
-    if shape(trend) != shape(level) or trend.dtype != torch.float32:
-        fail(op, "trend", (trend.dtype, shape(trend)), f"float32 {shape(level)}")
-
-
-def check_holt_update(level, trend, n_init, scores, nblk, alpha, beta) -> None:
-    op = "holt_update"
-    _holt_state(op, level, trend)
-    if shape(scores) != shape(level):
-        fail(op, "scores.shape", shape(scores), f"{shape(level)}")
-    index_tensor(op, "n_init", n_init, 1)
-    index_tensor(op, "nblk", nblk, 1)
-    _batch(op, level.shape[0], n_init=n_init, nblk=nblk, alpha=alpha, beta=beta)
-
-
-def check_predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink, local) -> None:
-    op = "predict_set"
-    nonneg(op, n_pred=n_pred, sink_blocks=sink, local_blocks=local)
-    _holt_state(op, level, trend)
-    index_tensor(op, "n_init", n_init, 1)
-    index_tensor(op, "nblk_next", nblk_next, 1)
-    _batch(op, level.shape[0], gamma=gamma, n_init=n_init, nblk_next=nblk_next)
-
-
-def check_predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink,
-                         local) -> None:
-    op = "predict_update"
-    nonneg(op, n_pred=n_pred, sink_blocks=sink, local_blocks=local)
-    _holt_state(op, level, trend)
-    if shape(scores) != shape(level):
-        fail(op, "scores.shape", shape(scores), f"{shape(level)}")
-    for name, t in (("n_init", n_init), ("nblk", nblk), ("nblk_next", nblk_next)):
-        index_tensor(op, name, t, 1)
-    if theta.dim() != 2 or theta.shape[1] != 3:
-        fail(op, "theta.shape", shape(theta), "[batch, 3] (alpha, beta, gamma)")
-    _batch(op, level.shape[0], n_init=n_init, nblk=nblk, nblk_next=nblk_next, theta=theta)
-
-
-def check_calibrate(scores, nblk, k, n_pred, sink, local, alphas, betas, gammas) -> None:
-    op = "calibrate"
-    nonneg(op, k=k, n_pred=n_pred, sink_blocks=sink, local_blocks=local)
-    if scores.dim() != 4:
-        fail(op, "scores.shape", shape(scores), "[requests, queries, num_kv_heads, NB]")
-    index_tensor(op, "nblk", nblk, 2)
-    if shape(nblk) != shape(scores)[:2]:
-        fail(op, "nblk.shape", shape(nblk), f"{shape(scores)[:2]}")
-    for name, t in (("alphas", alphas), ("betas", betas), ("gammas", gammas)):
-        if t.dim() != 1:
-            fail(op, f"{name}.shape", shape(t), "[C]: one value per candidate")
-    if not (alphas.shape[0] == betas.shape[0] == gammas.shape[0]):
-        fail(op, "candidate counts", (alphas.shape[0], betas.shape[0], gammas.shape[0]),
-             "equal: alphas, betas and gammas list the candidates together")
-
-
 def check_prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb,
                     exact) -> None:
     op = "prr_merge"
@@ -427,6 +322,9 @@ def check_prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep
         fail(op, "o_rep.shape", shape(o_rep), f"[{B}, {Hq}, Nm, {D}]")
     if shape(lse_rep) != shape(o_rep)[:3]:
         fail(op, "lse_rep.shape", shape(lse_rep), f"{shape(o_rep)[:3]}")
+    for name, t in (("o_spec", o_spec), ("lse_spec", lse_spec), ("o_rep", o_rep),
+                    ("lse_rep", lse_rep)):
+        floating(op, name, t)
 
 
 def check_merge_partials(o, lse) -> None:

@@ -6,14 +6,16 @@ from __future__ import annotations
 import torch
 
 from .config import INFLLM_STRIDE
-from .contracts import _FLOATS, _batch, fail, index_tensor, page_size, shape, summaries
+from .contracts import query, summaries
+from .contracts_base import (_FLOATS, _batch, fail, index_tensor, page_size, shape,
+                             softmax_scale)
 
 
-def check_infllm_scores(q, ck, table, seq_lens, page_size_) -> None:
+def check_infllm_scores(q, ck, table, seq_lens, page_size_, sm_scale=None) -> None:
     op = "infllm_scores"
     page_size(op, page_size_)
-    if q.dim() != 3:
-        fail(op, "q.shape", shape(q), "[batch, num_qo_heads, head_dim]")
+    softmax_scale(op, sm_scale)
+    query(op, q)
     summaries(op, q, (ck,), 2)
     if ck.shape[1] != page_size_ // INFLLM_STRIDE:
         fail(op, "ck.shape[1]", ck.shape[1], f"page_size // {INFLLM_STRIDE} = "
@@ -36,6 +38,7 @@ def check_infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions,
     if ck.shape[1] != page_size_ // INFLLM_STRIDE:
         fail(op, "ck.shape[1]", ck.shape[1], f"page_size // {INFLLM_STRIDE}")
     index_tensor(op, "req_to_token", req_to_token, 2)
+    index_tensor(op, "out_loc", out_loc, 1)  # first: the others' lengths are compared with it
     for name, t in (("req_idx", req_idx), ("out_loc", out_loc), ("positions", positions)):
         index_tensor(op, name, t, 1)
         if t.shape[0] != out_loc.shape[0]:

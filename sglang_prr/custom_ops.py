@@ -6,8 +6,9 @@ Every op's default implementation is the pure-torch reference (``reference/``), 
 any device; ``sglang_prr.kernels`` registers CUDA implementations of the same ops on SM90 when
 they build, through ``torch.library.register_kernel``. Callers never choose: the dispatcher picks
 the kernel for CUDA tensors when one is registered and the reference otherwise. Fake
-implementations give output shapes without running anything, so the ops trace under
-``torch.compile`` and record into CUDA graphs like any aten op.
+implementations give output shapes without running anything (after the same contract check,
+``fake_contracts``), so the ops trace under ``torch.compile`` and record into CUDA graphs like
+any aten op, and refuse on the meta device what they refuse elsewhere.
 
 Every op checks its shapes, dtypes and integer arguments on entry (``contracts.py``: no tensor
 value is read, so the checks are free and graph-safe) and raises ``ValueError`` naming the bad
@@ -23,12 +24,14 @@ from torch import Tensor
 
 from . import contracts, contracts_infllm
 from . import reference as ref
+from .fake_contracts import define, fake
 
 _NS = "sglang_prr"
 
 
 def _op(name: str, mutates_args=()):
-    return torch.library.custom_op(f"{_NS}::{name}", mutates_args=mutates_args)
+    """The op ``sglang_prr::name``; its fake runs its contract too (``fake_contracts``)."""
+    return define(_NS, name, mutates_args)
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -60,7 +63,7 @@ def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
     return ref.quest_scores(q, kmin, kmax, table, nblk)
 
 
-@quest_scores.register_fake
+@fake(quest_scores)
 def _(q, kmin, kmax, table, nblk):
     return q.new_empty((q.shape[0], kmin.shape[1], table.shape[1]), dtype=torch.float32)
 
@@ -69,11 +72,11 @@ def _(q, kmin, kmax, table, nblk):
 def infllm_scores(q: Tensor, ck: Tensor, table: Tensor, seq_lens: Tensor, page_size: int,
                   sm_scale: float) -> Tensor:
     """``[B, Hk, NB]`` float32 InfLLM-v2 block scores. See ``reference.infllm_scores``."""
-    contracts_infllm.check_infllm_scores(q, ck, table, seq_lens, page_size)
+    contracts_infllm.check_infllm_scores(q, ck, table, seq_lens, page_size, sm_scale=sm_scale)
     return ref.infllm_scores(q, ck, table, seq_lens, page_size, sm_scale)
 
 
-@infllm_scores.register_fake
+@fake(infllm_scores)
 def _(q, ck, table, seq_lens, page_size, sm_scale):
     return q.new_empty((q.shape[0], ck.shape[2], table.shape[1]), dtype=torch.float32)
 
@@ -87,7 +90,7 @@ def select_topk(scores: Tensor, nblk: Tensor, k: int, sink_blocks: int, local_bl
     return ref.select_topk(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row)
 
 
-@select_topk.register_fake
+@fake(select_topk)
 def _(scores, nblk, k, sink_blocks, local_blocks, n_out, dense_row=None):
     B, Hk, _ = scores.shape
     return (scores.new_empty((B, Hk, n_out), dtype=torch.int32),
@@ -102,7 +105,7 @@ def _set_difference(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor, 
     return ref.set_difference_counted(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows, stats, dense_row)
 
 
-@_set_difference.register_fake
+@fake(_set_difference)
 def _(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows, stats, dense_row):
     return torch.empty_like(a_idx), torch.empty_like(a_cnt)
 
@@ -145,11 +148,12 @@ def _quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Te
                             page_size, new_loc)
 
 
-@_quest_select.register_fake
+@fake(_quest_select)
 def _(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out, p_rows,
       dense_row, stats, new_k=None, new_pos=None, page_size=0, new_loc=None):
     B, Hk, NB = q.shape[0], kmin.shape[1], table.shape[1]
-    lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32), q.new_empty((B, Hk), dtype=torch.int32)]
+    lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32),
+             q.new_empty((B, Hk), dtype=torch.int32)]
     return (q.new_empty((B, Hk, NB), dtype=torch.float32), *lists,
             torch.empty_like(lists[0]), torch.empty_like(lists[1]))
 
@@ -192,7 +196,7 @@ def predict_set(level: Tensor, trend: Tensor, gamma: Tensor, n_init: Tensor, nbl
                            local_blocks)
 
 
-@predict_set.register_fake
+@fake(predict_set)
 def _(level, trend, gamma, n_init, nblk_next, n_pred, sink_blocks, local_blocks):
     B, Hk, _ = level.shape
     n = n_pred + sink_blocks + local_blocks
@@ -215,7 +219,7 @@ def calib_grid_terms(scores: Tensor, nblk: Tensor, wa: Tensor, am: Tensor, alpha
                                 sink_blocks, local_blocks)
 
 
-@calib_grid_terms.register_fake
+@fake(calib_grid_terms)
 def _(scores, nblk, wa, am, alphas, betas, gammas, n_pred, sink_blocks, local_blocks):
     R, Phi, Hk, _ = scores.shape
     C = alphas.shape[0] * betas.shape[0] * gammas.shape[0]
@@ -234,7 +238,7 @@ def predict_update(level: Tensor, trend: Tensor, n_init: Tensor, scores: Tensor,
                               sink_blocks, local_blocks)
 
 
-@predict_update.register_fake
+@fake(predict_update)
 def _(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks, local_blocks):
     B, Hk, _ = level.shape
     n = n_pred + sink_blocks + local_blocks
@@ -278,12 +282,13 @@ def _quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, 
                                     new_pos, page_size, new_loc)
 
 
-@_quest_select_predict.register_fake
+@fake(_quest_select_predict)
 def _(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level, trend,
       n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats,
       new_k=None, new_pos=None, page_size=0, new_loc=None):
     B, Hk, NB = q.shape[0], kmin.shape[1], table.shape[1]
-    lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32), q.new_empty((B, Hk), dtype=torch.int32)]
+    lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32),
+             q.new_empty((B, Hk), dtype=torch.int32)]
     return (q.new_empty((B, Hk, NB), dtype=torch.float32), *lists,
             torch.empty_like(lists[0]), torch.empty_like(lists[1]))
 
@@ -318,7 +323,7 @@ def calibrate(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: in
     return ref.calibrate(scores, nblk, k, n_pred, sink_blocks, local_blocks, alphas, betas, gammas)
 
 
-@calibrate.register_fake
+@fake(calibrate)
 def _(scores, nblk, k, n_pred, sink_blocks, local_blocks, alphas, betas, gammas):
     return scores.new_empty((scores.shape[0], alphas.shape[0]), dtype=torch.float32)
 
@@ -332,12 +337,12 @@ def sparse_attn_partials(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor,
     """Per-block partials ``(o [B, Hq, N, D] f32, lse [B, Hq, N] f32)`` over the listed blocks
     (rows ``idx_rows`` of pool-wide lists when given)."""
     contracts.check_sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
-                                         idx_rows)
+                                         idx_rows, sm_scale=sm_scale)
     return ref.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                     sm_scale, idx_rows)
 
 
-@sparse_attn_partials.register_fake
+@fake(sparse_attn_partials)
 def _(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, idx_rows=None):
     B, Hq, D = q.shape
     N = idx.shape[2]
@@ -356,7 +361,7 @@ def prr_merge(o_spec: Tensor, lse_spec: Tensor, p_idx: Tensor, p_cnt: Tensor, a_
     return ref.prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb, exact)
 
 
-@prr_merge.register_fake
+@fake(prr_merge)
 def _(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_rep, lse_rep, nb, exact):
     B, Hq, _, D = o_spec.shape
     return (o_spec.new_empty((B, Hq, D), dtype=torch.float32),
@@ -377,13 +382,13 @@ def sparse_attn_merge(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, se
     unset. See ``reference.sparse_attn_merge``."""
     contracts.check_sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                       o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact,
-                                      p_rows)
+                                      p_rows, sm_scale=sm_scale)
     return ref.sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale,
                                  o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact, p_rows,
                                  out_dtype)
 
 
-@sparse_attn_merge.register_fake
+@fake(sparse_attn_merge)
 def _(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale, o_spec=None,
       lse_spec=None, p_idx=None, p_cnt=None, a_idx=None, a_cnt=None, nb=0, exact=True,
       p_rows=None, out_dtype=None):
@@ -399,7 +404,7 @@ def merge_partials(o: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor]:
     return ref.merge_partials(o, lse)
 
 
-@merge_partials.register_fake
+@fake(merge_partials)
 def _(o, lse):
     return (o.new_empty(o.shape[:-2] + o.shape[-1:], dtype=torch.float32),
             lse.new_empty(lse.shape[:-1], dtype=torch.float32))

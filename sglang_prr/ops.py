@@ -18,7 +18,7 @@ from typing import Optional, Sequence, Tuple
 
 from torch import Tensor
 
-from . import methods
+from . import contracts, methods
 from . import reference as ref
 from .custom_ops import (attend_set, calib_grid_terms, calibrate, holt_update, infllm_scores,
                          infllm_update, merge_partials, predict_set, predict_update,
@@ -39,9 +39,37 @@ __all__ = [
     "select_blocks", "select_fused", "dsa_decode", "prr_decode",
 ]
 
-num_blocks = ref.num_blocks
-best_theta = ref.best_theta
-block_table = ref.block_table
+
+def num_blocks(seq_lens: Tensor, page_size: int) -> Tensor:
+    """``reference.num_blocks`` (``ceil(seq_lens / page_size)``, ``[B]`` int64) with the page
+    size checked: 0 would divide by zero and a negative size give negative counts."""
+    contracts.page_size("num_blocks", page_size)
+    return ref.num_blocks(seq_lens, page_size)
+
+
+def block_table(req_to_token: Tensor, req_pool_indices: Tensor, page_size: int) -> Tensor:
+    """``reference.block_table`` (``[B, NB]`` page ids) with the page size checked, which is
+    its slice step: 0 or a negative step fails there without naming ``page_size``."""
+    contracts.page_size("block_table", page_size)
+    return ref.block_table(req_to_token, req_pool_indices, page_size)
+
+
+def best_theta(H: Tensor) -> Tensor:
+    """``reference.best_theta`` (eq 5: the best candidate ``[R]`` of ``H: [R, C]``) with ``H``
+    checked: at least one candidate to pick."""
+    contracts.check_best_theta(H)
+    return ref.best_theta(H)
+
+
+def _method(op: str, method: str, summary: Sequence[Tensor], page_size: int, sm_scale: float):
+    """The registered ``method``, after the checks of what a composition passes on to it: the
+    page size and the softmax scale, and one summary tensor per entry of the method's layout
+    (a missing one would fail as an IndexError inside the method, an extra one be ignored)."""
+    contracts.page_size(op, page_size)
+    contracts.softmax_scale(op, sm_scale)
+    m = methods.get(method)
+    contracts.summary_count(op, m.name, summary, m.layout(page_size, 1, 1))  # the count only
+    return m
 
 
 def select_blocks(method: str, q: Tensor, summary: Sequence[Tensor], table: Tensor,
@@ -49,8 +77,10 @@ def select_blocks(method: str, q: Tensor, summary: Sequence[Tensor], table: Tens
     """Block scores ``[B, Hk, NB]`` float32 of ``method`` (``DSAMethod.scores``) for the queries
     ``q: [B, Hq, D]``, from one layer's ``summary`` (the method's tensors, e.g. Quest's
     ``(kmin, kmax)``)."""
-    return methods.get(method).scores(q, list(summary), table=table, seq_lens=seq_lens,
-                                      page_size=page_size, sm_scale=sm_scale)
+    summary = list(summary)
+    m = _method("select_blocks", method, summary, page_size, sm_scale)
+    return m.scores(q, summary, table=table, seq_lens=seq_lens, page_size=page_size,
+                    sm_scale=sm_scale)
 
 
 def select_fused(method: str, q: Tensor, summary: Sequence[Tensor], table: Tensor,
@@ -66,10 +96,11 @@ def select_fused(method: str, q: Tensor, summary: Sequence[Tensor], table: Tenso
     ``dense_row``, ``stats`` as in ``methods.select_from_scores``. Quest: one op; InfLLM-v2:
     scores, top-K and set difference."""
     spec = SelectSpec.of(k, sink_blocks, local_blocks, page_size, n_out)
-    return methods.get(method).select(q, list(summary), table=table, seq_lens=seq_lens,
-                                      spec=spec, sm_scale=sm_scale, nblk=nblk, p_idx=p_idx,
-                                      p_cnt=p_cnt, p_rows=p_rows, dense_row=dense_row,
-                                      stats=stats)
+    summary = list(summary)
+    m = _method("select_fused", method, summary, page_size, sm_scale)
+    return m.select(q, summary, table=table, seq_lens=seq_lens, spec=spec, sm_scale=sm_scale,
+                    nblk=nblk, p_idx=p_idx, p_cnt=p_cnt, p_rows=p_rows, dense_row=dense_row,
+                    stats=stats)
 
 
 def dsa_decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor], table: Tensor,
@@ -78,6 +109,8 @@ def dsa_decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor
     """Serial DSA decode step: score, select A, attend over A. q ``[B, Hq, D]``; k_buf/v_buf
     ``[slots, Hk, D]``; table ``[B, NB]``; seq_lens ``[B]``. Returns ``(o [B, Hq, D] float32,
     scores [B, Hk, NB], a_idx, a_cnt)``."""
+    summary = list(summary)
+    _method("dsa_decode", method, summary, page_size, sm_scale)
     sel = select_fused(method, q, summary, table, seq_lens, page_size, sm_scale, k, sink_blocks,
                        local_blocks)
     o, _ = attend_set(q, k_buf, v_buf, table, seq_lens, sel.a_idx, sel.a_cnt, page_size,
@@ -97,6 +130,8 @@ def prr_decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor
     not depend on it in exact mode); level/trend ``[B, Hk, NB]``, n_init ``[B]``: the predictor
     state, updated in place; theta ``[B, 3]`` (alpha, beta, gamma). Returns ``(o, a_idx, a_cnt,
     m_idx, m_cnt, p_next_idx, p_next_cnt)``, P(t+1) predicted for ``seq_lens + 1`` tokens."""
+    summary = list(summary)
+    _method("prr_decode", method, summary, page_size, sm_scale)
     # Reuse: the speculative pass over P (beside the selection, on a second stream, in the
     # server's step).
     o_s, lse_s = sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, p_idx, p_cnt, page_size,

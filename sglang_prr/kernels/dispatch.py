@@ -53,7 +53,7 @@ def _attn_ok(q, k_buf, v_buf, table, idx, cnt) -> bool:
 def _sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm_scale,
                           idx_rows=None):
     contracts.check_sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
-                                         idx_rows)
+                                         idx_rows, sm_scale=sm_scale)
     if not _attn_ok(q, k_buf, v_buf, table, idx, cnt):
         return ref.sparse_attn_partials(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                         sm_scale, idx_rows)
@@ -165,7 +165,7 @@ def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm
     kept partials in ascending block id (the same bits for serial DSA and PRR exact)."""
     contracts.check_sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size,
                                       o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, nb, exact,
-                                      p_rows)
+                                      p_rows, sm_scale=sm_scale)
     B, Hq, D = q.shape
     n1 = o_spec.shape[2] if o_spec is not None else 0
     na = a_idx.shape[-1] if (o_spec is not None and exact) else 0

@@ -13,7 +13,7 @@ from typing import Callable, Dict
 
 import torch
 
-from .. import contracts, contracts_infllm
+from .. import contracts_infllm
 from .. import reference as ref
 from ..config import INFLLM_STRIDE
 from .limits import INFLLM_MAX_GROUP
@@ -48,7 +48,7 @@ def _infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions, page_si
 
 
 def _infllm_scores(q, ck, table, seq_lens, page_size, sm_scale):
-    contracts_infllm.check_infllm_scores(q, ck, table, seq_lens, page_size)
+    contracts_infllm.check_infllm_scores(q, ck, table, seq_lens, page_size, sm_scale=sm_scale)
     B, Hq, D = q.shape
     Hk = ck.shape[2] if ck.dim() == 4 else 0
     ok = (active(q.device) and _page_ok(ck, page_size) and ck.dtype == torch.float32
