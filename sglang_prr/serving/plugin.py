@@ -18,9 +18,9 @@ What it patches (each once, each logged):
   cache;
 * the HTTP app (launching process only): ``GET /prr/stats``;
 * request validation (``TokenizerManager._validate_one_request``): token ids outside the
-  model's vocabulary ``[0, vocab_size)`` are rejected with a ``ValueError``, which SGLang turns
-  into HTTP 400 (``/generate``, ``/v1/completions``), instead of reaching the scheduler, where
-  the embedding lookup fails and takes the server down.
+  model's vocabulary ``[0, vocab_size)``, and sampling or logprob arguments that SGLang would
+  pass on to its scheduler and fail there (``requests.py``), are rejected with a ``ValueError``,
+  which SGLang turns into HTTP 400, instead of taking the server down.
 
 PRR is active when the environment holds a configuration (``SGLANG_PRR_CONFIG``, written by
 ``python -m sglang_prr.launch_server`` or by ``enable()``); without one, ``apply()`` does nothing
@@ -32,7 +32,6 @@ from __future__ import annotations
 import json
 import logging
 import multiprocessing
-import numbers
 import os
 from typing import Any, Optional
 
@@ -40,6 +39,7 @@ import torch
 
 from ..config import PRRConfig
 from . import stats
+from .requests import check_input_ids, check_request  # noqa: F401  (both public here)
 from .server_args_patch import ENV_CONFIG, export_config, load_config
 
 logger = logging.getLogger("sglang_prr")
@@ -289,31 +289,6 @@ def _patch_http_app() -> None:
     logger.info("sglang_prr: GET /prr/stats added")
 
 
-def check_input_ids(input_ids: Any, vocab_size: int) -> None:
-    """Raise ``ValueError`` unless every id of ``input_ids`` (a list, or a batch of lists) is
-    an integer in ``[0, vocab_size)``; the message names the first bad id and the range."""
-    if hasattr(input_ids, "tolist"):  # a tensor or an array
-        input_ids = input_ids.tolist()  # host-ok: request validation, before the scheduler
-    if input_ids is None or len(input_ids) == 0:
-        return
-    seqs = input_ids if isinstance(input_ids[0], (list, tuple)) else [input_ids]
-    for seq in seqs:
-        if hasattr(seq, "tolist"):
-            seq = seq.tolist()  # host-ok: request validation
-        if len(seq) == 0:
-            continue
-        if not set(map(type, seq)) <= {int}:  # the fast path; numpy-style ints are fine too
-            for t in seq:
-                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
-                    raise ValueError(f"input_ids must be integer token ids; got {t!r}")
-        lo, hi = min(seq), max(seq)
-        if lo < 0 or hi >= vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"input_ids contains token id {int(bad)} outside the model's vocabulary: "
-                f"allowed ids are in [0, {vocab_size})")
-
-
 def _patch_request_validation() -> None:
     if not _once("request_validation"):
         return
@@ -330,9 +305,11 @@ def _patch_request_validation() -> None:
         vocab = getattr(getattr(self, "model_config", None), "vocab_size", None)
         if vocab:
             check_input_ids(input_ids, int(vocab))
+        check_request(obj, int(vocab) if vocab else None)
         return orig(self, obj, input_ids)
 
     _validate_one_request._prr_wrapped = True
     TokenizerManager._validate_one_request = _validate_one_request
-    logger.info("sglang_prr: requests with token ids outside the vocabulary are rejected (400)")
+    logger.info("sglang_prr: requests with token ids outside the vocabulary, or sampling and "
+                "logprob arguments that would stop the scheduler, are rejected (400)")
 

@@ -124,6 +124,54 @@ def test_out_of_vocab_ids_get_400_and_the_server_survives(prr_server, demo_confi
     assert r.status_code == 200, r.text[:500]
 
 
+@pytest.mark.server
+def test_arguments_that_stopped_the_scheduler_get_400_and_the_server_survives(prr_server,
+                                                                              demo_config):
+    """Requests whose arguments SGLang 0.5.17 passed on to its scheduler, which then failed and
+    took the server down with every request in flight (a float max_new_tokens, top_k >= 2^31,
+    more top logprobs than the vocabulary, logprob_start_len < -1), and a few that gave HTTP 500
+    or ran something else than asked: each gets 400 naming its field, the server keeps serving
+    the same greedy tokens, and top_k past 2^30 is served as every token."""
+    vocab = int(demo_config["vocab_size"])
+    ids = prompt_ids(7, 50)
+    before = generate(prr_server, ids, max_new_tokens=3)["meta_info"]["output_token_logprobs"]
+    sp = {"max_new_tokens": 3, "temperature": 0.0}
+    gen = lambda **kw: {"input_ids": ids, "sampling_params": dict(sp), **kw}  # noqa: E731
+    bad = [
+        ("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2.5}},
+         "max_new_tokens"),
+        ("/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2,
+                                                              "temperature": 1.0,
+                                                              "top_k": 2 ** 31}}, None),
+        ("/generate", gen(return_logprob=True, top_logprobs_num=vocab + 1), "top_logprobs_num"),
+        ("/generate", gen(return_logprob=True, top_logprobs_num=vocab + 1, stream=True),
+         "top_logprobs_num"),
+        ("/v1/completions", {"model": "default", "prompt": ids, "max_tokens": 2,
+                             "logprobs": vocab + 500}, "top_logprobs_num"),
+        ("/generate", gen(return_logprob=True, logprob_start_len=-5), "logprob_start_len"),
+        ("/generate", {"input_ids": ids, "sampling_params": {"temperature": "hot"}},
+         "temperature"),
+        ("/generate", {"input_ids": ids, "sampling_params": {"bogus": 1}}, "bogus"),
+        ("/generate", {"input_ids": ids, "sampling_params": {"stop": ""}}, "stop"),
+        ("/generate", {"input_ids": ids, "sampling_params": {"n": 0}}, "n must"),
+    ]
+    for path, body, field in bad:
+        r = _post(prr_server, path, body)
+        if field is None:  # top_k past 2^30: every token, served
+            assert r.status_code == 200, (body, r.status_code, r.text[:300])
+        else:  # a stream may carry its error as an event after a 200 header
+            assert r.status_code == 400 or body.get("stream"), (path, body, r.status_code,
+                                                                  r.text[:300])
+            assert field in r.text, r.text[:300]
+        assert prr_server.healthy(), (path, body)
+    after = generate(prr_server, ids, max_new_tokens=3)["meta_info"]["output_token_logprobs"]
+    assert [t[1] for t in after] == [t[1] for t in before]  # the same greedy ids
+    # control: the edge values are served
+    ok = _post(prr_server, "/generate", gen(return_logprob=True, top_logprobs_num=vocab,
+                                            logprob_start_len=-1))
+    assert ok.status_code == 200, ok.text[:300]
+
+
 # --------------------------------------------------------------- 2. K and |P| capped at the context
 def test_top_k_capped_at_the_context_length(clean_env, demo_model, demo_config):
 

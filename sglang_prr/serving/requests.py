@@ -1,0 +1,143 @@
+"""What a request must hold before SGLang hands it to its scheduler.
+
+SGLang 0.5.17 checks the ranges of the sampling parameters (``SamplingParams.verify``) but not
+their types, and some values that pass reach the scheduler process and take it down, with every
+request in flight (measured on a CPU server, PRR on and off): a float ``max_new_tokens`` (a slice
+index), a ``top_k`` of 2^31 or more (an int32 tensor), more top logprobs than the vocabulary has
+(``topk``), a ``logprob_start_len`` below -1 (an assertion). Others give HTTP 500 (a string where
+a number goes, an unknown key, a stop regex that does not compile) or run something else than was
+asked (an empty stop string ends every answer after one token, ``n`` below 1 runs one sample).
+
+``check_request`` refuses these with a ``ValueError`` naming the field, the value and what is
+allowed, which SGLang turns into HTTP 400 before the request is tokenized further: the server and
+its other requests keep running. A ``top_k`` above 2^30 (SGLang's own "every token") means every
+token, and is passed on as that. ``check_input_ids`` refuses token ids outside the vocabulary
+(they failed in the embedding lookup, in the scheduler). Both run in
+``TokenizerManager._validate_one_request`` (``plugin._patch_request_validation``).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+from typing import Any, Optional
+
+# SGLang's "no top-k" value (sampling_params.TOP_K_ALL); larger values overflow its int32 tensor.
+TOP_K_ALL = 1 << 30
+
+# SamplingParams' fields that SGLang fills itself, left out of the message's list of keys.
+_INTERNAL = ("_strs", "_len", "is_normalized")
+_INTS = {"max_new_tokens": 0, "min_new_tokens": 0, "n": 1, "stream_interval": 1}
+_REALS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+          "repetition_penalty")
+
+
+def _bad(field: str, value: Any, allowed: str) -> ValueError:
+    return ValueError(f"{field} must be {allowed}; got {value!r}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _known_keys() -> Optional[frozenset]:
+    """The sampling parameters SGLang's ``SamplingParams`` takes (None where it cannot say)."""
+    try:
+        from sglang.srt.sampling.sampling_params import SamplingParams
+    except Exception:  # pragma: no cover - SGLang missing or moved: no key check
+        return None
+    fields = getattr(SamplingParams, "__struct_fields__", None)
+    return frozenset(fields) if fields else None
+
+
+def check_sampling_params(sp: Any) -> None:
+    """One request's ``sampling_params`` (a dict, or None for the defaults): known keys, integers
+    where SGLang slices or counts with them, real numbers where it compares them, non-empty stop
+    strings, stop regexes that compile. Clamps ``top_k`` above ``TOP_K_ALL`` to it, in place."""
+    if sp is None:
+        return
+    if not isinstance(sp, dict):
+        raise _bad("sampling_params", sp, "an object of sampling parameters")
+    known = _known_keys()
+    if known is not None:
+        unknown = sorted(k for k in sp if k not in known)
+        if unknown:
+            raise ValueError(f"sampling_params has unknown keys {unknown}; allowed: "
+                             f"{sorted(k for k in known if not k.endswith(_INTERNAL))}")
+    for field, low in _INTS.items():
+        v = sp.get(field)
+        if v is not None and not (_is_int(v) and v >= low):
+            raise _bad(f"sampling_params.{field}", v, f"an integer >= {low}")
+    for field in _REALS:
+        v = sp.get(field)
+        if v is not None and not (isinstance(v, numbers.Real) and not isinstance(v, bool)
+                                  and math.isfinite(v)):
+            raise _bad(f"sampling_params.{field}", v, "a finite number")
+    top_k = sp.get("top_k")
+    if top_k is not None:
+        if not _is_int(top_k) or (top_k < 1 and top_k != -1):
+            raise _bad("sampling_params.top_k", top_k, "-1 (every token) or an integer >= 1")
+        if top_k > TOP_K_ALL:
+            sp["top_k"] = TOP_K_ALL  # the same distribution: every token
+    stop = sp.get("stop")
+    for s in ([stop] if isinstance(stop, str) else stop or []):
+        if not isinstance(s, str) or not s:
+            raise _bad("sampling_params.stop", stop, "a non-empty string or a list of them "
+                       "(an empty one would end every answer at once)")
+    regex = sp.get("stop_regex")
+    for s in ([regex] if isinstance(regex, str) else regex or []):
+        try:
+            re.compile(s)
+        except (re.error, TypeError) as e:
+            raise _bad("sampling_params.stop_regex", s, f"a regular expression ({e})") from None
+
+
+def check_logprob_args(obj: Any, vocab_size: Optional[int]) -> None:
+    """``top_logprobs_num`` at most the vocabulary's size and ``logprob_start_len`` -1 (the
+    output only) or a prompt position, where the request asks for logprobs."""
+    if not getattr(obj, "return_logprob", False):
+        return
+    top = getattr(obj, "top_logprobs_num", None)
+    for v in (top if isinstance(top, list) else [top]):
+        if v is not None and not (_is_int(v) and 0 <= v and (not vocab_size or v <= vocab_size)):
+            raise _bad("top_logprobs_num", v, f"an integer in [0, {vocab_size}] (the vocabulary)"
+                       if vocab_size else "an integer >= 0")
+    start = getattr(obj, "logprob_start_len", None)
+    for v in (start if isinstance(start, list) else [start]):
+        if v is not None and not (_is_int(v) and v >= -1):
+            raise _bad("logprob_start_len", v, "-1 (the output only) or a position >= 0")
+
+
+def check_request(obj: Any, vocab_size: Optional[int]) -> None:
+    """Every check above on one request of SGLang's (``GenerateReqInput``; an embedding request
+    has no sampling to check)."""
+    sp = getattr(obj, "sampling_params", None)
+    for one in (sp if isinstance(sp, list) else [sp]):
+        check_sampling_params(one)
+    check_logprob_args(obj, vocab_size)
+
+
+def check_input_ids(input_ids: Any, vocab_size: int) -> None:
+    """Raise ``ValueError`` unless every id of ``input_ids`` (a list, or a batch of lists) is
+    an integer in ``[0, vocab_size)``; the message names the first bad id and the range."""
+    if hasattr(input_ids, "tolist"):  # a tensor or an array
+        input_ids = input_ids.tolist()  # host-ok: request validation, before the scheduler
+    if input_ids is None or len(input_ids) == 0:
+        return
+    seqs = input_ids if isinstance(input_ids[0], (list, tuple)) else [input_ids]
+    for seq in seqs:
+        if hasattr(seq, "tolist"):
+            seq = seq.tolist()  # host-ok: request validation
+        if len(seq) == 0:
+            continue
+        if not set(map(type, seq)) <= {int}:  # the fast path; numpy-style ints are fine too
+            for t in seq:
+                if isinstance(t, bool) or not isinstance(t, numbers.Integral):
+                    raise ValueError(f"input_ids must be integer token ids; got {t!r}")
+        lo, hi = min(seq), max(seq)
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"input_ids contains token id {int(bad)} outside the model's vocabulary: "
+                f"allowed ids are in [0, {vocab_size})")
