@@ -41,6 +41,24 @@ def prr_flag_names() -> List[str]:
     return [flag_name(f.name) for f in dataclasses.fields(PRRConfig)]
 
 
+def _parse_prr(argv: Sequence[str]) -> Tuple[argparse.Namespace, List[str]]:
+    """The ``--prr-*`` flags of a command line, abbreviations included (SGLang's full parser
+    takes them so), and the rest of it."""
+    parser = _RaisingParser(prog="python -m sglang_prr.launch_server", add_help=False)
+    add_prr_args(parser)
+    return parser.parse_known_args(list(argv))
+
+
+def given_prr_values(argv: Sequence[str]) -> Dict[str, Any]:
+    """The ``--prr-*`` values a command line gives, by PRRConfig field, read as SGLang's parser
+    reads them (``--prr-block-siz 16`` is ``block_size = 16``); empty where they do not parse
+    (check_prr_argv says why)."""
+    try:
+        return pop_prr_args(_parse_prr(argv)[0])
+    except PRRArgsError:
+        return {}
+
+
 def check_prr_argv(argv: Sequence[str]) -> PRRConfig:
     """Validate the ``--prr-*`` flags of a command line without SGLang (no torch either), so a
     bad value stops the launcher in about a second, before the imports and the model.
@@ -51,9 +69,7 @@ def check_prr_argv(argv: Sequence[str]) -> PRRConfig:
     ``PRRConfig.validate()`` or ``check_profile`` refuses, or ``--page-size``,
     ``--speculative-algorithm`` or ``--enable-mixed-chunk`` given against PRR (what
     ``check_compatibility`` can tell from the command line alone). Returns the configuration."""
-    parser = _RaisingParser(prog="python -m sglang_prr.launch_server", add_help=False)
-    add_prr_args(parser)
-    ns, rest = parser.parse_known_args(list(argv))
+    ns, rest = _parse_prr(argv)
     for tok in rest:
         name = tok.split("=", 1)[0]
         if name.startswith(FLAG_PREFIX):
@@ -76,8 +92,21 @@ def check_prr_argv(argv: Sequence[str]) -> PRRConfig:
 
 def config_from_given(given: Dict[str, Any]) -> PRRConfig:
     """A validated PRRConfig from user-given values (others keep their defaults), with the
-    server-level rules on top (``--prr-budget auto`` needs a readable ``--prr-profile``)."""
-    return check_profile(PRRConfig(**given).validate())
+    server-level rules on top (``--prr-budget auto`` needs a readable ``--prr-profile``) and
+    no two given flags of which one would be ignored without a word."""
+    cfg = check_profile(PRRConfig(**given).validate())
+    ignored = None
+    if given.get("serial") and cfg.method == "dense":
+        ignored = "--prr-serial selects serial DSA, --prr-method dense turns the sparse path off"
+    elif given.get("serial") and "mode" in given and cfg.mode != "exact":
+        ignored = (f"--prr-mode {cfg.mode} has no effect with --prr-serial (serial DSA attends "
+                   f"A alone)")
+    elif "profile" in given and cfg.budget != "auto":
+        ignored = (f"--prr-profile is read only with --prr-budget auto (this budget is "
+                   f"{cfg.budget})")
+    if ignored:
+        raise PRRConfigError(f"conflicting PRR options: {ignored}; give one of them")
+    return cfg
 
 
 def context_len_of(server_args: Any) -> Optional[int]:
@@ -108,6 +137,52 @@ def cap_to_context(cfg: PRRConfig, server_args: Any) -> Optional[int]:
         return None
     cfg.cap_to_context(n)
     return n
+
+
+def check_against_model(cfg: PRRConfig, server_args: Any) -> None:
+    """The ``--prr-*`` values that only the model's config can judge, checked before SGLang
+    starts (they failed in the scheduler after the model had loaded, with a traceback): layer
+    ids of ``--prr-dense-layers`` / ``--prr-trace-layers`` in ``[0, num_layers)``, a
+    ``--prr-trace-path`` that is (or can be made) a folder, and ``--prr-budget auto``'s profile
+    measured for this layer shape (K and the page after ``cap_to_context``). Raises
+    ``PRRArgsError``; a model config that does not load leaves the checks to the server."""
+    if not cfg.enabled:
+        return
+    try:
+        from sglang.srt.configs.model_config import ModelConfig
+
+        mc = ModelConfig.from_server_args(server_args)
+        layers = int(mc.num_hidden_layers)
+    except Exception as e:  # never block startup on the model config itself
+        logger.debug("sglang_prr: model config not loaded for the flag checks (%s)", e)
+        return
+    for flag, ids in (("--prr-dense-layers", cfg.dense_layers),
+                      ("--prr-trace-layers", cfg.trace_layers if cfg.trace_path else ())):
+        bad = [i for i in ids if not 0 <= int(i) < layers]
+        if bad:
+            raise PRRArgsError(f"{flag} {','.join(map(str, ids))}: the model has {layers} "
+                               f"layers, so layer ids are in [0, {layers}); {bad} are not")
+    if cfg.trace_path:
+        try:
+            os.makedirs(cfg.trace_path, exist_ok=True)
+        except OSError as e:
+            raise PRRArgsError(f"--prr-trace-path {cfg.trace_path}: not a folder traces can be "
+                               f"written to ({e.strerror or e})") from None
+    if cfg.budget == "auto" and not cfg.serial and cfg.profile:
+        from ..budget import BudgetProfile
+
+        # As the backend builds it, with the attention's tensor-parallel size taken as --tp
+        # (data-parallel attention splits it otherwise: its head counts are left to the server).
+        shape = dict(method=cfg.method, head_dim=int(mc.head_dim), page_size=cfg.block_size,
+                     top_k_tokens=cfg.top_k_blocks * cfg.block_size)
+        if not getattr(server_args, "enable_dp_attention", False):
+            tp = int(getattr(server_args, "tp_size", 1) or 1)
+            shape.update(num_kv_heads=mc.get_num_kv_heads(tp),
+                         num_qo_heads=mc.get_num_attention_heads(tp))
+        try:
+            BudgetProfile.load(cfg.profile).check_shape(shape)
+        except (PRRConfigError, ValueError, OSError) as e:
+            raise PRRArgsError(str(e)) from None
 
 
 def check_compatibility(cfg: PRRConfig, server_args: Any, has_cuda: Optional[bool]) -> None:
@@ -224,10 +299,11 @@ def complete_argv(argv: List[str], has_cuda: bool, demo_path_fn=None) -> Tuple[L
             argv += [flag, val]
             notes.append(f"{flag} {val}")
     if not argv_has(argv, "--page-size"):
-        block = argv_value(argv, "--prr-block-size")
-        method = argv_value(argv, "--prr-method")
-        if method != "dense":
-            block = block if block is not None else str(PRRConfig().block_size)
+        # The block size as the parsers will read it (an abbreviated flag too: a look for the
+        # exact name missed --prr-block-siz and added the default's page size against it).
+        given = given_prr_values(argv)
+        if given.get("method") != "dense":
+            block = str(given.get("block_size", PRRConfig().block_size))
             argv += ["--page-size", block]
             notes.append(f"--page-size {block} (= --prr-block-size)")
     return argv, notes

@@ -175,3 +175,86 @@ def test_sglang_logs_at_warning_unless_asked(demo_model, monkeypatch):
     assert not server_args.disable_cuda_graph or _cuda()  # no deprecated flag was added
     server_args, _, _ = launch_server.prepare(["--model-path", demo_model, "--log-level", "info"])
     assert server_args.log_level == "info"
+
+
+def test_an_abbreviated_block_size_sets_the_page_size_as_it_reads():
+    """``--prr-block-siz 16`` is ``--prr-block-size 16`` to both parsers: the page size the
+    launcher adds follows it (it used to add the default's 64 and fail on its own flag)."""
+    for flag in ("--prr-block-siz", "--prr-block"):
+        argv, notes = complete_argv(["--model-path", "m", flag, "16"], has_cuda=True)
+        assert argv[argv.index("--page-size") + 1] == "16", argv
+    argv, _ = complete_argv(["--model-path", "m", "--prr-meth", "dense"], has_cuda=True)
+    assert "--page-size" not in argv  # dense: no page size of PRR's (control)
+
+
+@pytest.mark.parametrize("given, needle", [
+    (dict(serial=True, mode="union"), "--prr-mode union"),
+    (dict(serial=True, method="dense"), "--prr-serial"),
+    (dict(profile="/some/profile.json"), "--prr-profile is read only with --prr-budget auto"),
+    (dict(profile="/some/profile.json", budget=1.0), "this budget is 1.0"),
+])
+def test_flags_of_which_one_would_be_ignored_are_refused(given, needle):
+    from sglang_prr.config import PRRConfigError
+    from sglang_prr.serving.server_args_patch import config_from_given
+
+    with pytest.raises(PRRConfigError, match="conflicting PRR options") as e:
+        config_from_given(given)
+    assert needle in str(e.value)
+    # controls: each flag alone is accepted
+    for k, v in given.items():
+        if k != "profile":
+            config_from_given({k: v})
+    config_from_given(dict(serial=True, mode="exact"))
+
+
+def _prepare_exit(argv, capsys):
+    from sglang_prr.serving import launch_server
+
+    with pytest.raises(SystemExit) as e:
+        launch_server.prepare(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+def test_flags_the_model_decides_fail_before_the_server(demo_model, tmp_path, capsys,
+                                                        monkeypatch):
+    """Layer ids past the model's layers, a trace path that cannot be a folder, and a profile
+    of another layer shape exit 2 with one line from prepare(), before SGLang starts (they
+    failed in the scheduler, ~40 s later, with a traceback); the valid ones pass (controls)."""
+    import json
+
+    from sglang_prr.serving import launch_server
+
+    monkeypatch.delenv("SGLANG_PRR_CONFIG", raising=False)
+    demo_config = json.loads((Path(demo_model) / "config.json").read_text())
+    layers = int(demo_config["num_hidden_layers"])
+    base = ["--model-path", demo_model, "--prr-block-size", "16", "--prr-top-k", "64",
+            "--prr-top-k-unit", "tokens"]
+    afile = tmp_path / "a-file"
+    afile.write_text("x")
+    for extra, needle in (
+            (["--prr-dense-layers", str(layers)], f"[0, {layers})"),
+            (["--prr-trace-path", str(tmp_path / "t"), "--prr-trace-layers", "0,99"],
+             "--prr-trace-layers"),
+            (["--prr-trace-path", str(afile)], "--prr-trace-path")):
+        code, err = _prepare_exit(base + extra, capsys)
+        assert code == 2 and needle in err and "Traceback" not in err, err[-1500:]
+    launch_server.prepare(base + ["--prr-dense-layers", str(layers - 1), "--prr-trace-path",
+                                  str(tmp_path / "t"), "--prr-trace-layers", "0"])
+    assert (tmp_path / "t").is_dir()
+    # --prr-budget auto: the profile's layer shape against this model's
+    shape = dict(method="quest", num_qo_heads=int(demo_config["num_attention_heads"]),
+                 num_kv_heads=int(demo_config["num_key_value_heads"]),
+                 head_dim=int(demo_config.get("head_dim") or demo_config["hidden_size"]
+                              // demo_config["num_attention_heads"]),
+                 page_size=16, top_k_tokens=64)
+    rows = [{"batch": 1, "context": 300, "delta": d, "us": 5.0} for d in (0, 1.0)]
+    for name, sh, ok in (("same", shape, True), ("heads", dict(shape, num_qo_heads=32), False),
+                         ("dim", dict(shape, head_dim="abc"), False)):
+        prof = tmp_path / f"{name}.json"
+        prof.write_text(json.dumps({"version": 2, "shape": sh, "layer_us": rows}))
+        argv = base + ["--prr-budget", "auto", "--prr-profile", str(prof)]
+        if ok:
+            launch_server.prepare(argv)
+        else:
+            code, err = _prepare_exit(argv, capsys)
+            assert code == 2 and "another layer shape" in err, err[-1500:]

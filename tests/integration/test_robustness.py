@@ -233,11 +233,12 @@ def test_budget_auto_with_profile_is_accepted(clean_env, tmp_path, demo_model):
 
     prof = tmp_path / "profile.json"
     prof.write_text(json.dumps({"version": 2, "shape": dict(
-        method="quest", num_qo_heads=4, num_kv_heads=2, head_dim=16, page_size=16,
+        method="quest", num_qo_heads=4, num_kv_heads=2, head_dim=32, page_size=16,
         top_k_tokens=64), "layer_us": [{"batch": 1, "context": 300, "delta": 0, "us": 5.0},
                                        {"batch": 1, "context": 300, "delta": 1.0, "us": 4.0}]}))
+    shape = ["--prr-block-size", "16", "--prr-top-k", "64", "--prr-top-k-unit", "tokens"]
     _, cfg, _ = launch_server.prepare(["--model-path", demo_model, "--prr-budget", "auto",
-                                       "--prr-profile", str(prof)])
+                                       "--prr-profile", str(prof)] + shape)
     assert cfg.budget == "auto" and cfg.profile == str(prof)
     # With PRR off the budget is unused: no profile needed.
     _, cfg, _ = launch_server.prepare(["--model-path", demo_model, "--prr-method", "dense",
