@@ -33,17 +33,21 @@ def _holt_state(op, level, trend, rows: str = "batch") -> None:
         fail(op, "trend", (trend.dtype, shape(trend)), f"float32 {shape(level)}")
 
 
+def _counts(op, B, **tensors) -> None:
+    """Integer tensors of one count per batch entry, ``[B]``."""
+    for name, t in tensors.items():
+        index_tensor(op, name, t, 1)
+        if shape(t) != (B,):
+            fail(op, f"{name}.shape", shape(t), f"({B},)")
+
+
 def check_holt_update(level, trend, n_init, scores, nblk, alpha, beta) -> None:
     op = "holt_update"
     _holt_state(op, level, trend)
     if shape(scores) != shape(level):
         fail(op, "scores.shape", shape(scores), f"{shape(level)}")
-    index_tensor(op, "n_init", n_init, 1)
-    index_tensor(op, "nblk", nblk, 1)
     B = level.shape[0]
-    for name, t in (("n_init", n_init), ("nblk", nblk)):
-        if shape(t) != (B,):
-            fail(op, f"{name}.shape", shape(t), f"({B},)")
+    _counts(op, B, n_init=n_init, nblk=nblk)
     per_batch(op, B, alpha=alpha, beta=beta)
 
 
@@ -51,12 +55,8 @@ def check_predict_set(level, trend, gamma, n_init, nblk_next, n_pred, sink, loca
     op = "predict_set"
     _widths(op, n_pred, sink, local)
     _holt_state(op, level, trend)
-    index_tensor(op, "n_init", n_init, 1)
-    index_tensor(op, "nblk_next", nblk_next, 1)
     B = level.shape[0]
-    for name, t in (("n_init", n_init), ("nblk_next", nblk_next)):
-        if shape(t) != (B,):
-            fail(op, f"{name}.shape", shape(t), f"({B},)")
+    _counts(op, B, n_init=n_init, nblk_next=nblk_next)
     per_batch(op, B, gamma=gamma)
 
 
@@ -68,10 +68,7 @@ def check_predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n
     if shape(scores) != shape(level):
         fail(op, "scores.shape", shape(scores), f"{shape(level)}")
     B = level.shape[0]
-    for name, t in (("n_init", n_init), ("nblk", nblk), ("nblk_next", nblk_next)):
-        index_tensor(op, name, t, 1)
-        if shape(t) != (B,):
-            fail(op, f"{name}.shape", shape(t), f"({B},)")
+    _counts(op, B, n_init=n_init, nblk=nblk, nblk_next=nblk_next)
     if shape(theta) != (B, 3):
         fail(op, "theta.shape", shape(theta), f"({B}, 3): (alpha, beta, gamma) per request")
     floating(op, "theta", theta)
