@@ -174,8 +174,11 @@ def _expand_demo_alias(argv: List[str]) -> List[str]:
 def build_parser():
     from sglang.srt.server_args import ServerArgs
 
+    # A one-line usage: SGLang's several hundred options made argparse print ~490 lines of it
+    # before a bad option's one-line error (--help lists them all, with their help).
     parser = argparse.ArgumentParser(
         prog="python -m sglang_prr.launch_server",
+        usage="%(prog)s [--model-path PATH] [SGLang's flags] [--prr-* flags] (--help lists them)",
         description="SGLang server with PRR (Predict, Reuse, Repair) sparse decoding. Without "
                     "--model-path it serves SmolLM2-135M-Instruct (or, offline, a tiny "
                     "built-in demo model).")

@@ -258,3 +258,16 @@ def test_flags_the_model_decides_fail_before_the_server(demo_model, tmp_path, ca
         else:
             code, err = _prepare_exit(argv, capsys)
             assert code == 2 and "another layer shape" in err, err[-1500:]
+
+
+def test_a_bad_sglang_flag_gets_a_short_message(demo_model):
+    """A bad value of one of SGLang's own flags: exit 2 with the usage in one line and the
+    error (it printed ~490 lines of usage first); --help still lists every flag (control)."""
+    p = _launch("--model-path", demo_model, "--max-running-requests", "abc")
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "--max-running-requests: invalid int value: 'abc'" in p.stderr, p.stderr[-2000:]
+    assert len(p.stderr.splitlines()) < 8, p.stderr[-2000:]
+    from sglang_prr.serving import launch_server
+
+    text = launch_server.build_parser().format_help()
+    assert "--max-running-requests" in text and "--prr-top-k" in text
