@@ -51,6 +51,21 @@ DENSE = "dense"
 
 
 
+def layer_shape(cfg: PRRConfig, page_size: int, head_dim: int,
+                num_kv_heads: Optional[int] = None,
+                num_qo_heads: Optional[int] = None) -> Dict[str, object]:
+    """The ``SHAPE_KEYS`` a profile is checked against (``BudgetProfile.check_shape``): the
+    method, the layer's head sizes (those known: a key left out is not compared), the page and
+    K in tokens."""
+    shape: Dict[str, object] = dict(method=cfg.method, head_dim=head_dim, page_size=page_size,
+                                    top_k_tokens=cfg.top_k_blocks * page_size)
+    if num_kv_heads is not None:
+        shape["num_kv_heads"] = num_kv_heads
+    if num_qo_heads is not None:
+        shape["num_qo_heads"] = num_qo_heads
+    return shape
+
+
 def check_profile(cfg: PRRConfig) -> PRRConfig:
     """The server-level rule for ``budget='auto'``: it needs a readable profile; returns ``cfg``.
 

@@ -86,10 +86,7 @@ def check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, s
     if scores.dim() != 3 or shape(scores)[1:] != (Hk, NB):
         fail(op, "scores.shape", shape(scores), f"[batch, {Hk}, {NB}]")
     B = scores.shape[0]
-    for name, t in (("rows", rows), ("nblk", nblk), ("nblk_next", nblk_next)):
-        index_tensor(op, name, t, 1)
-        if shape(t) != (B,):
-            fail(op, f"{name}.shape", shape(t), f"({B},)")
+    _counts(op, B, rows=rows, nblk=nblk, nblk_next=nblk_next)
     index_tensor(op, "n_init", n_init, 1)
     if shape(n_init) != (R,):
         fail(op, "n_init.shape", shape(n_init), f"({R},): one per state row")

@@ -109,8 +109,6 @@ def dsa_decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor
     """Serial DSA decode step: score, select A, attend over A. q ``[B, Hq, D]``; k_buf/v_buf
     ``[slots, Hk, D]``; table ``[B, NB]``; seq_lens ``[B]``. Returns ``(o [B, Hq, D] float32,
     scores [B, Hk, NB], a_idx, a_cnt)``."""
-    summary = list(summary)
-    _method("dsa_decode", method, summary, page_size, sm_scale)
     sel = select_fused(method, q, summary, table, seq_lens, page_size, sm_scale, k, sink_blocks,
                        local_blocks)
     o, _ = attend_set(q, k_buf, v_buf, table, seq_lens, sel.a_idx, sel.a_cnt, page_size,
@@ -131,6 +129,7 @@ def prr_decode(q: Tensor, k_buf: Tensor, v_buf: Tensor, summary: Sequence[Tensor
     state, updated in place; theta ``[B, 3]`` (alpha, beta, gamma). Returns ``(o, a_idx, a_cnt,
     m_idx, m_cnt, p_next_idx, p_next_cnt)``, P(t+1) predicted for ``seq_lens + 1`` tokens."""
     summary = list(summary)
+    # The method's checks (select_fused runs them too) before the speculative pass's work.
     _method("prr_decode", method, summary, page_size, sm_scale)
     # Reuse: the speculative pass over P (beside the selection, on a second stream, in the
     # server's step).

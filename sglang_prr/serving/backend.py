@@ -44,7 +44,7 @@ from typing import List, Optional
 import torch
 
 from .. import ops
-from ..budget import BudgetPolicy
+from ..budget import BudgetPolicy, layer_shape
 from ..calibration import Calibrator
 from ..config import PRRConfig
 from ..methods import NewKeys
@@ -114,10 +114,8 @@ class PRRBackend:
         self.n_pred = cfg.predicted_blocks
         # Speculate or not, and over how many blocks, per decode batch size (--prr-budget auto:
         # from the profile, checked against this layer shape).
-        shape = dict(method=cfg.method, num_kv_heads=Hk, head_dim=D, page_size=self.page,
-                     top_k_tokens=self.k_blocks * self.page)
-        if hasattr(mc, "get_num_attention_heads"):
-            shape["num_qo_heads"] = mc.get_num_attention_heads(tp)
+        shape = layer_shape(cfg, self.page, D, Hk, mc.get_num_attention_heads(tp)
+                            if hasattr(mc, "get_num_attention_heads") else None)
         self.budget = BudgetPolicy(cfg, shape)
         # Calibration, the side stream and the PRR statistics only serve speculation: all off
         # when no batch size ever speculates.

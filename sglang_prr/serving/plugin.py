@@ -39,7 +39,7 @@ import torch
 
 from ..config import PRRConfig
 from . import stats
-from .requests import check_input_ids, check_request  # noqa: F401  (both public here)
+from .requests import check_input_ids, check_request
 from .server_args_patch import ENV_CONFIG, export_config, load_config
 
 logger = logging.getLogger("sglang_prr")

@@ -18,6 +18,7 @@ token, and is passed on as that. ``check_input_ids`` refuses token ids outside t
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import re
@@ -41,8 +42,10 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
+@functools.lru_cache(maxsize=None)
 def _known_keys() -> Optional[frozenset]:
-    """The sampling parameters SGLang's ``SamplingParams`` takes (None where it cannot say)."""
+    """The sampling parameters SGLang's ``SamplingParams`` takes (None where it cannot say);
+    read once, not per request."""
     try:
         from sglang.srt.sampling.sampling_params import SamplingParams
     except Exception:  # pragma: no cover - SGLang missing or moved: no key check

@@ -169,16 +169,16 @@ def check_against_model(cfg: PRRConfig, server_args: Any) -> None:
             raise PRRArgsError(f"--prr-trace-path {cfg.trace_path}: not a folder traces can be "
                                f"written to ({e.strerror or e})") from None
     if cfg.budget == "auto" and not cfg.serial and cfg.profile:
-        from ..budget import BudgetProfile
+        from ..budget import BudgetProfile, layer_shape
 
         # As the backend builds it, with the attention's tensor-parallel size taken as --tp
         # (data-parallel attention splits it otherwise: its head counts are left to the server).
-        shape = dict(method=cfg.method, head_dim=int(mc.head_dim), page_size=cfg.block_size,
-                     top_k_tokens=cfg.top_k_blocks * cfg.block_size)
+        heads = {}
         if not getattr(server_args, "enable_dp_attention", False):
             tp = int(getattr(server_args, "tp_size", 1) or 1)
-            shape.update(num_kv_heads=mc.get_num_kv_heads(tp),
+            heads = dict(num_kv_heads=mc.get_num_kv_heads(tp),
                          num_qo_heads=mc.get_num_attention_heads(tp))
+        shape = layer_shape(cfg, cfg.block_size, int(mc.head_dim), **heads)
         try:
             BudgetProfile.load(cfg.profile).check_shape(shape)
         except (PRRConfigError, ValueError, OSError) as e:
