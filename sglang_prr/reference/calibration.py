@@ -52,6 +52,10 @@ def calibrate(scores: Tensor, nblk: Tensor, k: int, n_pred: int, sink_blocks: in
     R, Phi, Hk, nb = scores.shape
     C = alphas.numel()
     dev = scores.device
+    # Lists wider than the table hold padding only: a width of NB gives the same sets (a k of
+    # 2^30 means every block), in memory bounded by the table instead of by k.
+    k, n_pred, sink_blocks, local_blocks = (min(v, nb) for v in (k, n_pred, sink_blocks,
+                                                                  local_blocks))
     # Candidates become a batch dimension, [R*C, Hk, NB], one sampled row at a time (the whole
     # expansion would be C times the scores). A and the weights do not depend on the candidate:
     # they are computed on the R rows and broadcast.

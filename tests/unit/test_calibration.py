@@ -116,3 +116,24 @@ def test_ties_go_to_the_lower_block_id_and_the_opposite_rule_is_caught():
     high_first = torch.zeros_like(got)
     high_first[0, 0, [4, 5]] = True  # ties to the higher id
     assert not torch.equal(high_first, got)
+
+
+def test_calibrate_with_widths_past_the_table_is_calibrate_at_the_table():
+    """A k, n_pred, sink or local of 2^30 ("every block") gives the H of that width at NB, in the
+    table's memory: before, it allocated 2^30-wide lists. Control: a k below the table gives
+    another H on the same scores."""
+    seed = random.randrange(2 ** 31)
+    g = torch.Generator().manual_seed(seed)
+    Rq, Phi, Hk, nb = 2, 6, 2, 12
+    nblk = torch.randint(8, nb + 1, (Rq, Phi), generator=g).sort(-1).values
+    s = _scores(g, (Rq, Phi, Hk, nb), nblk, "plain")
+    _, (a, b, c), _ = _grid(AXES)
+    big = 2 ** 30
+    for k, n_pred, sink, local in ((big, 3, 1, 1), (2, big, 1, 0), (big, big, big, 1),
+                                   (4, 3, 0, big)):
+        want = R.calibrate(s, nblk, min(k, nb), min(n_pred, nb), min(sink, nb), min(local, nb),
+                           a, b, c)
+        assert torch.equal(R.calibrate(s, nblk, k, n_pred, sink, local, a, b, c), want), seed
+    every = R.calibrate(s, nblk, big, 3, 1, 1, a, b, c)
+    assert (every < 1).any(), seed  # A is every block, P three of them: not a trivial H
+    assert not torch.equal(R.calibrate(s, nblk, 4, 3, 1, 1, a, b, c), every), seed  # control
