@@ -16,11 +16,14 @@ What it patches (each once, each logged):
 * ``ReqToTokenPool.alloc/clear``: tell the PRR state which request slots were handed out anew;
 * the KV cell size: the per-page block summaries are accounted for before SGLang sizes its KV
   cache;
-* the HTTP app (launching process only): ``GET /prr/stats``;
-* request validation (``TokenizerManager._validate_one_request``): token ids outside the
-  model's vocabulary ``[0, vocab_size)``, and sampling or logprob arguments that SGLang would
-  pass on to its scheduler and fail there (``requests.py``), are rejected with a ``ValueError``,
-  which SGLang turns into HTTP 400, instead of taking the server down.
+* ``XGrammarGrammar``'s token bitmask on CPU (xgrammar's CPU ops), so that constrained decoding
+  (regex, JSON) does not stop a CPU server;
+* the HTTP app (launching process only): ``GET /prr/stats``, and a short HTTP 400 for bodies that
+  fail validation (``http_guard.py``) where SGLang answered 500 or echoed the whole body;
+* request validation (``requests.install``, ``serving/requests.py``): token ids outside the model's vocabulary
+  ``[0, vocab_size)``, and sampling or logprob arguments that SGLang would pass on to its
+  scheduler and fail there, are rejected with a ``ValueError``, which SGLang turns into HTTP
+  400, instead of taking the server down.
 
 PRR is active when the environment holds a configuration (``SGLANG_PRR_CONFIG``, written by
 ``python -m sglang_prr.launch_server`` or by ``enable()``); without one, ``apply()`` does nothing
@@ -38,8 +41,8 @@ from typing import Any, Optional
 import torch
 
 from ..config import PRRConfig
-from . import stats
-from .requests import check_input_ids, check_request
+from . import http_guard, stats
+from . import requests as request_checks
 from .server_args_patch import ENV_CONFIG, export_config, load_config
 
 logger = logging.getLogger("sglang_prr")
@@ -87,6 +90,7 @@ def apply() -> None:
         stats.stats_path()  # fix the path before children are spawned, so they inherit it
     _patch_scheduler_entry()
     _patch_allocator()  # paged KV on CPU, also for the dense baseline (--prr-method dense)
+    _patch_cpu_grammar()  # constrained decoding on CPU, also for the dense baseline
     if _is_main_process():
         _patch_http_app()
     _patch_request_validation()  # wherever a TokenizerManager may run; class-level, cheap
@@ -287,29 +291,40 @@ def _patch_http_app() -> None:
 
     http_server.app.add_api_route("/prr/stats", prr_stats, methods=["GET"])
     logger.info("sglang_prr: GET /prr/stats added")
+    guarded = http_guard.install(http_server.app)
+    logger.info("sglang_prr: bodies that fail validation get a short 400 (%d routes)", guarded)
+
+
+def _patch_cpu_grammar() -> None:
+    """Constrained decoding (regex, JSON schema, EBNF) on CPU: SGLang's xgrammar backend pins
+    its token bitmask (``pin_memory=True`` needs CUDA) and applies it with a GPU kernel, so the
+    first constrained request stopped a CPU server. xgrammar's own CPU bitmask and apply replace
+    them where CUDA is absent."""
+    if torch.cuda.is_available() or not _once("cpu_grammar"):
+        return
+    try:
+        import xgrammar
+        from sglang.srt.constrained import xgrammar_backend as xb
+    except Exception as e:  # pragma: no cover - no grammar backend installed
+        logger.info("sglang_prr: no xgrammar backend to adapt to CPU (%s)", e)
+        return
+    orig_apply = xb.XGrammarGrammar.apply_vocab_mask
+
+    def allocate_vocab_mask(self, vocab_size, batch_size, device):
+        return xgrammar.allocate_token_bitmask(batch_size, vocab_size)
+
+    def apply_vocab_mask(self, logits, vocab_mask):
+        if logits.device.type != "cpu":
+            return orig_apply(self, logits, vocab_mask)
+        xgrammar.apply_token_bitmask_inplace(logits, vocab_mask.to(logits.device))
+
+    xb.XGrammarGrammar.allocate_vocab_mask = allocate_vocab_mask
+    xb.XGrammarGrammar.apply_vocab_mask = apply_vocab_mask
+    logger.info("sglang_prr: constrained decoding's token bitmask on CPU (xgrammar)")
 
 
 def _patch_request_validation() -> None:
-    if not _once("request_validation"):
-        return
-    try:
-        from sglang.srt.managers.tokenizer_manager import TokenizerManager
-    except Exception as e:  # pragma: no cover - SGLang without the tokenizer manager
-        logger.info("sglang_prr: no tokenizer manager to validate requests (%s)", e)
-        return
-    orig = TokenizerManager._validate_one_request
-    if getattr(orig, "_prr_wrapped", False):
-        return
-
-    def _validate_one_request(self, obj, input_ids):
-        vocab = getattr(getattr(self, "model_config", None), "vocab_size", None)
-        if vocab:
-            check_input_ids(input_ids, int(vocab))
-        check_request(obj, int(vocab) if vocab else None)
-        return orig(self, obj, input_ids)
-
-    _validate_one_request._prr_wrapped = True
-    TokenizerManager._validate_one_request = _validate_one_request
-    logger.info("sglang_prr: requests with token ids outside the vocabulary, or sampling and "
-                "logprob arguments that would stop the scheduler, are rejected (400)")
-
+    if _once("request_validation"):
+        request_checks.install()
+        logger.info("sglang_prr: requests with token ids outside the vocabulary, or arguments "
+                    "that would stop the scheduler, are rejected (400)")

@@ -6,14 +6,22 @@ request in flight (measured on a CPU server, PRR on and off): a float ``max_new_
 index), a ``top_k`` of 2^31 or more (an int32 tensor), more top logprobs than the vocabulary has
 (``topk``), a ``logprob_start_len`` below -1 (an assertion). Others give HTTP 500 (a string where
 a number goes, an unknown key, a stop regex that does not compile) or run something else than was
-asked (an empty stop string ends every answer after one token, ``n`` below 1 runs one sample).
+asked (an empty stop string ends every answer after one token, ``n`` below 1 runs one sample, a huge
+``n`` copies the prompt until memory runs out,
+``text`` given with ``input_ids`` is dropped and the ids are served).
 
 ``check_request`` refuses these with a ``ValueError`` naming the field, the value and what is
 allowed, which SGLang turns into HTTP 400 before the request is tokenized further: the server and
 its other requests keep running. A ``top_k`` above 2^30 (SGLang's own "every token") means every
 token, and is passed on as that. ``check_input_ids`` refuses token ids outside the vocabulary
-(they failed in the embedding lookup, in the scheduler). Both run in
-``TokenizerManager._validate_one_request`` (``plugin._patch_request_validation``).
+(they failed in the embedding lookup, in the scheduler).
+
+``install()`` (called once per process by the plugin) puts them in SGLang's seams:
+``TokenizerManager._validate_one_request`` runs both; ``GenerateReqInput``'s
+``normalize_batch_and_arguments`` runs the sampling checks before it copies the prompt ``n``
+times, and refuses a list ``rid`` on a single request (it passed there and failed later, HTTP
+500); the OpenAI layer's ``cache_salt``/``extra_key`` type error becomes a 400 (a
+``ValueError``), not a 500.
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ from typing import Any, Optional
 
 # SGLang's "no top-k" value (sampling_params.TOP_K_ALL); larger values overflow its int32 tensor.
 TOP_K_ALL = 1 << 30
+# Samples per request: SGLang copies the prompt n times before anything else (a MemoryError,
+# answered with an empty 400, at n = 2^40; minutes of the tokenizer's time and gigabytes well
+# below that). The bound is generous for best-of-n; more samples go in more requests.
+N_MAX = 1024
 
 # SamplingParams' fields that SGLang fills itself, left out of the message's list of keys.
 _INTERNAL = ("_strs", "_len", "is_normalized")
@@ -72,6 +84,8 @@ def check_sampling_params(sp: Any) -> None:
         v = sp.get(field)
         if v is not None and not (_is_int(v) and v >= low):
             raise _bad(f"sampling_params.{field}", v, f"an integer >= {low}")
+    if (sp.get("n") or 1) > N_MAX:
+        raise _bad("sampling_params.n", sp["n"], f"at most {N_MAX} samples in one request")
     for field in _REALS:
         v = sp.get(field)
         if v is not None and not (isinstance(v, numbers.Real) and not isinstance(v, bool)
@@ -112,9 +126,22 @@ def check_logprob_args(obj: Any, vocab_size: Optional[int]) -> None:
             raise _bad("logprob_start_len", v, "-1 (the output only) or a position >= 0")
 
 
+def check_prompt(obj: Any) -> None:
+    """One prompt per request: ``text`` with ``input_ids`` or ``input_embeds`` is refused, since
+    SGLang would serve the ids (or embeddings) and drop the text without a word.
+    (``input_ids`` with ``input_embeds`` is SGLang's own pairing and passes.)"""
+    if getattr(obj, "text", None) is None:
+        return
+    given = [k for k in ("input_ids", "input_embeds") if getattr(obj, k, None) is not None]
+    if given:
+        raise ValueError(f"give the prompt once: text or {' or '.join(given)}, not both "
+                         f"(the request has text and {' and '.join(given)})")
+
+
 def check_request(obj: Any, vocab_size: Optional[int]) -> None:
     """Every check above on one request of SGLang's (``GenerateReqInput``; an embedding request
     has no sampling to check)."""
+    check_prompt(obj)
     sp = getattr(obj, "sampling_params", None)
     for one in (sp if isinstance(sp, list) else [sp]):
         check_sampling_params(one)
@@ -144,3 +171,59 @@ def check_input_ids(input_ids: Any, vocab_size: int) -> None:
             raise ValueError(
                 f"input_ids contains token id {int(bad)} outside the model's vocabulary: "
                 f"allowed ids are in [0, {vocab_size})")
+
+
+# ----------------------------------------------------------------------------- SGLang's seams
+def _wrap(cls, name: str, make) -> None:
+    """Replace ``cls.name`` by ``make(original)``, once (a second call leaves it)."""
+    orig = getattr(cls, name)
+    if not getattr(orig, "_prr_wrapped", False):
+        new = make(orig)
+        new._prr_wrapped = True
+        setattr(cls, name, new)
+
+
+def _validating(orig):
+    def _validate_one_request(self, obj, input_ids):
+        vocab = getattr(getattr(self, "model_config", None), "vocab_size", None)
+        if vocab:
+            check_input_ids(input_ids, int(vocab))
+        check_request(obj, int(vocab) if vocab else None)
+        return orig(self, obj, input_ids)
+    return _validate_one_request
+
+
+def _normalizing(orig):
+    def normalize_batch_and_arguments(self):
+        sp = self.sampling_params
+        for one in (sp if isinstance(sp, list) else [sp]):
+            check_sampling_params(one)
+        orig(self)
+        if self.is_single and self.rid is not None and not isinstance(self.rid, str):
+            raise _bad("rid", self.rid, "a string for a single request")
+    return normalize_batch_and_arguments
+
+
+def _extra_key_as_value_error(orig):
+    def _compute_extra_key(self, request):
+        try:
+            return orig(self, request)
+        except TypeError as e:  # a wrong type in the request, not a server fault
+            raise ValueError(str(e)) from None
+    return _compute_extra_key
+
+
+def install() -> None:
+    """Put the checks in SGLang's seams (idempotent); a seam SGLang lacks is skipped."""
+    try:
+        from sglang.srt.managers.io_struct import GenerateReqInput
+        from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    except Exception:  # pragma: no cover - SGLang without its request types
+        return
+    _wrap(TokenizerManager, "_validate_one_request", _validating)
+    _wrap(GenerateReqInput, "normalize_batch_and_arguments", _normalizing)
+    try:
+        from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
+    except Exception:  # pragma: no cover - no OpenAI layer
+        return
+    _wrap(OpenAIServingBase, "_compute_extra_key", _extra_key_as_value_error)

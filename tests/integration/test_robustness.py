@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def demo_config(demo_model):
 
 
 def test_check_input_ids_names_the_bad_id():
-    from sglang_prr.serving.plugin import check_input_ids
+    from sglang_prr.serving.requests import check_input_ids
 
     check_input_ids([0, 5, VOCAB - 1], VOCAB)  # the edges are fine
     check_input_ids([[1, 2], [3]], VOCAB)
@@ -85,6 +86,52 @@ def test_request_validation_patch_is_idempotent():
 
     with pytest.raises(ValueError, match="999999"):
         first(_TM(), None, BAD_IDS[0])
+
+
+def test_a_huge_n_is_refused_before_the_prompt_is_copied():
+    """SGLang copies the prompt n times in ``normalize_batch_and_arguments``, before
+    ``_validate_one_request``: n = 2^40 was a MemoryError there (an empty 400). The check runs
+    first; the control, n at the bound, expands."""
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from sglang_prr.serving import plugin
+    from sglang_prr.serving.requests import N_MAX
+
+    plugin._patch_request_validation()
+    plugin._patched.discard("request_validation")
+    plugin._patch_request_validation()
+    assert getattr(GenerateReqInput.normalize_batch_and_arguments, "_prr_wrapped", False)
+    for n in (2 ** 40, N_MAX + 1):
+        req = GenerateReqInput(text="hi", sampling_params={"n": n, "max_new_tokens": 1})
+        with pytest.raises(ValueError, match=f"sampling_params.n must be at most {N_MAX}"):
+            req.normalize_batch_and_arguments()
+    ok = GenerateReqInput(text="hi", sampling_params={"n": N_MAX, "max_new_tokens": 1})
+    ok.normalize_batch_and_arguments()
+    assert ok.batch_size == 1 and len(ok.text) == N_MAX
+
+
+def test_a_list_rid_on_one_request_and_a_list_cache_key_are_400s():
+    """A single request with a list ``rid`` passed normalization and failed later (HTTP 500,
+    "unhashable type"); a list ``cache_salt``/``extra_key`` was a TypeError in the OpenAI layer
+    (500). Both are ValueErrors now (SGLang answers 400); the controls pass."""
+    from types import SimpleNamespace
+
+    from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
+    from sglang.srt.managers.io_struct import GenerateReqInput
+
+    from sglang_prr.serving import requests as request_checks
+
+    request_checks.install()
+    with pytest.raises(ValueError, match="rid must be a string"):
+        GenerateReqInput(text="hi", rid=["x"]).normalize_batch_and_arguments()
+    GenerateReqInput(text="hi", rid="x").normalize_batch_and_arguments()
+    batch = GenerateReqInput(text=["a", "b"], rid=["x", "y"])
+    batch.normalize_batch_and_arguments()
+    assert batch.rid == ["x", "y"]
+    key = OpenAIServingBase._compute_extra_key
+    with pytest.raises(ValueError, match="extra_key must be a string"):
+        key(None, SimpleNamespace(cache_salt=None, extra_key=["x"]))
+    assert key(None, SimpleNamespace(cache_salt="s", extra_key="k")) == "sk"
 
 
 def _post(server, path, body):
@@ -170,6 +217,48 @@ def test_arguments_that_stopped_the_scheduler_get_400_and_the_server_survives(pr
     ok = _post(prr_server, "/generate", gen(return_logprob=True, top_logprobs_num=vocab,
                                             logprob_start_len=-1))
     assert ok.status_code == 200, ok.text[:300]
+
+
+@pytest.mark.server
+def test_bodies_that_gave_500_get_400_and_constrained_decoding_runs_on_cpu(prr_server):
+    """Bodies SGLang 0.5.17 answered with 500 (a chat body that is not an object, a
+    response_format that is not one, a body nested thousands deep, a list rid or cache key, an n
+    of 2^40), validation messages that echoed the whole body with the endpoint's file and line,
+    a prompt given as text and ids (the text was dropped), and a regex-constrained request, which
+    stopped a CPU server."""
+    url = prr_server.url
+    hdr = {"Content-Type": "application/json"}
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4, "temperature": 0}
+    deep = "[" * 5000 + "]" * 5000
+    cases = [
+        ("/v1/chat/completions", "[]", "JSON object"),
+        ("/v1/chat/completions", "null", "JSON object"),
+        ("/v1/chat/completions", json.dumps({**chat, "response_format": 5}),
+         "body.response_format"),
+        ("/generate", '{"text": %s}' % deep, "body.text"),
+        ("/v1/completions", '{"prompt": %s}' % deep, "body.prompt"),
+        ("/generate", json.dumps({"text": "x" * 50000, "sampling_params": 3}),
+         "body.sampling_params"),
+        ("/generate", json.dumps({"text": "hello", "input_ids": [1, 2, 3]}), "not both"),
+        ("/generate", json.dumps({"text": "hi", "rid": ["x"]}), "rid must be a string"),
+        ("/v1/chat/completions", json.dumps({**chat, "rid": ["x"]}), "rid must be a string"),
+        ("/v1/chat/completions", json.dumps({**chat, "extra_key": ["x"]}), "extra_key"),
+        ("/v1/chat/completions", json.dumps({**chat, "n": 2 ** 40}), "sampling_params.n"),
+    ]
+    for path, body, field in cases:
+        r = requests.post(url + path, data=body, headers=hdr, timeout=120)
+        assert r.status_code == 400, (path, body[:80], r.status_code, r.text[:300])
+        assert field in r.text and len(r.text) < 2000 and ".py" not in r.text, r.text[:300]
+        assert prr_server.healthy(), (path, body[:80])
+    # constrained decoding: the answer matches the regex; unconstrained (the control) it need not
+    r = _post(prr_server, "/v1/chat/completions", {**chat, "max_tokens": 8,
+                                                   "regex": "[0-9]{3}"})
+    assert r.status_code == 200, r.text[:300]
+    assert re.fullmatch("[0-9]{3}", r.json()["choices"][0]["message"]["content"]), r.text[:300]
+    free = _post(prr_server, "/v1/chat/completions", chat).json()
+    assert not re.fullmatch("[0-9]{3}", free["choices"][0]["message"]["content"])
+    assert prr_server.healthy()
 
 
 # --------------------------------------------------------------- 2. K and |P| capped at the context

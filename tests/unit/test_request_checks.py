@@ -30,7 +30,7 @@ class Req:
     ("temperature", "hot", 0.7), ("temperature", float("nan"), 0), ("top_p", None, 0.9),
     ("top_k", 0, 1), ("top_k", 2.0, 2), ("top_k", -2, -1), ("stop", "", "x"),
     ("stop", ["a", ""], ["a", "b"]), ("stop", [3], ["3"]), ("stop_regex", "(", "a+"),
-    ("stream_interval", 0, 1),
+    ("stream_interval", 0, 1), ("n", 1025, 1024), ("n", 2 ** 40, 7),
 ])
 def test_each_bad_sampling_value_is_refused_by_name(field, bad, good):
     if bad is not None:
@@ -80,3 +80,29 @@ def test_logprob_arguments():
     check_request(Req({}, return_logprob=False, top_logprobs_num=10 ** 6), VOCAB)
     with pytest.raises(ValueError, match="sampling_params.n"):
         check_request(Req([{}, {"n": 0}]), VOCAB)
+
+
+class Prompt:
+    def __init__(self, **kw):
+        self.text, self.input_ids, self.input_embeds = (kw.get(k) for k in
+                                                        ("text", "input_ids", "input_embeds"))
+        self.sampling_params = None
+
+
+@pytest.mark.parametrize("given", [("text", "input_ids"), ("text", "input_embeds"),
+                                   ("text", "input_ids", "input_embeds")])
+def test_a_prompt_given_twice_is_refused(given):
+    """SGLang serves the ids and drops the text without a word: the request is refused, naming
+    both; an empty text counts as given."""
+    values = {"text": "", "input_ids": [1, 2], "input_embeds": [[0.0]]}
+    with pytest.raises(ValueError, match="not both") as e:
+        check_request(Prompt(**{k: values[k] for k in given}), VOCAB)
+    assert all(k in str(e.value) for k in given)
+
+
+@pytest.mark.parametrize("given", [("text",), ("input_ids",), ("input_embeds",),
+                                   ("input_ids", "input_embeds")])
+def test_one_prompt_passes(given):
+    """The control: one prompt (or SGLang's own ids-with-embeddings pairing) passes."""
+    values = {"text": "hi", "input_ids": [1, 2], "input_embeds": [[0.0]]}
+    check_request(Prompt(**{k: values[k] for k in given}), VOCAB)
