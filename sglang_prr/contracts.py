@@ -8,8 +8,10 @@ check, so they accept and refuse the same inputs.
 
 What the checks cannot see (values) has a defined result instead, in both implementations:
 block ids outside ``[0, NB)`` and entries past a list's count are ignored, counts are clamped to
-``[0, width]``, ``nblk`` past the table's width is clamped to it, and K/V slots at or past a
-request's length are never read into the arithmetic (a NaN there does not reach the output).
+``[0, width]``, ``nblk`` past the table's width is clamped to it, K/V slots at or past a
+request's length are never read into the arithmetic (a NaN there does not reach the output), and
+a request slot (``rows``, ``p_rows``, ``idx_rows``) outside its pool's ``[0, R)`` is row 0,
+SGLang's padding row (``reference.pool_rows``): never memory past the pool.
 
 The shared rules live in ``contracts_base``, the predictor's and the calibration's checks in
 ``contracts_predictor`` and InfLLM-v2's in ``contracts_infllm``; this module holds the attention

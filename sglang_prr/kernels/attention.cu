@@ -43,7 +43,7 @@ block_attn_kernel(AttnArgs a, int nq) {
   const int G = a.Hq / a.Hk;
   const int tid = threadIdx.x;
   const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;
-  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
+  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, a.idx_rows_n, b) * a.Hk + hk;
   // Every load that needs only the list's row goes out at once (one round trip, not three): the
   // count, this CTA's entry, the request's length and the first earlier entries (the repeat
   // check). The list is as wide as the grid, so entry n exists whatever the count.

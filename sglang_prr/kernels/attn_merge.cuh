@@ -65,8 +65,8 @@ __device__ __forceinline__ MergeLoads merge_loads(const AttnArgs& a, int b, int 
   const MergeShape m(a);
   const int tid = threadIdx.x;
   const int64_t row = (int64_t)b * a.Hk + hk;
-  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
-  const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
+  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, a.idx_rows_n, b) * a.Hk + hk;
+  const int64_t prow = slot_of(a.p_rows, a.p_rows64, a.p_rows_n, b) * a.Hk + hk;
   MergeLoads l;
   l.sl = ld_index(a.seq_lens, b, a.seq64);
   l.c2_raw = a.cnt[lrow];
@@ -87,8 +87,8 @@ __device__ void merge_stage_lists(const AttnArgs& a, int b, int hk, const MergeL
   const bool filt = m.filt;
   const int tid = threadIdx.x;
   const int64_t row = (int64_t)b * a.Hk + hk;
-  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, b) * a.Hk + hk;
-  const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
+  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, a.idx_rows_n, b) * a.Hk + hk;
+  const int64_t prow = slot_of(a.p_rows, a.p_rows64, a.p_rows_n, b) * a.Hk + hk;
   const MergeArrays arr(smem, m);
   int* const s_list = arr.list;
   int* const s_p = arr.p;

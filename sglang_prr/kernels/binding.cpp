@@ -179,6 +179,7 @@ std::tuple<Tensor, Tensor> sparse_attn_partials(const Tensor& q_in, const Tensor
                               "sparse_attn_partials");
   // With idx_rows the lists are pool rows [R, Hk, N]; the partials stay [B, Hq, N, ...].
   a.idx_rows = slots_ptr(idx_rows, q.size(0), a.idx_rows64, rows, "sparse_attn_partials");
+  a.idx_rows_n = idx.size(0);
   check_launch(prr::launch_sparse_attn_partials(a, stream()), "sparse_attn_partials");
   return std::make_tuple(o, lse);
 }
@@ -232,6 +233,7 @@ std::tuple<Tensor, Tensor> sparse_attn_merge(
                   " entries but o_spec has ", a.N1);
       a.p_idx = pi.data_ptr<int32_t>(); a.p_cnt = pc.data_ptr<int32_t>();
       a.p_rows = slots_ptr(p_rows, B, a.p_rows64, pr, "sparse_attn_merge");
+      a.p_rows_n = pi.size(0);
     }
   }
   a.sem = group_counters(q, kCntAttnMerge, B * a.Hk, "sparse_attn_merge");
@@ -342,6 +344,7 @@ std::tuple<Tensor, Tensor> set_difference(const Tensor& a_idx_in, const Tensor& 
   if (p_rows_in.has_value()) {
     p_rows = p_rows_in->contiguous();
     a.p_rows = p_rows.data_ptr(); a.p_rows64 = index64(p_rows, "p_rows");
+    a.p_rows_n = p_idx.size(0);
   }
   if (stats.has_value()) {
     TORCH_CHECK(stats->scalar_type() == at::kLong && stats->is_contiguous() &&
@@ -533,6 +536,7 @@ void predict_common(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& 
   Tensor rows, prows;
   a.rows = slots_ptr(rows_in, B, a.rows64, rows, "predict_update");
   a.p_rows = slots_ptr(p_rows_in, B, a.p_rows64, prows, "predict_update");
+  a.rows_n = level.size(0); a.p_rows_n = idx.size(0);
   if (!rows_in.has_value())
     TORCH_CHECK(level.size(0) == B, "predict_update: level has ", level.size(0), " rows, scores ",
                 B);

@@ -341,9 +341,17 @@ __device__ __forceinline__ bool occurs_in(const int* list, int n, int x) {
   return hit != 0;
 }
 
-// Row of a per-request list: b, or the request slot rows[b] when the list lives in the pool.
-__device__ __forceinline__ int64_t slot_of(const void* rows, bool rows64, int b) {
-  return rows ? ld_index(rows, b, rows64) : (int64_t)b;
+// A request slot of a pool of n rows. A slot outside [0, n) (a caller's error: SGLang's slots
+// never are) is row 0, SGLang's padding row, whose state no request reads: a bad slot reads and
+// writes that row, never memory past the pool (the reference's rule, reference.paging.pool_rows).
+__device__ __forceinline__ int64_t pool_row(int64_t r, int64_t n) {
+  return (r >= 0 && r < n) ? r : 0;
+}
+
+// Row of a per-request list: b, or the request slot rows[b] when the list lives in a pool of n
+// rows (pool_row).
+__device__ __forceinline__ int64_t slot_of(const void* rows, bool rows64, int64_t n, int b) {
+  return rows ? pool_row(ld_index(rows, b, rows64), n) : (int64_t)b;
 }
 
 

@@ -38,7 +38,8 @@ predict_update_kernel(PredictArgs a) {
       ld_index_raw(a.rows ? a.rows : a.nblk, b, a.rows ? a.rows64 : a.nblk64);
   const RawIndex nb_raw = ld_index_raw(a.nblk, b, a.nblk64);
   const RawIndex nbn_raw = ld_index_raw(a.nblk_next, b, a.nblk_next64);
-  const int64_t srow = a.rows ? index_of(row_raw, a.rows64) : (int64_t)b;  // the state row
+  // the state row (a slot outside the pool is its padding row 0: pool_row)
+  const int64_t srow = a.rows ? pool_row(index_of(row_raw, a.rows64), a.rows_n) : (int64_t)b;
   const int64_t row = srow * a.Hk + hk;
   const int64_t brow = (int64_t)b * a.Hk + hk;        // this step's scores
   RawIndex ninit_raw = ld_index_raw(a.n_init, srow, a.ninit64);
@@ -107,7 +108,8 @@ predict_update_kernel(PredictArgs a) {
     i0 += kPer * kTopkThreads;
   } while (i0 < L);
   topk_mask<kTopkThreads>(s_key, L, nbn, a.k, keep_lo, keep_hi);
-  const int64_t prow = (a.p_rows ? slot_of(a.p_rows, a.p_rows64, b) : srow) * a.Hk + hk;
+  const int64_t prow =
+      (a.p_rows ? slot_of(a.p_rows, a.p_rows64, a.p_rows_n, b) : srow) * a.Hk + hk;
   write_list<kTopkThreads>(s_key, L, 1u, a.idx + prow * a.n_out, a.n_out, a.cnt + prow);
   if (last_of_group(a.sem + b, gridDim.x) && tid == 0) {
     if (a.ninit64) reinterpret_cast<long long*>(a.n_init)[srow] = ninit_new;

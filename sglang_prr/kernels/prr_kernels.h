@@ -28,7 +28,7 @@ struct AttnArgs {
   const int32_t* idx; const int32_t* cnt;                    // [B, Hk, N], [B, Hk]
   // Optional request slots [B]: idx/cnt are then rows idx_rows[b] of [R, Hk, N] / [R, Hk]
   // (the speculative pass reads P straight from the request pool's predictor state).
-  const void* idx_rows; bool idx_rows64;
+  const void* idx_rows; bool idx_rows64; int64_t idx_rows_n;  // n: R (pool_row's bound)
   float* o; float* lse;                                      // [B, Hq, N, D], [B, Hq, N]
   int B, Hq, Hk, N, D, page_size;
   float sm_scale;
@@ -38,7 +38,7 @@ struct AttnArgs {
   int* sem;                                                  // [B * Hk] zeroed counters
   const float* o1; const float* lse1; int N1;
   const int32_t* p_idx; const int32_t* p_cnt;                // [B, Hk, N1], [B, Hk]
-  const void* p_rows; bool p_rows64;                         // optional slots of p_idx/p_cnt
+  const void* p_rows; bool p_rows64; int64_t p_rows_n;       // optional slots of p_idx/p_cnt
   const int32_t* a_idx; const int32_t* a_cnt; int Na;        // [B, Hk, Na] ascending, [B, Hk]
   bool p_exact;  // with p_idx: keep only P n A (else P u A); a repeated id of P counts once
   void* out_o; int out_dtype; float* out_lse;                // [B, Hq, D] (f32/f16/bf16), [B, Hq] or null
@@ -107,7 +107,7 @@ struct SelectArgs {
   const void* nblk; bool nblk64;                          // [B]
   float* scores;                                          // [B, Hk, NB]
   const int32_t* p_idx; const int32_t* p_cnt; int Np;     // P (nullptr: M = A)
-  const void* p_rows; bool p_rows64;                      // optional slots of p_idx/p_cnt
+  const void* p_rows; bool p_rows64; int64_t p_rows_n;    // optional slots of p_idx/p_cnt
   const bool* dense_row;                                  // [B] optional: A = every block
   // Optional counters [4] (sum |A|, sum |M|, sum |P|, rows) over the (b, hk) rows that are not
   // dense: PRR's statistics, accumulated by the kernel that already knows them.
@@ -119,11 +119,11 @@ struct SelectArgs {
   // theta [R, 3]; P(t+1) (n_pred predicted + kept blocks at nblk_next) goes to rows p_out_rows
   // of p_out_idx [., Hk, Np_out] / p_out_cnt [., Hk] (may be P's own tensors: P(t) is read
   // first, by the same CTA).
-  const void* rows; bool rows64;
+  const void* rows; bool rows64; int64_t rows_n;
   float* level; float* trend; void* n_init; bool ninit64;
   const float* theta; int64_t theta_stride;
   const void* nblk_next; bool nblk_next64;
-  const void* p_out_rows; bool p_out_rows64;
+  const void* p_out_rows; bool p_out_rows64; int64_t p_out_rows_n;
   int32_t* p_out_idx; int32_t* p_out_cnt; int Np_out;
   int n_pred;
   int* req_sem;                                           // [B] zeroed counters (n_init)
@@ -164,13 +164,13 @@ int max_select_group_dim();  // largest G * D of quest_select (shared-memory bou
 struct PredictArgs {
   // State rows: b, or rows[b] when rows is set (level/trend [R, Hk, NB], n_init [R], theta
   // [R, 3], idx/cnt [R, Hk, n_out] / [R, Hk]: the request pool's state, updated in place).
-  const void* rows; bool rows64;
+  const void* rows; bool rows64; int64_t rows_n;  // rows_n: R (pool_row's bound)
   float* level; float* trend; void* n_init; bool ninit64;  // [B, Hk, NB], [B]
   const float* scores;                                     // [B, Hk, NB]
   const void* nblk; bool nblk64; const void* nblk_next; bool nblk_next64;  // [B]
   const float* theta; int64_t theta_stride;                // [B, 3] (alpha, beta, gamma)
   int32_t* idx; int32_t* cnt; int n_out;                   // [B, Hk, n_out], [B, Hk]
-  const void* p_rows; bool p_rows64;                       // optional rows of idx/cnt (else rows)
+  const void* p_rows; bool p_rows64; int64_t p_rows_n;     // optional rows of idx/cnt (else rows)
   int* sem;                                                // [B] zeroed counters
   int B, Hk, NB, k, sink, local;
 };
@@ -184,7 +184,7 @@ struct SetDiffArgs {
   const int32_t* p_idx; const int32_t* p_cnt; int Np;
   int32_t* m_idx; int32_t* m_cnt; int n_out;
   int rows, nb, Hk;
-  const void* p_rows; bool p_rows64;               // [B] or null
+  const void* p_rows; bool p_rows64; int64_t p_rows_n;  // [B] or null; n: P's rows
   unsigned long long* stats;                       // [kNumStatSlots] or null
   const bool* dense_row;                           // [B] or null
 };

@@ -65,6 +65,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
   }
   Tensor prw, dr, rows, nbn, orows;
   a.p_rows = slots_ptr(p_rows, B, a.p_rows64, prw, op);
+  a.p_rows_n = pi.defined() ? pi.size(0) : 0;  // no P: no slot is read
   if (dense_row.has_value()) {
     dr = dense_row->contiguous();
     TORCH_CHECK(dr.scalar_type() == at::kBool && dr.numel() == B,
@@ -129,12 +130,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
                 op, ": p_idx/p_cnt must be contiguous int32 with at least ",
                 pr->n_pred + sink + local, " entries");
     a.rows = slots_ptr(*pr->rows, B, a.rows64, rows, op);
+    a.rows_n = level.size(0);
     a.level = level.data_ptr<float>(); a.trend = trend.data_ptr<float>();
     a.n_init = n_init.data_ptr(); a.ninit64 = index64(n_init, "n_init");
     a.theta = pr->theta->data_ptr<float>(); a.theta_stride = pr->theta->stride(0);
     nbn = pr->nblk_next->contiguous();
     a.nblk_next = nbn.data_ptr(); a.nblk_next64 = index64(nbn, "nblk_next");
     a.p_out_rows = slots_ptr(*pr->p_out_rows, B, a.p_out_rows64, orows, op);
+    a.p_out_rows_n = po.size(0);
     a.p_out_idx = po.data_ptr<int32_t>(); a.p_out_cnt = pco.data_ptr<int32_t>();
     a.Np_out = (int)po.size(-1);
     a.n_pred = (int)pr->n_pred;

@@ -180,7 +180,7 @@ quest_select_onepass_kernel(SelectArgs a) {
       a.new_k ? new_key_block_at(index_of(pos_raw, a.new_pos64), a.page_size, first_tok) : -1;
   // the update's page (new_key_page's value)
   const int64_t wpage = a.new_loc ? slot_page(index_of(loc_raw, a.new_loc64), a.page_size) : -1;
-  const int64_t srow = pred ? slot_of(a.rows, a.rows64, b) : 0;
+  const int64_t srow = pred ? slot_of(a.rows, a.rows64, a.rows_n, b) : 0;
   float al = 0.f, be = 0.f, gam = 0.f;
   int ninit = 0;
   float l0[PASSES], v0[PASSES];
@@ -340,7 +340,7 @@ quest_select_onepass_kernel(SelectArgs a) {
   // P(t) is an input, not the row's result: every CTA issues its count and first entries before
   // the ticket, so the last CTA's copies arrive with the ticket (a round trip off its tail).
   int pc_raw = 0, p_first = -1;
-  const int64_t prow = a.p_idx ? slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk : 0;
+  const int64_t prow = a.p_idx ? slot_of(a.p_rows, a.p_rows64, a.p_rows_n, b) * a.Hk + hk : 0;
   if (a.p_idx) {
     pc_raw = a.p_cnt[prow];
     if (tid < a.Np) p_first = a.p_idx[prow * a.Np + tid];
@@ -498,7 +498,7 @@ quest_select_onepass_kernel(SelectArgs a) {
                                            a.a_cnt + row, s_alist);
   // P(t+1): [0, sink) ++ top-|P| ++ [nbn - local, nbn), into its own rows.
   if (pred) {
-    const int64_t orow = slot_of(a.p_out_rows, a.p_out_rows64, b) * a.Hk + hk;
+    const int64_t orow = slot_of(a.p_out_rows, a.p_out_rows64, a.p_out_rows_n, b) * a.Hk + hk;
     write_kept_list(s_idp, cp, min(a.sink, nbn), max(a.sink, nbn - a.local), nbn,
                     a.p_out_idx + orow * a.Np_out, a.Np_out, a.p_out_cnt + orow);
   }
@@ -639,13 +639,13 @@ cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
   if (e != cudaSuccess || !a.level) return e;
   // The predictor's own kernel, after the scores (sizes the one-pass kernel does not take).
   PredictArgs p{};
-  p.rows = a.rows; p.rows64 = a.rows64;
+  p.rows = a.rows; p.rows64 = a.rows64; p.rows_n = a.rows_n;
   p.level = a.level; p.trend = a.trend; p.n_init = a.n_init; p.ninit64 = a.ninit64;
   p.scores = a.scores; p.nblk = a.nblk; p.nblk64 = a.nblk64;
   p.nblk_next = a.nblk_next; p.nblk_next64 = a.nblk_next64;
   p.theta = a.theta; p.theta_stride = a.theta_stride;
   p.idx = a.p_out_idx; p.cnt = a.p_out_cnt; p.n_out = a.Np_out;
-  p.p_rows = a.p_out_rows; p.p_rows64 = a.p_out_rows64;
+  p.p_rows = a.p_out_rows; p.p_rows64 = a.p_out_rows64; p.p_rows_n = a.p_out_rows_n;
   p.sem = a.req_sem;
   p.B = a.B; p.Hk = a.Hk; p.NB = a.NB; p.k = a.n_pred; p.sink = a.sink; p.local = a.local;
   return launch_predict_update(p, s);

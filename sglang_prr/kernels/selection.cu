@@ -200,7 +200,7 @@ __device__ void select_row_tail(const SelectArgs& a, int b, int hk, int nb, uint
   // Mark the selected blocks that P holds (bit 1): M = selected without that bit.
   int pc = 0;
   if (a.p_idx) {
-    const int64_t prow = slot_of(a.p_rows, a.p_rows64, b) * a.Hk + hk;
+    const int64_t prow = slot_of(a.p_rows, a.p_rows64, a.p_rows_n, b) * a.Hk + hk;
     pc = min(max(a.p_cnt[prow], 0), a.Np);
     for (int i = tid; i < pc; i += kSelThreads) {
       const int x = a.p_idx[prow * a.Np + i];
@@ -332,7 +332,8 @@ set_difference_kernel(SetDiffArgs a) {
   for (int w = tid; w < W; w += kSetThreads) s_bits[w] = 0;
   __syncthreads();
   const int b = row / a.Hk;
-  const int64_t prow = a.p_rows ? slot_of(a.p_rows, a.p_rows64, b) * a.Hk + row % a.Hk : row;
+  const int64_t prow =
+      a.p_rows ? slot_of(a.p_rows, a.p_rows64, a.p_rows_n, b) * a.Hk + row % a.Hk : row;
   const int ca = a.a_cnt[row], cp = a.p_cnt[prow];
   for (int i = tid; i < a.Na && i < ca; i += kSetThreads) {
     const int x = a.a_idx[(int64_t)row * a.Na + i];

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .paging import (NEG_INF, expand_heads, list_isin, mask_to_list, num_blocks,
+from .paging import (NEG_INF, expand_heads, list_isin, mask_to_list, num_blocks, pool_rows,
                      repeated_entries)
 
 
@@ -37,7 +37,8 @@ def sparse_attn_partials(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor,
     padding entries are ``(0, -inf)``.
     """
     if idx_rows is not None:
-        idx, cnt = idx[idx_rows.long()], cnt[idx_rows.long()]
+        r = pool_rows(idx_rows, idx.shape[0])
+        idx, cnt = idx[r], cnt[r]
     B, Hq, D = q.shape
     Hk, N = idx.shape[1], idx.shape[2]
     G = Hq // Hk
@@ -129,7 +130,8 @@ def sparse_attn_merge(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, se
         o, lse = merge_partials(o_r, lse_r)
     else:
         if p_rows is not None and p_idx is not None:
-            p_idx, p_cnt = p_idx[p_rows.long()], p_cnt[p_rows.long()]
+            r = pool_rows(p_rows, p_idx.shape[0])
+            p_idx, p_cnt = p_idx[r], p_cnt[r]
         o, lse = prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb, exact)
     return (o if out_dtype is None else o.to(out_dtype)), lse
 

@@ -17,6 +17,15 @@ def num_blocks(seq_lens: Tensor, page_size: int) -> Tensor:
     return (seq_lens.long() + page_size - 1) // page_size
 
 
+def pool_rows(rows: Tensor, n: int) -> Tensor:
+    """Request slots ``rows: [B]`` of a pool of ``n`` rows, as int64. A slot outside ``[0, n)``
+    (a caller's error: SGLang's slots never are) is row 0, SGLang's padding row, whose state no
+    request reads: a bad slot reads and writes that row, never past the pool (the kernels'
+    ``pool_row``). Python's negative indexing would have read another request's row."""
+    r = rows.long()
+    return torch.where((r >= 0) & (r < n), r, torch.zeros_like(r))
+
+
 def block_table(req_to_token: Tensor, req_pool_indices: Tensor, page_size: int) -> Tensor:
     """Page id of every block of every request.
 

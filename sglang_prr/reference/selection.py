@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .paging import NEG_INF, kept_mask, mask_to_list, set_difference
+from .paging import NEG_INF, kept_mask, mask_to_list, pool_rows, set_difference
 
 
 def select_topk(scores: Tensor, nblk: Tensor, k: int, sink_blocks: int, local_blocks: int,
@@ -61,7 +61,8 @@ def set_difference_counted(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: T
     ``[R, Hk, Np]`` / ``[R, Hk]`` (None: P is ``[B, ...]``), and, with ``stats``, the step's
     counters of A, M and P accumulated (``accumulate_stats``, ``dense_row: [B]`` rows left out)."""
     if p_rows is not None:
-        p_idx, p_cnt = p_idx[p_rows.long()], p_cnt[p_rows.long()]
+        r = pool_rows(p_rows, p_idx.shape[0])
+        p_idx, p_cnt = p_idx[r], p_cnt[r]
     m_idx, m_cnt = set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
     if stats is not None:
         accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
