@@ -10,8 +10,10 @@ What the checks cannot see (values) has a defined result instead, in both implem
 block ids outside ``[0, NB)`` and entries past a list's count are ignored, counts are clamped to
 ``[0, width]``, ``nblk`` past the table's width is clamped to it, K/V slots at or past a
 request's length are never read into the arithmetic (a NaN there does not reach the output), and
-a request slot (``rows``, ``p_rows``, ``idx_rows``) outside its pool's ``[0, R)`` is row 0,
-SGLang's padding row (``reference.pool_rows``): never memory past the pool.
+an index outside its pool is 0, SGLang's padding row, page or slot (``reference.in_pool``):
+request slots (``rows``, ``p_rows``, ``idx_rows``, ``req_idx``), a table's page ids, and KV slots
+(``out_loc``, ``new_loc``, ``req_to_token``'s), and a position past a ``req_to_token`` row (read
+at its column 0). Never memory past a pool.
 
 The shared rules live in ``contracts_base``, the predictor's and the calibration's checks in
 ``contracts_predictor`` and InfLLM-v2's in ``contracts_infllm``; this module holds the attention

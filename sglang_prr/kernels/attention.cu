@@ -64,7 +64,7 @@ block_attn_kernel(AttnArgs a, int nq) {
   int ntok = 0;
   int64_t page = 0;
   if (n < c && !repeat && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
-    page = ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64);
+    page = in_pool(ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64), a.num_pages);
     const int64_t rem = sl - (int64_t)blk * a.page_size;
     ntok = clamp_count(rem, a.page_size);
   }

@@ -156,6 +156,7 @@ prr::AttnArgs attn_args(const Tensor& q, const Tensor& k_buf, const Tensor& v_bu
   a.v_stride_slot = v_buf.stride(0); a.v_stride_head = v_buf.stride(1);
   a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
   a.NB = (int)table.size(1);
+  a.num_pages = k_buf.size(0) / page_size;
   a.seq_lens = sl.data_ptr(); a.seq64 = index64(sl, "seq_lens");
   a.idx = idx.data_ptr<int32_t>(); a.cnt = cnt.data_ptr<int32_t>();
   a.o = o.data_ptr<float>(); a.lse = lse.data_ptr<float>();
@@ -255,6 +256,7 @@ Tensor quest_scores(const Tensor& q_in, const Tensor& kmin, const Tensor& kmax,
   prr::QuestArgs a{};
   a.q = q.data_ptr(); a.q_dtype = dtype_code(q); a.q_stride = q.stride(0);
   a.kmin = kmin.data_ptr(); a.kmax = kmax.data_ptr(); a.s_dtype = s_dtype;
+  a.num_pages = kmin.size(0);
   a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
   a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
   a.out = out.data_ptr<float>();
@@ -585,6 +587,7 @@ void quest_update(Tensor& kmin, Tensor& kmax, const Tensor& k_in, const Tensor& 
                positions = positions_in.contiguous();
   prr::QuestUpdateArgs a{};
   a.kmin = kmin.data_ptr(); a.kmax = kmax.data_ptr(); a.s_dtype = s_dtype;
+  a.num_pages = kmin.size(0);
   a.k = k.data_ptr(); a.k_dtype = dtype_code(k);
   a.out_loc = out_loc.data_ptr(); a.loc64 = index64(out_loc, "out_loc");
   a.positions = positions.data_ptr(); a.pos64 = index64(positions, "positions");

@@ -301,18 +301,27 @@ __device__ __forceinline__ void store4_any(void* base, int64_t off, int dt, floa
   }
 }
 
-// The page a new key in slot `loc` is written to: the slot's page, or page 0 (the padding sink
-// no request reads) for a negative slot, which would else name a page before the pool's start.
-__device__ __forceinline__ int64_t slot_page(int64_t loc, int page_size) {
-  return loc < 0 ? 0 : loc / page_size;
+// An index into a pool of n rows: a request slot, a page id (a table's, or a KV slot's page) or a
+// KV slot. One outside [0, n) (a caller's error: SGLang's never are) is 0, SGLang's padding row,
+// page or slot, which no request reads: a bad index reads and writes there, never memory past the
+// pool (the reference's rule, reference.paging.in_pool).
+__device__ __forceinline__ int64_t in_pool(int64_t r, int64_t n) {
+  return (r >= 0 && r < n) ? r : 0;
+}
+
+// The page of KV slot `loc` in a pool of n_pages pages: the slot's page, or page 0 (the padding
+// sink no request reads) for a slot outside the pool (in_pool; a negative one would else name a
+// page before the pool's start).
+__device__ __forceinline__ int64_t slot_page(int64_t loc, int page_size, int64_t n_pages) {
+  return loc < 0 ? 0 : in_pool(loc / page_size, n_pages);
 }
 
 // The page row b's new key is written to (SelectArgs::new_loc: the page of its slot), or -1 where
 // the launch does not write the summaries. Callers load it beside new_pos (one round trip).
 __device__ __forceinline__ int64_t new_key_page(const void* new_loc, bool loc64, int page_size,
-                                                int b) {
+                                                int64_t n_pages, int b) {
   if (!new_loc) return -1;
-  return slot_page(ld_index(new_loc, b, loc64), page_size);
+  return slot_page(ld_index(new_loc, b, loc64), page_size, n_pages);
 }
 
 // 4 dims of a head's folded bounds stored as the summaries of type S hold them (float32, or
@@ -341,17 +350,10 @@ __device__ __forceinline__ bool occurs_in(const int* list, int n, int x) {
   return hit != 0;
 }
 
-// A request slot of a pool of n rows. A slot outside [0, n) (a caller's error: SGLang's slots
-// never are) is row 0, SGLang's padding row, whose state no request reads: a bad slot reads and
-// writes that row, never memory past the pool (the reference's rule, reference.paging.pool_rows).
-__device__ __forceinline__ int64_t pool_row(int64_t r, int64_t n) {
-  return (r >= 0 && r < n) ? r : 0;
-}
-
 // Row of a per-request list: b, or the request slot rows[b] when the list lives in a pool of n
-// rows (pool_row).
+// rows (in_pool).
 __device__ __forceinline__ int64_t slot_of(const void* rows, bool rows64, int64_t n, int b) {
-  return rows ? pool_row(ld_index(rows, b, rows64), n) : (int64_t)b;
+  return rows ? in_pool(ld_index(rows, b, rows64), n) : (int64_t)b;
 }
 
 

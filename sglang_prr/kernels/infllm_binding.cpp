@@ -75,6 +75,8 @@ void infllm_update(Tensor& ck, const Tensor& k_buf, const Tensor& req_to_token,
   a.positions = positions.data_ptr(); a.pos64 = infllm_index64(positions, "positions");
   a.N = (int)positions.numel(); a.Hk = (int)ck.size(2); a.D = (int)ck.size(3);
   a.page_size = (int)page_size;
+  a.rtt_rows = req_to_token.size(0); a.rtt_cols = req_to_token.size(1);
+  a.num_slots = k_buf.size(0); a.num_pages = ck.size(0);
   infllm_check(prr::launch_infllm_update(a, c10::cuda::getCurrentCUDAStream().stream()),
                "infllm_update");
 }
@@ -104,7 +106,7 @@ Tensor infllm_scores(const Tensor& q_in, const Tensor& ck, const Tensor& table,
   auto stats = at::empty({B, Hq, NC, 2}, q.options().dtype(at::kFloat));
   prr::InfllmScoresArgs a{};
   a.q = q.data_ptr(); a.q_dtype = infllm_dtype(q, "q");
-  a.ck = ck.data_ptr<float>();
+  a.ck = ck.data_ptr<float>(); a.num_pages = ck.size(0);
   a.table = table.data_ptr(); a.table64 = infllm_index64(table, "table");
   a.table_stride = table.stride(0);
   a.seq_lens = seq_lens.data_ptr(); a.seq64 = infllm_index64(seq_lens, "seq_lens");

@@ -74,15 +74,16 @@ __global__ void __launch_bounds__(kUpdThreads) infllm_update_kernel(InfllmUpdate
   const int64_t pos = ld_index(a.positions, n, a.pos64);
   if (pos < kInfllmWindow - 1 || (pos + 1) % kInfllmStride != 0) return;
   if (threadIdx.x < kInfllmWindow) {
-    const int64_t r = ld_index(a.req_idx, n, a.req64);
-    s_slot[threadIdx.x] = ld_index(a.req_to_token,
-                                 r * a.rtt_stride + pos - (kInfllmWindow - 1) + threadIdx.x, a.rtt64);
+    const int64_t r = in_pool(ld_index(a.req_idx, n, a.req64), a.rtt_rows);
+    const int64_t col = in_pool(pos - (kInfllmWindow - 1) + threadIdx.x, a.rtt_cols);
+    s_slot[threadIdx.x] =
+        in_pool(ld_index(a.req_to_token, r * a.rtt_stride + col, a.rtt64), a.num_slots);
   }
   __syncthreads();
   const int pp = a.page_size / kInfllmStride;
   const int64_t i = (pos - (kInfllmWindow - 1)) / kInfllmStride;
   const int64_t j = i + 1 - (pos / a.page_size) * pp;
-  const int64_t page = ld_index(a.out_loc, n, a.loc64) / a.page_size;
+  const int64_t page = slot_page(ld_index(a.out_loc, n, a.loc64), a.page_size, a.num_pages);
   float* dst = a.ck + (page * pp + j) * a.Hk * a.D;
   const T* kb = reinterpret_cast<const T*>(a.k);
   const int hd8 = a.Hk * a.D / 8;
@@ -161,7 +162,8 @@ infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
   const int64_t pg0 = e0 / pp;
   const int npg = (int)((e_end - 1) / pp - pg0 + 1);
   for (int t = tid; t < npg; t += kScoreThreads)
-    s_page[t] = ld_index(a.table, (int64_t)b * a.table_stride + pg0 + t, a.table64);
+    s_page[t] = in_pool(ld_index(a.table, (int64_t)b * a.table_stride + pg0 + t, a.table64),
+                        a.num_pages);
 
   const int lanes = L * hc;                 // lanes per entry
   const int epp = kScoreThreads / lanes;    // entries per pass
@@ -353,7 +355,7 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
   if (tid == 0) {
     const int n0 = npg < S ? npg : S;
     for (int i = 0; i < n0; ++i) {
-      const int64_t page = ld_index(a.table, trow + i, a.table64);
+      const int64_t page = in_pool(ld_index(a.table, trow + i, a.table64), a.num_pages);
       bulk_load(stage + i * pf, a.ck + page * pf, page_bytes, &bars[i]);
     }
   }
@@ -423,7 +425,7 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
     }
     __syncthreads();  // stage st consumed by every thread
     if (tid == 0 && i + S < npg) {
-      const int64_t page = ld_index(a.table, trow + i + S, a.table64);
+      const int64_t page = in_pool(ld_index(a.table, trow + i + S, a.table64), a.num_pages);
       bulk_load(stage + st * pf, a.ck + page * pf, page_bytes, &bars[st]);
     }
   }

@@ -24,12 +24,15 @@ struct InfllmUpdateArgs {
   const void* out_loc; bool loc64;                  // [N]
   const void* positions; bool pos64;                // [N]
   int N, Hk, D, page_size;
+  // The pools' sizes: a request slot, KV slot or page outside its pool is 0 (in_pool)
+  int64_t rtt_rows, rtt_cols, num_slots, num_pages;
 };
 cudaError_t launch_infllm_update(const InfllmUpdateArgs& a, cudaStream_t s);
 
 struct InfllmScoresArgs {
   const void* q; int q_dtype;                       // [B, Hq, D] contiguous
   const float* ck;                                  // [num_pages, page_size/16, Hk, D] contiguous
+  int64_t num_pages;                                // a page outside it reads page 0 (in_pool)
   const void* table; bool table64; int64_t table_stride;  // [B, NB]
   const void* seq_lens; bool seq64;                 // [B]
   float* logits;                                    // workspace [B, Hq, NB * page_size/16]

@@ -38,8 +38,8 @@ predict_update_kernel(PredictArgs a) {
       ld_index_raw(a.rows ? a.rows : a.nblk, b, a.rows ? a.rows64 : a.nblk64);
   const RawIndex nb_raw = ld_index_raw(a.nblk, b, a.nblk64);
   const RawIndex nbn_raw = ld_index_raw(a.nblk_next, b, a.nblk_next64);
-  // the state row (a slot outside the pool is its padding row 0: pool_row)
-  const int64_t srow = a.rows ? pool_row(index_of(row_raw, a.rows64), a.rows_n) : (int64_t)b;
+  // the state row (a slot outside the pool is its padding row 0: in_pool)
+  const int64_t srow = a.rows ? in_pool(index_of(row_raw, a.rows64), a.rows_n) : (int64_t)b;
   const int64_t row = srow * a.Hk + hk;
   const int64_t brow = (int64_t)b * a.Hk + hk;        // this step's scores
   RawIndex ninit_raw = ld_index_raw(a.n_init, srow, a.ninit64);

@@ -24,11 +24,12 @@ struct AttnArgs {
   int64_t k_stride_slot, k_stride_head, v_stride_slot, v_stride_head;
   const void* table; bool table64; int64_t table_stride;  // [B, NB]
   int NB;                                                    // ids >= NB are padding
+  int64_t num_pages;  // KV pages: a page outside [0, num_pages) reads page 0 (in_pool)
   const void* seq_lens; bool seq64;                          // [B]
   const int32_t* idx; const int32_t* cnt;                    // [B, Hk, N], [B, Hk]
   // Optional request slots [B]: idx/cnt are then rows idx_rows[b] of [R, Hk, N] / [R, Hk]
   // (the speculative pass reads P straight from the request pool's predictor state).
-  const void* idx_rows; bool idx_rows64; int64_t idx_rows_n;  // n: R (pool_row's bound)
+  const void* idx_rows; bool idx_rows64; int64_t idx_rows_n;  // n: R (in_pool's bound)
   float* o; float* lse;                                      // [B, Hq, N, D], [B, Hq, N]
   int B, Hq, Hk, N, D, page_size;
   float sm_scale;
@@ -71,6 +72,7 @@ int64_t probe_timeline_ctas();
 struct QuestArgs {
   const void* q; int q_dtype; int64_t q_stride;  // [B, Hq, D], rows q_stride apart, heads packed
   const void* kmin; const void* kmax;          // [num_pages, Hk, D] contiguous
+  int64_t num_pages;  // a page outside [0, num_pages) is page 0 (in_pool)
   int s_dtype;                                 // kF32 or kBF16 (the summaries' dtype)
   const void* table; bool table64; int64_t table_stride;  // [B, NB]
   const void* nblk; bool nblk64;                          // [B]
@@ -102,6 +104,7 @@ int max_topk_blocks();  // largest NB a row of select_topk may have (shared-memo
 struct SelectArgs {
   const void* q; int q_dtype; int64_t q_stride;  // [B, Hq, D], rows q_stride apart
   const void* kmin; const void* kmax;          // [num_pages, Hk, D] contiguous
+  int64_t num_pages;  // a page outside [0, num_pages) is page 0 (in_pool)
   int s_dtype;                                 // kF32 or kBF16 (the summaries' dtype)
   const void* table; bool table64; int64_t table_stride;  // [B, NB]
   const void* nblk; bool nblk64;                          // [B]
@@ -164,7 +167,7 @@ int max_select_group_dim();  // largest G * D of quest_select (shared-memory bou
 struct PredictArgs {
   // State rows: b, or rows[b] when rows is set (level/trend [R, Hk, NB], n_init [R], theta
   // [R, 3], idx/cnt [R, Hk, n_out] / [R, Hk]: the request pool's state, updated in place).
-  const void* rows; bool rows64; int64_t rows_n;  // rows_n: R (pool_row's bound)
+  const void* rows; bool rows64; int64_t rows_n;  // rows_n: R (in_pool's bound)
   float* level; float* trend; void* n_init; bool ninit64;  // [B, Hk, NB], [B]
   const float* scores;                                     // [B, Hk, NB]
   const void* nblk; bool nblk64; const void* nblk_next; bool nblk_next64;  // [B]
@@ -225,6 +228,7 @@ cudaError_t launch_merge(const MergeArgs& a, cudaStream_t s);
 
 struct QuestUpdateArgs {
   void* kmin; void* kmax;              // [num_pages, Hk, D]
+  int64_t num_pages;                   // a slot outside the pool writes page 0 (slot_page)
   int s_dtype;                         // kF32 or kBF16: bf16 rounds kmin down and kmax up
   const void* k; int k_dtype;          // [N, Hk, D] contiguous
   const void* out_loc; bool loc64; const void* positions; bool pos64;

@@ -52,6 +52,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
   prr::SelectArgs a{};
   a.q = q.data_ptr(); a.q_dtype = dtype_code(q); a.q_stride = q.stride(0);
   a.kmin = kmin.data_ptr(); a.kmax = kmax.data_ptr(); a.s_dtype = s_dtype;
+  a.num_pages = kmin.size(0);
   a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
   a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
   a.scores = scores.data_ptr<float>();

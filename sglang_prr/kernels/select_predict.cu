@@ -179,7 +179,8 @@ quest_select_onepass_kernel(SelectArgs a) {
   const int newest =
       a.new_k ? new_key_block_at(index_of(pos_raw, a.new_pos64), a.page_size, first_tok) : -1;
   // the update's page (new_key_page's value)
-  const int64_t wpage = a.new_loc ? slot_page(index_of(loc_raw, a.new_loc64), a.page_size) : -1;
+  const int64_t wpage =
+      a.new_loc ? slot_page(index_of(loc_raw, a.new_loc64), a.page_size, a.num_pages) : -1;
   const int64_t srow = pred ? slot_of(a.rows, a.rows64, a.rows_n, b) : 0;
   float al = 0.f, be = 0.f, gam = 0.f;
   int ninit = 0;
@@ -223,7 +224,8 @@ quest_select_onepass_kernel(SelectArgs a) {
     for (int p = 0; p < PASSES; ++p) {
       const int blk = ch * kOpChunk + p * BPP + grp;
       if (blk < nb) {
-        const int64_t off = (index_of(page_raw[p], a.table64) * a.Hk + hk) * D + ln * 8;
+        const int64_t page = in_pool(index_of(page_raw[p], a.table64), a.num_pages);
+        const int64_t off = (page * a.Hk + hk) * D + ln * 8;
         rlo[p].load(kmin + off);
         rhi[p].load(kmax + off);
       }

@@ -51,14 +51,16 @@ __device__ __forceinline__ void quest_score_block(const QuestArgs& a, const floa
   bool first_tok;
   const bool newest =
       n == new_key_block(a.new_k, a.new_pos, a.new_pos64, a.page_size, b, first_tok);
-  const int64_t wpage = newest ? new_key_page(a.new_loc, a.new_loc64, a.page_size, b) : -1;
+  const int64_t wpage =
+      newest ? new_key_page(a.new_loc, a.new_loc64, a.page_size, a.num_pages, b) : -1;
   const int64_t nb_b = ld_index(a.nblk, b, a.nblk64);
   float* out = a.out + (int64_t)b * a.Hk * a.NB + n;
   if (n >= nb_b) {
     for (int h = lane; h < a.Hk; h += 32) out[(int64_t)h * a.NB] = -INFINITY;
     return;
   }
-  const int64_t page = ld_index(a.table, (int64_t)b * a.table_stride + n, a.table64);
+  const int64_t page =
+      in_pool(ld_index(a.table, (int64_t)b * a.table_stride + n, a.table64), a.num_pages);
   const int G = a.Hq / a.Hk, D4 = a.D / 4;
   const S* lo = reinterpret_cast<const S*>(a.kmin) + page * a.Hk * a.D;
   const S* hi = reinterpret_cast<const S*>(a.kmax) + page * a.Hk * a.D;
@@ -248,14 +250,17 @@ quest_select_kernel(SelectArgs a) {
   const int base = blockIdx.y * kSelChunk + warp;
   bool first_tok;
   const int newest = new_key_block(a.new_k, a.new_pos, a.new_pos64, a.page_size, b, first_tok);
-  const int64_t wpage = newest >= 0 ? new_key_page(a.new_loc, a.new_loc64, a.page_size, b) : -1;
+  const int64_t wpage =
+      newest >= 0 ? new_key_page(a.new_loc, a.new_loc64, a.page_size, a.num_pages, b) : -1;
   int64_t page[kSelPerWarp];
   bool valid[kSelPerWarp];
 #pragma unroll
   for (int j = 0; j < kSelPerWarp; ++j) {
     const int n = base + j * kSelWarps;
     valid[j] = n < nb;
-    page[j] = valid[j] ? ld_index(a.table, (int64_t)b * a.table_stride + n, a.table64) : 0;
+    page[j] = valid[j] ? in_pool(ld_index(a.table, (int64_t)b * a.table_stride + n, a.table64),
+                                 a.num_pages)
+                       : 0;
   }
   float acc[kSelPerWarp];
 #pragma unroll
@@ -469,6 +474,7 @@ cudaError_t launch_quest_select_split(const SelectArgs& a, cudaStream_t s) {
   q.q = a.q; q.q_dtype = a.q_dtype; q.q_stride = a.q_stride;
   q.kmin = a.kmin; q.kmax = a.kmax; q.s_dtype = a.s_dtype;
   q.table = a.table; q.table64 = a.table64; q.table_stride = a.table_stride;
+  q.num_pages = a.num_pages;
   q.nblk = a.nblk; q.nblk64 = a.nblk64;
   q.out = a.scores;
   q.B = a.B; q.Hq = a.Hq; q.Hk = a.Hk; q.NB = a.NB; q.D = a.D;

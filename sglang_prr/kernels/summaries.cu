@@ -43,7 +43,7 @@ __global__ void quest_reset_kernel(QuestUpdateArgs a) {
   pdl_begin();  // before any global-memory access (PDL)
   const int n = blockIdx.x;
   const int64_t loc = ld_index(a.out_loc, n, a.loc64), pos = ld_index(a.positions, n, a.pos64);
-  const int64_t page = (pos % a.page_size == 0) ? loc / a.page_size : 0;
+  const int64_t page = (pos % a.page_size == 0) ? slot_page(loc, a.page_size, a.num_pages) : 0;
   const int HD = a.Hk * a.D;
   S* kmin = reinterpret_cast<S*>(a.kmin);
   S* kmax = reinterpret_cast<S*>(a.kmax);
@@ -84,7 +84,7 @@ __global__ void quest_decode_update_kernel(QuestUpdateArgs a) {
   pdl_begin();  // before any global-memory access (PDL)
   const int n = blockIdx.x;
   const int64_t loc = ld_index(a.out_loc, n, a.loc64), pos = ld_index(a.positions, n, a.pos64);
-  const int64_t page = loc / a.page_size;
+  const int64_t page = slot_page(loc, a.page_size, a.num_pages);
   const bool first = pos % a.page_size == 0;
   const int HD = a.Hk * a.D;
   for (int e = threadIdx.x * 8; e < HD; e += blockDim.x * 8) {
@@ -128,7 +128,7 @@ __global__ void quest_fold_kernel(QuestUpdateArgs a) {
     float lo[8], hi[8];
     int64_t cur = -1;
     for (int n = n0; n < n1; ++n) {
-      const int64_t page = ld_index(a.out_loc, n, a.loc64) / a.page_size;
+      const int64_t page = slot_page(ld_index(a.out_loc, n, a.loc64), a.page_size, a.num_pages);
       float f[8];
       load8_any(a.k, (int64_t)n * HD + e, a.k_dtype, f);
       if (page != cur) {

@@ -34,7 +34,7 @@ from .attention import (attend_set, dense_attention, merge_partials, merge_state
 from .calibration import best_theta, calib_grid_terms, calibrate, middle_topk_mask, weighted_hit
 from .infllm_v2 import infllm_scores, infllm_update
 from .paging import (NEG_INF, block_table, expand_heads, kept_mask, list_isin, list_to_mask,
-                     mask_to_list, num_blocks, pool_rows, repeated_entries, set_difference)
+                     in_pool, mask_to_list, num_blocks, repeated_entries, set_difference)
 from .predictor import holt_predict, holt_update, predict_set, predict_update, predict_update_rows
 from .quest import quest_scores, quest_select, quest_select_predict, quest_update, round_bf16
 from .selection import accumulate_stats, select_from_scores, select_topk, set_difference_counted
@@ -45,7 +45,7 @@ __all__ = [
     "best_theta", "calib_grid_terms", "calibrate", "middle_topk_mask", "weighted_hit",
     "infllm_scores", "infllm_update",
     "NEG_INF", "block_table", "expand_heads", "kept_mask", "list_isin", "list_to_mask",
-    "mask_to_list", "num_blocks", "pool_rows", "repeated_entries", "set_difference",
+    "in_pool", "mask_to_list", "num_blocks", "repeated_entries", "set_difference",
     "holt_predict", "holt_update", "predict_set", "predict_update", "predict_update_rows",
     "quest_scores", "quest_select", "quest_select_predict", "quest_update", "round_bf16",
     "accumulate_stats", "select_from_scores", "select_topk", "set_difference_counted",

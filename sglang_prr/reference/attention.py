@@ -8,17 +8,19 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .paging import (NEG_INF, expand_heads, list_isin, mask_to_list, num_blocks, pool_rows,
+from .paging import (NEG_INF, expand_heads, in_pool, list_isin, mask_to_list, num_blocks,
                      repeated_entries)
 
 
 def _gather_blocks(buf: Tensor, table: Tensor, idx: Tensor, page_size: int) -> Tensor:
-    """K or V of the listed blocks: ``[B, Hk, N, page_size, D]`` float32 (padding reads page 0)."""
+    """K or V of the listed blocks: ``[B, Hk, N, page_size, D]`` float32 (padding and pages
+    outside the pool read page 0)."""
     B, Hk, N = idx.shape
     nb = table.shape[1]
     blk = idx.long().clamp(min=0, max=nb - 1)
     pages = torch.gather(table.unsqueeze(1).expand(B, Hk, nb), -1, blk)  # [B, Hk, N]
     pages = torch.where((idx >= 0) & (idx < nb), pages, torch.zeros_like(pages))
+    pages = in_pool(pages, buf.shape[0] // page_size)  # a page past the pool: page 0
     slots = pages.unsqueeze(-1) * page_size + torch.arange(page_size, device=idx.device)
     heads = torch.arange(Hk, device=idx.device).view(1, Hk, 1, 1)
     return buf[slots, heads].float()
@@ -37,7 +39,7 @@ def sparse_attn_partials(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor,
     padding entries are ``(0, -inf)``.
     """
     if idx_rows is not None:
-        r = pool_rows(idx_rows, idx.shape[0])
+        r = in_pool(idx_rows, idx.shape[0])
         idx, cnt = idx[r], cnt[r]
     B, Hq, D = q.shape
     Hk, N = idx.shape[1], idx.shape[2]
@@ -130,7 +132,7 @@ def sparse_attn_merge(q: Tensor, k_buf: Tensor, v_buf: Tensor, table: Tensor, se
         o, lse = merge_partials(o_r, lse_r)
     else:
         if p_rows is not None and p_idx is not None:
-            r = pool_rows(p_rows, p_idx.shape[0])
+            r = in_pool(p_rows, p_idx.shape[0])
             p_idx, p_cnt = p_idx[r], p_cnt[r]
         o, lse = prr_merge(o_spec, lse_spec, p_idx, p_cnt, a_idx, a_cnt, o_r, lse_r, nb, exact)
     return (o if out_dtype is None else o.to(out_dtype)), lse

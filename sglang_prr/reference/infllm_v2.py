@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from ..config import INFLLM_STRIDE, INFLLM_WINDOW
-from .paging import NEG_INF
+from .paging import NEG_INF, in_pool
 
 
 def infllm_update(ck: Tensor, k_buf: Tensor, req_to_token: Tensor, req_idx: Tensor,
@@ -28,12 +28,14 @@ def infllm_update(ck: Tensor, k_buf: Tensor, req_to_token: Tensor, req_idx: Tens
     per_page = page_size // S
     pos = positions.long()
     done = ((pos + 1) % S == 0) & (pos >= W - 1)
-    win = (pos.unsqueeze(-1) - (W - 1) + torch.arange(W, device=pos.device)).clamp(min=0)  # [N, W]
-    slots = req_to_token[req_idx.long().unsqueeze(-1), win].long()  # [N, W]
+    win = pos.unsqueeze(-1) - (W - 1) + torch.arange(W, device=pos.device)  # [N, W]
+    win = in_pool(win, req_to_token.shape[1])  # before the request or past its row: column 0
+    rows = in_pool(req_idx, req_to_token.shape[0])  # outside the pools: row / slot / page 0
+    slots = in_pool(req_to_token[rows.unsqueeze(-1), win], k_buf.shape[0])  # [N, W]
     mean = k_buf[slots].float().mean(1)  # [N, Hk, D]
     i = (pos - (W - 1)) // S
     j = i + 1 - (pos // page_size) * per_page
-    flat = (out_loc.long() // page_size) * per_page + j
+    flat = in_pool(out_loc.long() // page_size, ck.shape[0]) * per_page + j
     flat = torch.where(done, flat, torch.zeros_like(flat))  # not completed -> padding page
     ck.view(-1, *ck.shape[2:]).index_copy_(0, flat, mean.to(ck.dtype))
 
@@ -54,7 +56,7 @@ def infllm_scores(q: Tensor, ck: Tensor, table: Tensor, seq_lens: Tensor, page_s
     G = Hq // Hk
     nb = table.shape[1]
     E = nb * per_page
-    c = ck[table].reshape(B, E, Hk, D)  # entry e holds compressed key i = e - 1
+    c = ck[in_pool(table, ck.shape[0])].reshape(B, E, Hk, D)  # entry e: compressed key e - 1
     n_ck = ((seq_lens.long() - W) // S + 1).clamp(min=0)  # complete compressed keys
     e = torch.arange(E, device=q.device)
     valid = (e >= 1) & (e <= n_ck.unsqueeze(-1))  # [B, E]

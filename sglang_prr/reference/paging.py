@@ -17,12 +17,14 @@ def num_blocks(seq_lens: Tensor, page_size: int) -> Tensor:
     return (seq_lens.long() + page_size - 1) // page_size
 
 
-def pool_rows(rows: Tensor, n: int) -> Tensor:
-    """Request slots ``rows: [B]`` of a pool of ``n`` rows, as int64. A slot outside ``[0, n)``
-    (a caller's error: SGLang's slots never are) is row 0, SGLang's padding row, whose state no
-    request reads: a bad slot reads and writes that row, never past the pool (the kernels'
-    ``pool_row``). Python's negative indexing would have read another request's row."""
-    r = rows.long()
+def in_pool(ids: Tensor, n: int) -> Tensor:
+    """Indices into a pool of ``n`` rows, as int64: request slots (``rows``, ``p_rows``,
+    ``idx_rows``), page ids (a table's, or a KV slot's page) and KV slots. One outside ``[0, n)``
+    (a caller's error: SGLang's never are) is 0, SGLang's padding row, page or slot, which no
+    request reads: a bad index reads and writes there, never past the pool (the kernels'
+    ``in_pool``). Python's negative indexing would have read another request's row or page, and
+    one past the pool was an IndexError here and a read past the buffer in a kernel."""
+    r = ids.long()
     return torch.where((r >= 0) & (r < n), r, torch.zeros_like(r))
 
 

@@ -9,7 +9,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .paging import NEG_INF, pool_rows
+from .paging import NEG_INF, in_pool
 from .selection import select_topk
 
 
@@ -88,8 +88,8 @@ def predict_update_rows(level: Tensor, trend: Tensor, n_init: Tensor, p_idx: Ten
     nblk/nblk_next/rows: ``[B]``. ``p_rows: [B]``, if given, are the rows of p_idx/p_cnt that
     receive P(t+1) (the other half of a double buffer), else ``rows``. Rows must be distinct,
     except SGLang's padding row 0, whose state no request reads; a row outside the pool is row 0
-    (``pool_rows``)."""
-    r = pool_rows(rows, level.shape[0])
+    (``in_pool``)."""
+    r = in_pool(rows, level.shape[0])
     lv, tr, ni = level[r], trend[r], n_init[r]
     idx, cnt = predict_update(lv, tr, ni, scores, nblk, theta[r], nblk_next, n_pred, sink_blocks,
                               local_blocks)
@@ -99,6 +99,6 @@ def predict_update_rows(level: Tensor, trend: Tensor, n_init: Tensor, p_idx: Ten
     level.index_copy_(0, r, lv)
     trend.index_copy_(0, r, tr)
     n_init.index_copy_(0, r, ni)
-    pr = r if p_rows is None else pool_rows(p_rows, p_idx.shape[0])
+    pr = r if p_rows is None else in_pool(p_rows, p_idx.shape[0])
     p_idx.index_copy_(0, pr, idx)
     p_cnt.index_copy_(0, pr, cnt)

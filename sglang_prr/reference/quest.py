@@ -10,7 +10,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .paging import NEG_INF
+from .paging import NEG_INF, in_pool
 from .predictor import predict_update_rows
 from .selection import select_from_scores
 
@@ -60,7 +60,7 @@ def quest_update(kmin: Tensor, kmax: Tensor, k: Tensor, out_loc: Tensor, positio
     ``one_per_page`` promises that they do not (decode): the result is the same, and the kernel
     then needs one launch instead of two.
     """
-    page = out_loc.long() // page_size
+    page = in_pool(out_loc.long() // page_size, kmin.shape[0])  # outside the pool: page 0
     first = (positions.long() % page_size) == 0
     reset = torch.where(first, page, torch.zeros_like(page))  # page 0 = padding sink
     kmin.index_fill_(0, reset, float("inf"))
@@ -116,17 +116,18 @@ def write_new_keys(kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Tensor, new_
     in place, to page ``new_loc[b] // page_size`` (the page its slot lies in: the same page for
     the server's rows, so this is ``quest_update(..., one_per_page=True)``). Rows whose key folds
     nothing (a negative position, a block at or past ``nblk``) write page 0, the padding sink no
-    request reads, as ``quest_update`` resets it; so do rows whose slot is negative (its page
-    would be one counted from the pool's end, another request's). Rows writing the same page
+    request reads, as ``quest_update`` resets it; so do rows whose slot lies outside the pool
+    (``in_pool``: a negative one's page would be counted from the pool's end, another
+    request's). Rows writing the same page
     leave one of their values there (a request's newest page is its own; padding rows share page
     0). No host sync.
     """
     B, NB = table.shape
     ok, col = _key_blocks(new_pos, nblk, NB, page_size)
-    src = table[torch.arange(B, device=table.device), col].long()
+    src = in_pool(table[torch.arange(B, device=table.device), col], kmin.shape[0])
     lo, hi = _folded(kmin[src].float(), kmax[src].float(), kmin.dtype, new_k, new_pos, page_size)
     loc = new_loc.long()
-    dst = torch.where(ok & (loc >= 0), loc.div(page_size, rounding_mode="floor"),
+    dst = torch.where(ok, in_pool(loc.div(page_size, rounding_mode="floor"), kmin.shape[0]),
                       torch.zeros_like(col))
     kmin[dst] = lo.to(kmin.dtype)
     kmax[dst] = hi.to(kmax.dtype)
@@ -147,8 +148,9 @@ def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
     Hk = kmin.shape[1]
     G = Hq // Hk
     nb = table.shape[1]
-    lo = kmin[table].float()  # [B, NB, Hk, D] (bfloat16 summaries: exact in float32)
-    hi = kmax[table].float()
+    pages = in_pool(table, kmin.shape[0])  # a page outside the pool: page 0
+    lo = kmin[pages].float()  # [B, NB, Hk, D] (bfloat16 summaries: exact in float32)
+    hi = kmax[pages].float()
     if new_k is not None:
         fold_new_keys(lo, hi, kmin.dtype, nblk, new_k, new_pos, page_size)
     qg = q.float().view(B, Hk, G, D)

@@ -8,7 +8,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from .paging import NEG_INF, kept_mask, mask_to_list, pool_rows, set_difference
+from .paging import NEG_INF, in_pool, kept_mask, mask_to_list, set_difference
 
 
 def select_topk(scores: Tensor, nblk: Tensor, k: int, sink_blocks: int, local_blocks: int,
@@ -61,7 +61,7 @@ def set_difference_counted(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: T
     ``[R, Hk, Np]`` / ``[R, Hk]`` (None: P is ``[B, ...]``), and, with ``stats``, the step's
     counters of A, M and P accumulated (``accumulate_stats``, ``dense_row: [B]`` rows left out)."""
     if p_rows is not None:
-        r = pool_rows(p_rows, p_idx.shape[0])
+        r = in_pool(p_rows, p_idx.shape[0])
         p_idx, p_cnt = p_idx[r], p_cnt[r]
     m_idx, m_cnt = set_difference(a_idx, a_cnt, p_idx, p_cnt, nb)
     if stats is not None:
