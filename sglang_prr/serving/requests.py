@@ -19,8 +19,8 @@ token, and is passed on as that. ``check_input_ids`` refuses token ids outside t
 ``install()`` (called once per process by the plugin) puts them in SGLang's seams:
 ``TokenizerManager._validate_one_request`` runs both; ``GenerateReqInput``'s
 ``normalize_batch_and_arguments`` runs the sampling checks before it copies the prompt ``n``
-times, and refuses a list ``rid`` on a single request (it passed there and failed later, HTTP
-500); the OpenAI layer's ``cache_salt``/``extra_key`` type error becomes a 400 (a
+times, and afterwards checks the fields SGLang reads per request (``check_per_request``: a list
+``lora_id`` on a single request stopped the scheduler); the OpenAI layer's ``cache_salt``/``extra_key`` type error becomes a 400 (a
 ``ValueError``), not a 500.
 """
 
@@ -173,6 +173,80 @@ def check_input_ids(input_ids: Any, vocab_size: int) -> None:
                 f"allowed ids are in [0, {vocab_size})")
 
 
+# GenerateReqInput's fields that hold one value per request: a single request gives one value, a
+# batch one value for all or a list of one per request. SGLang 0.5.17 indexes them per request
+# after its normalization without checking: a list on a single request reached the scheduler and
+# stopped it (lora_id) or gave HTTP 500; a list of the wrong length was an IndexError (500); a
+# string lora_id on a batch was indexed by character, one letter per request.
+_PER_REQUEST = ("rid", "sampling_params", "lora_id", "lora_path", "custom_logit_processor",
+                "bootstrap_host", "bootstrap_port", "bootstrap_room", "bootstrap_pair_key",
+                "decode_tp_size", "extra_key", "return_sampling_mask", "return_hidden_states",
+                "return_logprob", "logprob_start_len", "top_logprobs_num")
+
+
+@functools.lru_cache(maxsize=None)
+def _session_keys() -> Optional[frozenset]:
+    try:
+        from sglang.srt.managers.io_struct import SessionParams
+    except Exception:  # pragma: no cover - SGLang without sessions
+        return None
+    fields = getattr(SessionParams, "__struct_fields__", None)
+    return frozenset(fields) if fields else None
+
+
+def check_per_request(obj: Any) -> None:
+    """After SGLang's normalization of a ``GenerateReqInput`` (``is_single``, ``batch_size``, its
+    sampling parameters one per request): each ``_PER_REQUEST`` field is one value on a single
+    request and a list of one per request on a batch (a string ``lora_id`` on a batch is given to
+    every request, as ``lora_path`` is); ``session_params`` holds only SessionParams' keys."""
+    num = 1
+    if obj.is_single:
+        for name in _PER_REQUEST:
+            v = getattr(obj, name, None)
+            if isinstance(v, list):
+                raise ValueError(f"{name} must be one value for a single request, not a list; "
+                                 f"got {short(v)}")
+    else:
+        sp = obj.sampling_params
+        num = len(sp) if isinstance(sp, list) else obj.batch_size
+        if isinstance(getattr(obj, "lora_id", None), str):
+            obj.lora_id = [obj.lora_id] * num
+        for name in _PER_REQUEST[1:]:  # rid: one per prompt, checked by SGLang itself
+            v = getattr(obj, name, None)
+            if isinstance(v, list) and len(v) != num:
+                raise ValueError(f"{name} must be one value for all, or a list of one per "
+                                 f"request ({num}, with n); got {short(v)}")
+    _check_embed_overrides(obj, num)
+    keys, sess = _session_keys(), getattr(obj, "session_params", None)
+    for one in (sess if isinstance(sess, list) else [sess]):
+        if isinstance(one, dict) and keys is not None and not set(one) <= keys:
+            raise _bad("session_params", one, f"an object with keys among {sorted(keys)}")
+
+
+def _check_embed_overrides(obj: Any, num: int) -> None:
+    """``positional_embed_overrides``: SGLang's ``PositionalEmbeds`` objects (tensors: the Python
+    API's; no JSON value is one), one for all or a list of one per request of a batch. Another
+    value reached the scheduler and stopped it."""
+    pe = getattr(obj, "positional_embed_overrides", None)
+    if pe is None:
+        return
+    try:
+        from sglang.srt.managers.io_struct import PositionalEmbeds
+    except Exception:  # pragma: no cover - SGLang without the type
+        return
+    items = pe if isinstance(pe, list) and not obj.is_single else [pe]
+    if (isinstance(pe, list) and not obj.is_single and len(pe) != num) or not all(
+            x is None or isinstance(x, PositionalEmbeds) for x in items):
+        shown = short(pe) if isinstance(pe, list) else repr(pe)[:80]
+        raise ValueError("positional_embed_overrides must be PositionalEmbeds (the Python API's; "
+                         f"one, or a list of one per request); got {shown}")
+
+
+def short(v: Any) -> str:
+    """A list shown by its first entries and its length (a batch's list may be long)."""
+    return repr(v) if len(v) <= 4 else f"[{', '.join(map(repr, v[:3]))}, ...] ({len(v)} values)"
+
+
 # ----------------------------------------------------------------------------- SGLang's seams
 def _wrap(cls, name: str, make) -> None:
     """Replace ``cls.name`` by ``make(original)``, once (a second call leaves it)."""
@@ -199,8 +273,7 @@ def _normalizing(orig):
         for one in (sp if isinstance(sp, list) else [sp]):
             check_sampling_params(one)
         orig(self)
-        if self.is_single and self.rid is not None and not isinstance(self.rid, str):
-            raise _bad("rid", self.rid, "a string for a single request")
+        check_per_request(self)
     return normalize_batch_and_arguments
 
 

@@ -110,10 +110,12 @@ def test_a_huge_n_is_refused_before_the_prompt_is_copied():
     assert ok.batch_size == 1 and len(ok.text) == N_MAX
 
 
-def test_a_list_rid_on_one_request_and_a_list_cache_key_are_400s():
+def test_per_request_fields_and_a_list_cache_key_are_checked():
     """A single request with a list ``rid`` passed normalization and failed later (HTTP 500,
-    "unhashable type"); a list ``cache_salt``/``extra_key`` was a TypeError in the OpenAI layer
-    (500). Both are ValueErrors now (SGLang answers 400); the controls pass."""
+    "unhashable type"), a list ``lora_id`` stopped the scheduler; lists of the wrong length on a
+    batch were IndexErrors (500) and a string ``lora_id`` on a batch went to its requests one
+    letter each; a list ``cache_salt``/``extra_key`` was a TypeError in the OpenAI layer (500).
+    Each is a ValueError now (SGLang answers 400) or served as meant; the controls pass."""
     from types import SimpleNamespace
 
     from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
@@ -122,12 +124,31 @@ def test_a_list_rid_on_one_request_and_a_list_cache_key_are_400s():
     from sglang_prr.serving import requests as request_checks
 
     request_checks.install()
-    with pytest.raises(ValueError, match="rid must be a string"):
+    with pytest.raises(ValueError, match="rid must be one value"):
         GenerateReqInput(text="hi", rid=["x"]).normalize_batch_and_arguments()
     GenerateReqInput(text="hi", rid="x").normalize_batch_and_arguments()
     batch = GenerateReqInput(text=["a", "b"], rid=["x", "y"])
     batch.normalize_batch_and_arguments()
     assert batch.rid == ["x", "y"]
+    # the fields SGLang reads per request (a list lora_id on one request stopped the scheduler)
+    for kw in ({"lora_id": ["x"]}, {"sampling_params": [{}]}, {"lora_path": ["p"]},
+               {"return_logprob": [True]}, {"session_params": {"a": 1}},
+               {"positional_embed_overrides": ["x"]}, {"positional_embed_overrides": {}}):
+        field = next(iter(kw))
+        with pytest.raises(ValueError, match=field):
+            GenerateReqInput(text="hi", **kw).normalize_batch_and_arguments()
+    one = GenerateReqInput(text="hi", lora_id="x", session_params={"id": "s"})
+    one.normalize_batch_and_arguments()  # the control: one value each
+    two = GenerateReqInput(text=["a", "b"], lora_id="xy")
+    two.normalize_batch_and_arguments()
+    assert [two[i].lora_id for i in range(2)] == ["xy", "xy"]  # SGLang alone: "x", "y"
+    for kw in ({"lora_id": ["x"]}, {"bootstrap_port": [1, 2, 3]},
+               {"lora_id": ["a", "b"], "sampling_params": {"n": 2}}):
+        with pytest.raises(ValueError, match="one per"):
+            GenerateReqInput(text=["a", "b"], **kw).normalize_batch_and_arguments()
+    fine = GenerateReqInput(text=["a", "b"], lora_id=["p", "q"], extra_key=["k", "l"])
+    fine.normalize_batch_and_arguments()
+    assert [fine[i].lora_id for i in range(2)] == ["p", "q"]
     key = OpenAIServingBase._compute_extra_key
     with pytest.raises(ValueError, match="extra_key must be a string"):
         key(None, SimpleNamespace(cache_salt=None, extra_key=["x"]))
@@ -223,7 +244,7 @@ def test_arguments_that_stopped_the_scheduler_get_400_and_the_server_survives(pr
 def test_bodies_that_gave_500_get_400_and_constrained_decoding_runs_on_cpu(prr_server):
     """Bodies SGLang 0.5.17 answered with 500 (a chat body that is not an object, a
     response_format that is not one, a body nested thousands deep, a list rid or cache key, an n
-    of 2^40), validation messages that echoed the whole body with the endpoint's file and line,
+    of 2^40, unknown session keys), a list lora_id on one request (it stopped the scheduler), validation messages that echoed the whole body with the endpoint's file and line,
     a prompt given as text and ids (the text was dropped), and a regex-constrained request, which
     stopped a CPU server."""
     url = prr_server.url
@@ -241,10 +262,15 @@ def test_bodies_that_gave_500_get_400_and_constrained_decoding_runs_on_cpu(prr_s
         ("/generate", json.dumps({"text": "x" * 50000, "sampling_params": 3}),
          "body.sampling_params"),
         ("/generate", json.dumps({"text": "hello", "input_ids": [1, 2, 3]}), "not both"),
-        ("/generate", json.dumps({"text": "hi", "rid": ["x"]}), "rid must be a string"),
-        ("/v1/chat/completions", json.dumps({**chat, "rid": ["x"]}), "rid must be a string"),
+        ("/generate", json.dumps({"text": "hi", "rid": ["x"]}), "rid must be one value"),
+        ("/v1/chat/completions", json.dumps({**chat, "rid": ["x"]}), "rid must be one value"),
         ("/v1/chat/completions", json.dumps({**chat, "extra_key": ["x"]}), "extra_key"),
         ("/v1/chat/completions", json.dumps({**chat, "n": 2 ** 40}), "sampling_params.n"),
+        ("/generate", json.dumps({"text": "hi", "lora_id": ["x"]}), "lora_id"),
+        ("/generate", json.dumps({"text": "hi", "sampling_params": [{}]}), "sampling_params"),
+        ("/generate", json.dumps({"text": "hi", "session_params": {"a": 1}}), "session_params"),
+        ("/generate", json.dumps({"text": "hi", "positional_embed_overrides": ["x"]}),
+         "positional_embed_overrides"),
     ]
     for path, body, field in cases:
         r = requests.post(url + path, data=body, headers=hdr, timeout=120)
