@@ -20,10 +20,10 @@ What it patches (each once, each logged):
   (regex, JSON) does not stop a CPU server;
 * the HTTP app (launching process only): ``GET /prr/stats``, and a short HTTP 400 for bodies that
   fail validation (``http_guard.py``) where SGLang answered 500 or echoed the whole body;
-* request validation (``requests.install``, ``serving/requests.py``): token ids outside the model's vocabulary
-  ``[0, vocab_size)``, and sampling or logprob arguments that SGLang would pass on to its
-  scheduler and fail there, are rejected with a ``ValueError``, which SGLang turns into HTTP
-  400, instead of taking the server down.
+* request validation (``requests.install``, ``serving/requests.py``): token ids outside the
+  model's vocabulary ``[0, vocab_size)``, and sampling, logprob and per-request arguments that
+  SGLang would pass on to its scheduler and fail there, are rejected with a ``ValueError``,
+  which SGLang turns into HTTP 400, instead of taking the server down.
 
 PRR is active when the environment holds a configuration (``SGLANG_PRR_CONFIG``, written by
 ``python -m sglang_prr.launch_server`` or by ``enable()``); without one, ``apply()`` does nothing

@@ -5,10 +5,10 @@ their types, and some values that pass reach the scheduler process and take it d
 request in flight (measured on a CPU server, PRR on and off): a float ``max_new_tokens`` (a slice
 index), a ``top_k`` of 2^31 or more (an int32 tensor), more top logprobs than the vocabulary has
 (``topk``), a ``logprob_start_len`` below -1 (an assertion). Others give HTTP 500 (a string where
-a number goes, an unknown key, a stop regex that does not compile) or run something else than was
-asked (an empty stop string ends every answer after one token, ``n`` below 1 runs one sample, a huge
-``n`` copies the prompt until memory runs out,
-``text`` given with ``input_ids`` is dropped and the ids are served).
+a number goes, an unknown key, a stop regex that does not compile) or run something else than
+was asked (an empty stop string ends every answer after one token, ``n`` below 1 runs one
+sample, a huge ``n`` copies the prompt until memory runs out, ``text`` given with ``input_ids``
+is dropped and the ids are served).
 
 ``check_request`` refuses these with a ``ValueError`` naming the field, the value and what is
 allowed, which SGLang turns into HTTP 400 before the request is tokenized further: the server and
@@ -20,8 +20,8 @@ token, and is passed on as that. ``check_input_ids`` refuses token ids outside t
 ``TokenizerManager._validate_one_request`` runs both; ``GenerateReqInput``'s
 ``normalize_batch_and_arguments`` runs the sampling checks before it copies the prompt ``n``
 times, and afterwards checks the fields SGLang reads per request (``check_per_request``: a list
-``lora_id`` on a single request stopped the scheduler); the OpenAI layer's ``cache_salt``/``extra_key`` type error becomes a 400 (a
-``ValueError``), not a 500.
+``lora_id`` on a single request stopped the scheduler); the OpenAI layer's
+``cache_salt``/``extra_key`` type error becomes a 400 (a ``ValueError``), not a 500.
 """
 
 from __future__ import annotations

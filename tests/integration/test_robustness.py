@@ -244,9 +244,10 @@ def test_arguments_that_stopped_the_scheduler_get_400_and_the_server_survives(pr
 def test_bodies_that_gave_500_get_400_and_constrained_decoding_runs_on_cpu(prr_server):
     """Bodies SGLang 0.5.17 answered with 500 (a chat body that is not an object, a
     response_format that is not one, a body nested thousands deep, a list rid or cache key, an n
-    of 2^40, unknown session keys), a list lora_id on one request (it stopped the scheduler), validation messages that echoed the whole body with the endpoint's file and line,
-    a prompt given as text and ids (the text was dropped), and a regex-constrained request, which
-    stopped a CPU server."""
+    of 2^40, unknown session keys), a list lora_id or positional_embed_overrides on one request
+    (each stopped the scheduler), validation messages that echoed the whole body with the
+    endpoint's file and line, a prompt given as text and ids (the text was dropped), and a
+    regex-constrained request, which stopped a CPU server."""
     url = prr_server.url
     hdr = {"Content-Type": "application/json"}
     chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}],

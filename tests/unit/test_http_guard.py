@@ -89,8 +89,8 @@ def test_validation_messages_are_short_and_name_no_file():
     prompt was echoed back whole with the endpoint's file and line."""
     plain, guarded = _app(False), _app(True)
     prompt = "".join(random.choice("abcdef") for _ in range(20000))
-    for body in (json.dumps({"messages": prompt}), '{"messages": [], "max_tokens": %s}' % _deep(500),
-                 json.dumps({"max_tokens": "x" * 5000})):
+    deep = '{"messages": [], "max_tokens": %s}' % _deep(500)
+    for body in (json.dumps({"messages": prompt}), deep, json.dumps({"max_tokens": "x" * 5000})):
         r = guarded.post("/v1/chat/completions", content=body,
                          headers={"Content-Type": "application/json"})
         assert r.status_code == 400, r.text[:300]
