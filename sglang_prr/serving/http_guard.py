@@ -8,6 +8,8 @@ Measured on SGLang 0.5.17 (FastAPI 0.165), PRR on or off:
 * ``/v1/chat/completions`` with a body that is not an object (``[]``, ``null``), or with a
   ``response_format`` that is not an object, fails inside the request model's own validator
   with an ``AttributeError``, which FastAPI does not turn into a validation error: HTTP 500.
+* ``/v1/tokenize`` answered 500 to every request for a tokenizer without ``model_max_length``
+  (``_patch_tokenize``).
 
 ``install(app)`` replaces the validation-error handler with one that names each error's place
 and message and a bounded repr of the value (``validation_message``), in the same envelopes
@@ -154,6 +156,34 @@ def _guard_route(route) -> None:
     route.app = app
 
 
+def _tokenize_max_len(orig):
+    async def _handle_non_streaming_request(self, adapted_request, request, raw_request):
+        out = await orig(self, adapted_request, request, raw_request)
+        tm = self.tokenizer_manager
+        limit = getattr(tm, "context_len", None) or getattr(
+            getattr(tm, "model_config", None), "context_len", None)
+        if limit and isinstance(getattr(out, "max_model_len", None), int) \
+                and not 0 <= out.max_model_len <= limit:
+            out.max_model_len = int(limit)
+        return out
+    return _handle_non_streaming_request
+
+
+def _patch_tokenize() -> None:
+    """``/v1/tokenize`` answers ``max_model_len`` from the tokenizer's ``model_max_length``, which
+    Hugging Face sets to 10^30 for a tokenizer that names none: the response did not encode
+    (HTTP 500 on every request). The server's context length is what it serves; it goes there."""
+    try:
+        from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
+    except Exception:  # pragma: no cover - no OpenAI layer
+        return
+    orig = OpenAIServingTokenize._handle_non_streaming_request
+    if not getattr(orig, "_prr_wrapped", False):
+        new = _tokenize_max_len(orig)
+        new._prr_wrapped = True
+        OpenAIServingTokenize._handle_non_streaming_request = new
+
+
 def install(app) -> int:
     """Install the handler and guard every route of ``app`` that reads a body; returns how many
     routes were guarded."""
@@ -172,4 +202,5 @@ def install(app) -> int:
               if isinstance(r, APIRoute) and r.body_field is not None]
     for r in routes:
         _guard_route(r)
+    _patch_tokenize()
     return len(routes)

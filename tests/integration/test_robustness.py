@@ -246,8 +246,9 @@ def test_bodies_that_gave_500_get_400_and_constrained_decoding_runs_on_cpu(prr_s
     response_format that is not one, a body nested thousands deep, a list rid or cache key, an n
     of 2^40, unknown session keys), a list lora_id or positional_embed_overrides on one request
     (each stopped the scheduler), validation messages that echoed the whole body with the
-    endpoint's file and line, a prompt given as text and ids (the text was dropped), and a
-    regex-constrained request, which stopped a CPU server."""
+    endpoint's file and line, a prompt given as text and ids (the text was dropped), a
+    regex-constrained request, which stopped a CPU server, and /v1/tokenize (500 on every
+    request for a tokenizer without a model_max_length)."""
     url = prr_server.url
     hdr = {"Content-Type": "application/json"}
     chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}],
@@ -285,6 +286,10 @@ def test_bodies_that_gave_500_get_400_and_constrained_decoding_runs_on_cpu(prr_s
     assert re.fullmatch("[0-9]{3}", r.json()["choices"][0]["message"]["content"]), r.text[:300]
     free = _post(prr_server, "/v1/chat/completions", chat).json()
     assert not re.fullmatch("[0-9]{3}", free["choices"][0]["message"]["content"])
+    # /v1/tokenize: the demo tokenizer names no model_max_length (HF's 10^30 did not encode: 500)
+    tok = _post(prr_server, "/v1/tokenize", {"prompt": ["a", "b c"]})
+    assert tok.status_code == 200 and tok.json()["max_model_len"] == 1024, tok.text[:300]
+    assert [len(t) for t in tok.json()["tokens"]] == tok.json()["count"]
     assert prr_server.healthy()
 
 
