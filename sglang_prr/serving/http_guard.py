@@ -22,21 +22,12 @@ pays: a body is validated again only after its route raised before answering.
 from __future__ import annotations
 
 import json
-import reprlib
 from typing import Any, Callable, Optional, Sequence
+
+from .requests import short_repr, wrap_once
 
 _MAX_ERRORS = 8  # errors listed in one message; the rest are counted
 _MAX_LOC = 40  # characters of one part of an error's place
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 60, 60
-_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = 4
-
-
-def short_repr(value: Any) -> str:
-    """``repr`` bounded in length and depth, whatever the nesting."""
-    return _REPR.repr(value)
-
-
 def _loc_part(x: Any) -> str:
     s = str(x)  # pydantic names union members in full: keep the start
     return s if len(s) <= _MAX_LOC else s[:_MAX_LOC - 3] + "..."
@@ -177,11 +168,7 @@ def _patch_tokenize() -> None:
         from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
     except Exception:  # pragma: no cover - no OpenAI layer
         return
-    orig = OpenAIServingTokenize._handle_non_streaming_request
-    if not getattr(orig, "_prr_wrapped", False):
-        new = _tokenize_max_len(orig)
-        new._prr_wrapped = True
-        OpenAIServingTokenize._handle_non_streaming_request = new
+    wrap_once(OpenAIServingTokenize, "_handle_non_streaming_request", _tokenize_max_len)
 
 
 def install(app) -> int:

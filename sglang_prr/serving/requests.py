@@ -27,9 +27,11 @@ times, and afterwards checks the fields SGLang reads per request (``check_per_re
 from __future__ import annotations
 
 import functools
+import importlib
 import math
 import numbers
 import re
+import reprlib
 from typing import Any, Optional
 
 # SGLang's "no top-k" value (sampling_params.TOP_K_ALL); larger values overflow its int32 tensor.
@@ -46,6 +48,16 @@ _REALS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalt
           "repetition_penalty")
 
 
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 2, 60, 60
+_REPR.maxlist = _REPR.maxdict = _REPR.maxtuple = 4
+
+
+def short_repr(value: Any) -> str:
+    """``repr`` bounded in length and depth, whatever the nesting."""
+    return _REPR.repr(value)
+
+
 def _bad(field: str, value: Any, allowed: str) -> ValueError:
     return ValueError(f"{field} must be {allowed}; got {value!r}")
 
@@ -55,15 +67,20 @@ def _is_int(v: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _known_keys() -> Optional[frozenset]:
-    """The sampling parameters SGLang's ``SamplingParams`` takes (None where it cannot say);
-    read once, not per request."""
+def _struct_keys(module: str, name: str) -> Optional[frozenset]:
+    """The fields of SGLang's msgspec struct ``module.name`` (None where it cannot say); read
+    once, not per request."""
     try:
-        from sglang.srt.sampling.sampling_params import SamplingParams
+        cls = getattr(importlib.import_module(module), name)
     except Exception:  # pragma: no cover - SGLang missing or moved: no key check
         return None
-    fields = getattr(SamplingParams, "__struct_fields__", None)
+    fields = getattr(cls, "__struct_fields__", None)
     return frozenset(fields) if fields else None
+
+
+def _known_keys() -> Optional[frozenset]:
+    """The sampling parameters SGLang's ``SamplingParams`` takes."""
+    return _struct_keys("sglang.srt.sampling.sampling_params", "SamplingParams")
 
 
 def check_sampling_params(sp: Any) -> None:
@@ -184,16 +201,6 @@ _PER_REQUEST = ("rid", "sampling_params", "lora_id", "lora_path", "custom_logit_
                 "return_logprob", "logprob_start_len", "top_logprobs_num")
 
 
-@functools.lru_cache(maxsize=None)
-def _session_keys() -> Optional[frozenset]:
-    try:
-        from sglang.srt.managers.io_struct import SessionParams
-    except Exception:  # pragma: no cover - SGLang without sessions
-        return None
-    fields = getattr(SessionParams, "__struct_fields__", None)
-    return frozenset(fields) if fields else None
-
-
 def check_per_request(obj: Any) -> None:
     """After SGLang's normalization of a ``GenerateReqInput`` (``is_single``, ``batch_size``, its
     sampling parameters one per request): each ``_PER_REQUEST`` field is one value on a single
@@ -205,7 +212,7 @@ def check_per_request(obj: Any) -> None:
             v = getattr(obj, name, None)
             if isinstance(v, list):
                 raise ValueError(f"{name} must be one value for a single request, not a list; "
-                                 f"got {short(v)}")
+                                 f"got {short_repr(v)}")
     else:
         sp = obj.sampling_params
         num = len(sp) if isinstance(sp, list) else obj.batch_size
@@ -215,9 +222,10 @@ def check_per_request(obj: Any) -> None:
             v = getattr(obj, name, None)
             if isinstance(v, list) and len(v) != num:
                 raise ValueError(f"{name} must be one value for all, or a list of one per "
-                                 f"request ({num}, with n); got {short(v)}")
+                                 f"request ({num}, with n); got {short_repr(v)}")
     _check_embed_overrides(obj, num)
-    keys, sess = _session_keys(), getattr(obj, "session_params", None)
+    keys = _struct_keys("sglang.srt.managers.io_struct", "SessionParams")
+    sess = getattr(obj, "session_params", None)
     for one in (sess if isinstance(sess, list) else [sess]):
         if isinstance(one, dict) and keys is not None and not set(one) <= keys:
             raise _bad("session_params", one, f"an object with keys among {sorted(keys)}")
@@ -237,18 +245,12 @@ def _check_embed_overrides(obj: Any, num: int) -> None:
     items = pe if isinstance(pe, list) and not obj.is_single else [pe]
     if (isinstance(pe, list) and not obj.is_single and len(pe) != num) or not all(
             x is None or isinstance(x, PositionalEmbeds) for x in items):
-        shown = short(pe) if isinstance(pe, list) else repr(pe)[:80]
         raise ValueError("positional_embed_overrides must be PositionalEmbeds (the Python API's; "
-                         f"one, or a list of one per request); got {shown}")
-
-
-def short(v: Any) -> str:
-    """A list shown by its first entries and its length (a batch's list may be long)."""
-    return repr(v) if len(v) <= 4 else f"[{', '.join(map(repr, v[:3]))}, ...] ({len(v)} values)"
+                         f"one, or a list of one per request); got {short_repr(pe)}")
 
 
 # ----------------------------------------------------------------------------- SGLang's seams
-def _wrap(cls, name: str, make) -> None:
+def wrap_once(cls, name: str, make) -> None:
     """Replace ``cls.name`` by ``make(original)``, once (a second call leaves it)."""
     orig = getattr(cls, name)
     if not getattr(orig, "_prr_wrapped", False):
@@ -293,10 +295,10 @@ def install() -> None:
         from sglang.srt.managers.tokenizer_manager import TokenizerManager
     except Exception:  # pragma: no cover - SGLang without its request types
         return
-    _wrap(TokenizerManager, "_validate_one_request", _validating)
-    _wrap(GenerateReqInput, "normalize_batch_and_arguments", _normalizing)
+    wrap_once(TokenizerManager, "_validate_one_request", _validating)
+    wrap_once(GenerateReqInput, "normalize_batch_and_arguments", _normalizing)
     try:
         from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
     except Exception:  # pragma: no cover - no OpenAI layer
         return
-    _wrap(OpenAIServingBase, "_compute_extra_key", _extra_key_as_value_error)
+    wrap_once(OpenAIServingBase, "_compute_extra_key", _extra_key_as_value_error)
