@@ -130,6 +130,30 @@ constexpr int kMaxQRows = 64;        // hc * GMAX rows of logits kept in shared 
 constexpr int kTargetCtas = 4 * 132; // grid size the chunk length aims for (H100/H200: 132 SMs)
 constexpr int kPoolThreads = 256;
 
+// A chunk's (max, sum of exp2(x - max)) over the logits xs[0..n) of one query head, by one warp.
+// A NaN or +inf logit makes the head's softmax undefined: the chunk is then marked (+inf, NaN),
+// which every later combination keeps, and the pool drops the head from its group's sum (the
+// reference's nan_to_num of the head's NaN softmax row). fmaxf alone would skip a NaN, and a
+// chunk of NaN only would read as one with no valid entry.
+__device__ __forceinline__ float2 chunk_stats(const float* xs, int n, int lane) {
+  float m = -INFINITY;
+  bool bad = false;
+  for (int k = lane; k < n; k += 32) {
+    const float x = xs[k];
+    bad |= x != x || x == INFINITY;
+    m = fmaxf(m, x);
+  }
+  if (__any_sync(0xffffffffu, bad)) return make_float2(INFINITY, NAN);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float l = 0.f;
+  if (m != -INFINITY)
+    for (int k = lane; k < n; k += 32) l += exp2f(xs[k] - m);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+  return make_float2(m, l);
+}
+
 template <int D, int GMAX, int UNROLL>
 __global__ void __launch_bounds__(kScoreThreads)
 infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
@@ -248,16 +272,8 @@ infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
   const int warp = tid / 32, lane = tid % 32;
   for (int r = warp; r < rows; r += kScoreThreads / 32) {
     const float* xs = s_x + ((r / G) * GMAX + r % G) * kChunkMax;
-    float m = -INFINITY;
-    for (int k = lane; k < n; k += 32) m = fmaxf(m, xs[k]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float l = 0.f;
-    if (m != -INFINITY)
-      for (int k = lane; k < n; k += 32) l += exp2f(xs[k] - m);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    if (lane == 0) stats[(qrow0 + r) * NC + c] = make_float2(m, l);
+    const float2 ml = chunk_stats(xs, n, lane);
+    if (lane == 0) stats[(qrow0 + r) * NC + c] = ml;
   }
 }
 
@@ -438,16 +454,8 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
   const int warp = tid / 32, lane = tid % 32;
   for (int r = warp; r < a.Hq; r += kScoreThreads / 32) {
     const float* xs = s_x + ((r / G) * GMAX + r % G) * chunk;
-    float m = -INFINITY;
-    for (int k = lane; k < n; k += 32) m = fmaxf(m, xs[k]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float l = 0.f;
-    if (m != -INFINITY)
-      for (int k = lane; k < n; k += 32) l += exp2f(xs[k] - m);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    if (lane == 0) stats[(qrow0 + r) * NC + c] = make_float2(m, l);
+    const float2 ml = chunk_stats(xs, n, lane);
+    if (lane == 0) stats[(qrow0 + r) * NC + c] = ml;
   }
 }
 
@@ -488,7 +496,9 @@ infllm_pool_kernel(InfllmScoresArgs a, int bpc, int NC) {
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
-    if (lane == 0) { s_M[g] = m; s_iL[g] = 1.f / l; }
+    // 1/l, or 0 for a head dropped from the group: a non-finite logit (l NaN) or no finite one
+    // (l 0: every valid logit -inf), whose softmax row the reference turns into zeros.
+    if (lane == 0) { s_M[g] = m; s_iL[g] = l > 0.f && l < INFINITY ? 1.f / l : 0.f; }
   }
   __syncthreads();
   const int ne = (int)((n1 - n0) * pp + 1);
@@ -498,7 +508,7 @@ infllm_pool_kernel(InfllmScoresArgs a, int bpc, int NC) {
     if (e >= lo && e <= hi) {
       p = 0.f;
       for (int g = 0; g < G; ++g)
-        p += exp2f(a.logits[(row * G + g) * E + e] - s_M[g]) * s_iL[g];
+        if (s_iL[g] != 0.f) p += exp2f(a.logits[(row * G + g) * E + e] - s_M[g]) * s_iL[g];
     }
     s_p[t] = p;
   }

@@ -62,7 +62,10 @@ def infllm_scores(q: Tensor, ck: Tensor, table: Tensor, seq_lens: Tensor, page_s
     valid = (e >= 1) & (e <= n_ck.unsqueeze(-1))  # [B, E]
     logits = torch.einsum("bhgd,behd->bhge", q.float().view(B, Hk, G, D), c) * sm_scale
     logits = logits.masked_fill(~valid[:, None, None, :], NEG_INF)
-    p = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)  # [B, Hk, E]
+    p = torch.softmax(logits, dim=-1)
+    # A head whose softmax is undefined (a NaN or +inf logit, or no finite one: the whole row is
+    # then NaN) adds nothing to its group's sum; the group's other heads keep their scores.
+    p = torch.where(p.isnan().any(-1, keepdim=True), torch.zeros_like(p), p).sum(2)  # [B, Hk, E]
     p = p.masked_fill(~valid[:, None, :], NEG_INF)
     ends_here = p.view(B, Hk, nb, per_page).amax(-1)  # keys whose last token is in the block
     # The first key stored with block b+1 starts in block b (it straddles the boundary).

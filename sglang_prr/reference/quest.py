@@ -154,8 +154,10 @@ def quest_scores(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
     if new_k is not None:
         fold_new_keys(lo, hi, kmin.dtype, nblk, new_k, new_pos, page_size)
     qg = q.float().view(B, Hk, G, D)
-    s = torch.maximum(torch.einsum("bhgd,bnhd->bhgnd", qg, hi),
-                      torch.einsum("bhgd,bnhd->bhgnd", qg, lo)).sum(-1).sum(2)  # [B, Hk, NB]
+    # fmax, as the kernels' fmaxf: where one product is NaN (a zero q_d against an infinite
+    # bound) the other is the bound; a NaN q_d makes both NaN, and the block's score NaN.
+    s = torch.fmax(torch.einsum("bhgd,bnhd->bhgnd", qg, hi),
+                   torch.einsum("bhgd,bnhd->bhgnd", qg, lo)).sum(-1).sum(2)  # [B, Hk, NB]
     exists = torch.arange(nb, device=q.device) < nblk.long().unsqueeze(-1)
     return torch.where(exists.unsqueeze(1), s, torch.full_like(s, NEG_INF))
 

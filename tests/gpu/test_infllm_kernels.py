@@ -331,3 +331,48 @@ def test_infllm_fallback_and_errors():
     with pytest.raises(RuntimeError, match="page_size=64"):
         torch.ops.sglang_prr_cuda.infllm_scores(q.to(DEV), ck.to(DEV), table.to(DEV), sl.to(DEV),
                                                 64, 0.1)
+
+
+@pytest.mark.parametrize("B,Hq,Hk,D,page,qdtype", [SCORE_CASES[0], SCORE_CASES[2],
+                                                    SCORE_CASES[6]])
+def test_a_non_finite_logit_drops_its_query_head_from_the_group(B, Hq, Hk, D, page, qdtype):
+    """A NaN or +inf in a query head, or a NaN in one compressed key, leaves those heads with no
+    softmax: the kernels drop them from their group's sum as the reference does (scores with
+    no NaN, the same -inf pattern), and the KV heads they do not touch keep the clean run's
+    bits."""
+    seeded(f"scores non-finite B={B} Hq={Hq} Hk={Hk} page={page}")
+    seq_lens = [random.randint(3 * page, 40 * page) for _ in range(B)]
+    seq_lens[0] = 37 * page + random.randint(1, page - 1)  # several chunks of the logits pass
+    q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, qdtype, seq_lens, False)
+    sm, G = 1.0 / math.sqrt(D), Hq // Hk
+    td, sld = table.to(DEV), sl.to(DEV)
+    clean = torch.ops.sglang_prr_cuda.infllm_scores(q.to(DEV), ck.to(DEV), td, sld, page,
+                                                    sm).cpu()
+    b = B - 1
+    for bad in (float("nan"), float("inf")):
+        h, g = random.randrange(Hk), random.randrange(G)
+        q2 = q.clone()
+        q2[b, h * G + g, random.randrange(D)] = bad
+        out = torch.ops.sglang_prr_cuda.infllm_scores(q2.to(DEV), ck.to(DEV), td, sld, page, sm)
+        exp = ref.infllm_scores(q2, ck, table, sl, page, sm)
+        check_scores(out, exp)
+        out = out.cpu()
+        rest = torch.ones_like(out, dtype=torch.bool)
+        rest[b, h] = False
+        assert torch.equal(out[rest], clean[rest]), "other KV heads keep their bits"
+        f = torch.isfinite(clean[b, h])
+        if G > 1:  # the group's other heads keep their (finite, changed) scores
+            assert not torch.allclose(out[b, h][f], clean[b, h][f], rtol=1e-3, atol=1e-5)
+        else:  # the group's only head is gone: 0 where a key is
+            assert torch.equal(out[b, h][f], torch.zeros_like(out[b, h][f]))
+    # a NaN compressed key inside request 0 drops every head of its KV head there
+    h = random.randrange(Hk)
+    e = random.randint(1, (seq_lens[0] - 32) // 16 + 1)
+    ck2 = ck.clone()
+    ck2[int(table[0, e // (page // 16)]), e % (page // 16), h, random.randrange(D)] = math.nan
+    out = torch.ops.sglang_prr_cuda.infllm_scores(q.to(DEV), ck2.to(DEV), td, sld, page, sm)
+    check_scores(out, ref.infllm_scores(q, ck2, table, sl, page, sm))
+    out = out.cpu()
+    f = torch.isfinite(clean[0, h])
+    assert torch.equal(out[0, h][f], torch.zeros_like(out[0, h][f]))
+    assert not torch.equal(clean[0, h][f], torch.zeros_like(clean[0, h][f]))  # control

@@ -115,3 +115,44 @@ def test_a_negative_slot_writes_the_padding_page():
         assert torch.equal(got[1:], want[1:]), "only the valid row's page changes"
         changed = {int(i) for i in torch.nonzero((got != before).flatten(1).any(1)).flatten()}
         assert changed <= {0, int(new_loc[1]) // page} and int(new_loc[1]) // page in changed
+
+
+def test_quest_scores_of_a_zero_query_against_an_infinite_bound_and_of_a_nan_query():
+    """A zero q_d against an infinite key bound counts the other bound (fmax, as the
+    reference); a NaN query head makes its group's scores NaN, ranked last by the selection in
+    the kernel as in the reference; the other KV heads keep their scores and selection."""
+    seeded("quest non-finite")
+    B, Hq, Hk, D, NB = 2, 16, 4, 128, 40
+    P = NB * B + 5
+    kmin = torch.randn(P, Hk, D).to(torch.bfloat16)
+    kmax = (kmin.float() + torch.rand(P, Hk, D)).to(torch.bfloat16)
+    table = torch.randint(1, P, (B, NB))
+    nblk = torch.tensor([NB, NB - 7])
+    q = torch.randn(B, Hq, D, dtype=torch.bfloat16)
+    G, h, d = Hq // Hk, random.randrange(Hk), random.randrange(D)
+    kmax[int(table[0, 5]), h, d] = float("inf")
+    q[0, h * G:(h + 1) * G, d] = 0.0
+    k, sink, local, n_out = 6, 1, 2, 9
+    dev = [x.to(DEV) for x in (q, kmin, kmax, table, nblk.int())]
+    s, a_idx, a_cnt = [x.cpu() for x in torch.ops.sglang_prr_cuda.quest_select(
+        *dev, None, None, k, sink, local, n_out)[:3]]
+    s_ref = ref.quest_scores(q, kmin, kmax, table, nblk)
+    fin = torch.isfinite(s_ref)
+    assert torch.equal(torch.isfinite(s), fin) and fin[0].all()
+    torch.testing.assert_close(s[fin], s_ref[fin], rtol=1e-5, atol=1e-4)
+    q2 = q.clone()
+    q2[1, h * G, random.randrange(D)] = float("nan")
+    dev[0] = q2.to(DEV)
+    s2, a2, c2 = [x.cpu() for x in torch.ops.sglang_prr_cuda.quest_select(
+        *dev, None, None, k, sink, local, n_out)[:3]]
+    n = int(nblk[1])
+    assert torch.isnan(s2[1, h, :n]).all() and torch.isneginf(s2[1, h, n:]).all()
+    ai, ac = ref.select_topk(ref.quest_scores(q2, kmin, kmax, table, nblk), nblk, k, sink,
+                             local, n_out)
+    assert torch.equal(a2, ai) and torch.equal(c2, ac)
+    want = sorted(set(range(sink)) | set(range(sink, sink + k)) | set(range(n - local, n)))
+    assert a2[1, h, :int(c2[1, h])].tolist() == want  # NaN ranks last: the lowest middle ids
+    rest = torch.ones(B, Hk, dtype=torch.bool)
+    rest[1, h] = False
+    assert torch.equal(a2[rest], a_idx[rest]) and torch.equal(s2[rest], s[rest])
+    assert a_idx[1, h, :int(a_cnt[1, h])].tolist() != want  # control: finite scores differ

@@ -40,7 +40,8 @@ def quest_scores(q, k_buf, req_to_token, rows, seq_lens, page) -> List[List[List
                 tot = 0.0
                 for g in range(G):
                     qd = q[b, h * G + g].double()
-                    tot += float(torch.maximum(qd * hi, qd * lo).sum())
+                    # fmax: a NaN product (0 * inf) yields to the other bound's
+                    tot += float(torch.fmax(qd * hi, qd * lo).sum())
                 s.append(tot)
             per_head.append(s)
         out.append(per_head)
@@ -68,6 +69,8 @@ def infllm_scores(q, k_buf, req_to_token, rows, seq_lens, page, sm_scale) -> Lis
                     break
                 logits = torch.stack([q[b, h * G + g].double() @ c for c in cks]) * sm_scale
                 p = torch.softmax(logits, 0)
+                if torch.isnan(p).any():
+                    continue  # an undefined softmax (a NaN or +inf logit) adds nothing
                 for i in range(n_ck):
                     probs[i] += float(p[i])
             s = [-math.inf] * nb

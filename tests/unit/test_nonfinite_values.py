@@ -5,6 +5,7 @@ inputs (fresh seeds) or the fp64 oracle, with the control beside it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -14,6 +15,7 @@ import torch
 from sglang_prr import ops
 from sglang_prr import reference as R
 
+import oracle
 from oracle import holt_loop
 from paged import list_from_sets, make_paged
 
@@ -180,3 +182,64 @@ def test_a_negative_slot_writes_the_padding_page_not_another_requests(seed):
     changed |= {int(i) for i in torch.nonzero((hi != kmax).any(-1).any(-1)).flatten()}
     assert changed <= {0, int(new_loc[1]) // p.page}, changed
     assert int(new_loc[1]) // p.page in changed  # control: the valid row writes its page
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_query_head_drops_out_of_its_infllm_group(seed, bad):
+    """InfLLM-v2: a query head with a NaN or +inf logit has no softmax; it adds nothing to its
+    group's sum (the fp64 oracle skips it), the group's other heads keep theirs, and the other
+    KV heads keep their scores bit for bit."""
+    rnd = random.Random(seed)
+    p = make_paged(seed, [rnd.randint(90, 140), rnd.randint(50, 89)], hk=2, group=4)
+    ck = p.infllm_summary()
+    clean = R.infllm_scores(p.q, ck, p.table, p.seq_lens, p.page, p.sm_scale)
+    q = p.q.clone()
+    b, h, g = rnd.randrange(2), rnd.randrange(2), rnd.randrange(4)
+    q[b, h * 4 + g, rnd.randrange(q.shape[2])] = bad
+    got = R.infllm_scores(q, ck, p.table, p.seq_lens, p.page, p.sm_scale)
+    assert not torch.isnan(got).any()
+    for r, rows in enumerate(oracle.infllm_scores(q, p.k_buf, p.req_to_token, p.rows,
+                                                   p.seq_lens, p.page, p.sm_scale)):
+        want = torch.tensor(rows, dtype=torch.float64)  # [Hk, blocks of request r]
+        mine = got[r, :, :want.shape[1]].double()
+        assert torch.equal(torch.isneginf(mine), torch.isneginf(want))
+        fin = torch.isfinite(want)
+        assert torch.allclose(mine[fin], want[fin], rtol=1e-5, atol=1e-6)
+    other = torch.ones_like(got, dtype=torch.bool)
+    other[b, h] = False
+    assert torch.equal(got[other], clean[other])
+    # control: the dropped head counted before (its group's finite scores moved)
+    f = torch.isfinite(clean[b, h])
+    assert not torch.allclose(got[b, h][f], clean[b, h][f], rtol=1e-3, atol=1e-4)
+
+
+def test_quest_scores_take_the_finite_bound_where_a_zero_query_meets_an_infinite_key(seed):
+    """Quest: ``max(q_d * kmax_d, q_d * kmin_d)`` is an fmax, as the kernels' fmaxf: a zero
+    q_d against an infinite key bound (0 * inf = NaN) counts the other bound's product, so the
+    block's score stays finite and equals the fp64 oracle's; a NaN q_d makes the scores of its
+    group NaN (ranked last by the selection)."""
+    rnd = random.Random(seed)
+    p = make_paged(seed, [rnd.randint(60, 90)], hk=2, group=2)
+    h, d = rnd.randrange(2), rnd.randrange(p.k_buf.shape[2])
+    blk = rnd.randrange(1, int(p.nblk[0]) - 1)
+    slot = int(p.req_to_token[int(p.rows[0]), blk * p.page + rnd.randrange(p.page)])
+    k_buf = p.k_buf.clone()
+    k_buf[slot, h, d] = float("inf")
+    q = p.q.clone()
+    q[0, h * 2:(h + 1) * 2, d] = 0.0
+    kmin, kmax = dataclasses.replace(p, k_buf=k_buf).quest_summary()
+    assert math.isinf(float(kmax[int(p.table[0, blk]), h, d]))
+    want = torch.tensor(oracle.quest_scores(q, k_buf, p.req_to_token, p.rows, p.seq_lens,
+                                            p.page), dtype=torch.float64)
+    got = R.quest_scores(q, kmin, kmax, p.table, p.nblk)[..., :want.shape[-1]]
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-5)
+    # control: torch.maximum (NaN-propagating) loses the block
+    lo, hi = kmin[p.table[0]].float(), kmax[p.table[0]].float()
+    qg = q[0].float().view(2, 2, -1)
+    plain = torch.maximum(torch.einsum("hgd,nhd->hgnd", qg, hi),
+                          torch.einsum("hgd,nhd->hgnd", qg, lo)).sum(-1).sum(1)
+    assert torch.isnan(plain[h, blk])
+    q[0, h * 2, d] = float("nan")
+    nan_s = R.quest_scores(q, kmin, kmax, p.table, p.nblk)[..., :want.shape[-1]]
+    assert torch.isnan(nan_s[0, h]).all() and torch.equal(nan_s[0, 1 - h], got[0, 1 - h])
