@@ -10,6 +10,14 @@ Measured on SGLang 0.5.17 (FastAPI 0.165), PRR on or off:
   with an ``AttributeError``, which FastAPI does not turn into a validation error: HTTP 500.
 * ``/v1/tokenize`` answered 500 to every request for a tokenizer without ``model_max_length``
   (``_patch_tokenize``).
+* routes that read their JSON body themselves (``/remove_external_corpus``) answered a body that
+  is not an object with 500; the expert-distribution commands on a server without a recorder
+  stopped the scheduler (refused in ``requests``; their routes answer the refusal with 400).
+* an empty ``messages`` (``/api/chat``, ``/v1/messages/count_tokens``) or ``input``
+  (``/v1/responses``) was an ``IndexError`` (500); ``/v1/score`` with no ``label_token_ids``
+  answered 500; the Ollama routes answered a request SGLang refuses (a prompt past the context)
+  with 500, or broke their stream off after a 200; an unknown log level (``/configure_logging``)
+  or tool-call parser (``/parse_function_call``) was a 500.
 
 ``install(app)`` replaces the validation-error handler with one that names each error's place
 and message and a bounded repr of the value (``validation_message``), in the same envelopes
@@ -24,7 +32,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Optional, Sequence
 
-from .requests import short_repr, wrap_once
+from .requests import EXPERT_RECORD_COMMANDS, short_repr, wrap_once
 
 _MAX_ERRORS = 8  # errors listed in one message; the rest are counted
 _MAX_LOC = 40  # characters of one part of an error's place
@@ -73,6 +81,21 @@ def unreadable_body_message(body: Any, fails: Callable[[Any], Optional[BaseExcep
     return "the request body cannot be read by this endpoint"
 
 
+def empty_lists_message(chunks: Sequence[bytes]) -> str:
+    """The body's top-level fields that are empty lists, named, or '' when it has none. SGLang's
+    chat template, the Anthropic token count and the Ollama chat index the first message: an
+    IndexError (500) where the request gave none."""
+    try:
+        body = json.loads(b"".join(chunks) or b"null")
+    except (ValueError, RecursionError):
+        return ""
+    empty = [k for k, v in body.items() if v == []] if isinstance(body, dict) else []
+    if not empty:
+        return ""
+    return "; ".join(f"body.{k}: this endpoint needs at least one item here; got []"
+                     for k in empty[:_MAX_ERRORS])
+
+
 def error_body(path: str, message: str) -> dict:
     """SGLang's 400 envelope for ``path`` (``/v1/responses`` nests it under ``error``)."""
     if path.startswith("/v1/responses"):
@@ -101,13 +124,17 @@ def _body_at_fault(chunks: Sequence[bytes], fails: Callable[[Any], Optional[Base
     return body if fails(body) is not None else _NOT_AT_FAULT
 
 
-def _guard_route(route) -> None:
-    """Wrap ``route.app`` (its ASGI app, inside the whole middleware stack): record the body as
-    the route reads it; when the route raises before it answered and validating the recorded body
-    raises the same way, answer 400 naming the field, else re-raise."""
+def _not_an_object(body: Any) -> Optional[BaseException]:
+    """``fails`` of a route that reads its JSON body itself, as an object."""
+    return None if isinstance(body, dict) else TypeError("not a JSON object")
+
+
+def _model_validation(route) -> Callable[[Any], Optional[BaseException]]:
+    """``fails`` of a route with a body model: what validating a body with it raises, other
+    than a validation error (FastAPI answers those with 400 already)."""
     from pydantic import TypeAdapter
 
-    inner, annotation = route.app, route.body_field.field_info.annotation
+    annotation = route.body_field.field_info.annotation
     adapter: list = []  # built on the first failure only
 
     def fails(body: Any) -> Optional[BaseException]:
@@ -115,11 +142,22 @@ def _guard_route(route) -> None:
             adapter.append(TypeAdapter(annotation))
         try:
             adapter[0].validate_python(body, from_attributes=True)
-        except ValueError:  # pydantic's ValidationError: a 400 FastAPI already gives
+        except ValueError:  # pydantic's ValidationError
             return None
         except Exception as e:  # noqa: BLE001 - the validator's own failure is the point
             return e
         return None
+    return fails
+
+
+def _guard_route(route, raw: bool = False) -> None:
+    """Wrap ``route.app`` (its ASGI app, inside the whole middleware stack): record the body as
+    the route reads it; when the route raises before it answered and validating the recorded body
+    raises the same way, answer 400 naming the field, else re-raise. ``raw``: the route reads
+    its JSON body itself (no model): the body is at fault when the route read one that is not an
+    object."""
+    inner = route.app
+    fails = _not_an_object if raw else _model_validation(route)
 
     async def app(scope, receive, send):
         chunks, started = [], [False]
@@ -137,14 +175,117 @@ def _guard_route(route) -> None:
         try:
             await inner(scope, recording_receive, watching_send)
         except (AttributeError, TypeError, KeyError, IndexError) as err:
-            body = _body_at_fault(chunks, fails) if not started[0] else _NOT_AT_FAULT
-            if body is _NOT_AT_FAULT:
+            read = bool(chunks) or not raw  # a raw route that read no body: not the body
+            body = _body_at_fault(chunks, fails) if read and not started[0] else _NOT_AT_FAULT
+            if body is not _NOT_AT_FAULT:
+                message = unreadable_body_message(body, fails)
+            elif isinstance(err, IndexError) and not started[0] and (
+                    message := empty_lists_message(chunks)):
+                pass
+            else:
                 raise err  # the failure is elsewhere (or answered already): SGLang's 500
-            response = _json_response(scope.get("path", ""),
-                                      unreadable_body_message(body, fails))
-            await response(scope, recording_receive, send)
+            await _json_response(scope.get("path", ""), message)(scope, recording_receive, send)
 
     route.app = app
+
+
+def _refusal_as_400(route) -> None:
+    """A route that does not catch the ``ValueError`` a request is refused with (SGLang's
+    convention: its OpenAI routes answer it with 400) answers 400 with its message, unless its
+    response had started: the expert-distribution commands (``requests._needs_expert_recorder``),
+    the Ollama routes (a prompt past the context, for one) and ``_REFUSING``'s others."""
+    inner = route.app
+
+    async def app(scope, receive, send):
+        started = [False]
+
+        async def watching_send(message):
+            started[0] = True
+            await send(message)
+
+        try:
+            await inner(scope, receive, watching_send)
+        except ValueError as e:
+            if started[0]:
+                raise
+            await _json_response(scope.get("path", ""), str(e))(scope, receive, send)
+
+    route.app = app
+
+
+_OLLAMA_GENERATION = ("/api/chat", "/api/generate")
+# Routes whose ValueError is the request's (an unknown log level or tool-call parser), not
+# caught by SGLang 0.5.17: HTTP 500.
+_REFUSING = _OLLAMA_GENERATION + ("/configure_logging", "/parse_function_call")
+
+
+def _first_chunk_early(orig):
+    """An Ollama stream whose first chunk is awaited before the response is returned: a request
+    SGLang refuses (``ValueError`` at the first chunk) then fails before the headers go out, and
+    its route answers 400, where the stream broke off after a 200."""
+    async def method(self, *args, **kwargs):
+        response = await orig(self, *args, **kwargs)
+        chunks = response.body_iterator
+        try:
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            return response
+
+        async def body():
+            yield first
+            async for chunk in chunks:
+                yield chunk
+        response.body_iterator = body()
+        return response
+    return method
+
+
+def _patch_ollama_streams() -> None:
+    try:
+        from sglang.srt.entrypoints.ollama.serving import OllamaServing
+    except Exception:  # pragma: no cover - no Ollama layer
+        return
+    for name in ("_stream_chat_response", "_stream_generate_response"):
+        if hasattr(OllamaServing, name):
+            wrap_once(OllamaServing, name, _first_chunk_early)
+
+
+def _score_labels(orig):
+    def _validate_request(self, request):
+        if getattr(request, "label_token_ids", None) == []:
+            return "label_token_ids: give at least one token id to score, or leave it out"
+        return orig(self, request)
+    return _validate_request
+
+
+def _patch_score() -> None:
+    """``/v1/score`` with ``label_token_ids: []`` asked for no logprobs and answered 500
+    ("output_logprobs is empty"); refused with 400 by the route's own validation hook."""
+    try:
+        from sglang.srt.entrypoints.openai.serving_score import OpenAIServingScore
+    except Exception:  # pragma: no cover - no OpenAI layer
+        return
+    wrap_once(OpenAIServingScore, "_validate_request", _score_labels)
+
+
+def _count_needs_messages(orig):
+    async def handle_count_tokens(self, request, raw_request):
+        if not getattr(request, "messages", None):
+            return self._error_response(status_code=400, error_type="invalid_request_error",
+                                        message="messages: give at least one message to count")
+        return await orig(self, request, raw_request)
+    return handle_count_tokens
+
+
+def _patch_count_tokens() -> None:
+    """``/v1/messages/count_tokens`` with no messages failed in the chat template (an
+    ``IndexError`` its handler answers with its own 500); refused with 400 in Anthropic's
+    envelope."""
+    try:
+        from sglang.srt.entrypoints.anthropic.serving import AnthropicServing
+    except Exception:  # pragma: no cover - no Anthropic layer
+        return
+    wrap_once(AnthropicServing, "handle_count_tokens", _count_needs_messages)
 
 
 def _tokenize_max_len(orig):
@@ -189,5 +330,16 @@ def install(app) -> int:
               if isinstance(r, APIRoute) and r.body_field is not None]
     for r in routes:
         _guard_route(r)
+    raw = [r for r in app.router.routes if isinstance(r, APIRoute) and r.body_field is None
+           and r.methods & {"POST", "PUT"}]
+    for r in raw:
+        _guard_route(r, raw=True)
+    for r in app.router.routes:
+        if isinstance(r, APIRoute) and (r.path.strip("/") in EXPERT_RECORD_COMMANDS
+                                        or r.path in _REFUSING):
+            _refusal_as_400(r)
+    _patch_ollama_streams()
+    _patch_score()
+    _patch_count_tokens()
     _patch_tokenize()
-    return len(routes)
+    return len(routes) + len(raw)

@@ -270,13 +270,42 @@ def _validating(orig):
 
 
 def _normalizing(orig):
+    """``GenerateReqInput``'s and ``EmbeddingReqInput``'s normalization between the checks: the
+    sampling parameters before it, the per-request fields after it. What SGLang's own code
+    raises on a request's fields (an ``assert`` on a batch's rid, an ``IndexError`` on an empty
+    list, a ``TypeError`` on a list where a dict goes) is the request's fault: ``ValueError``,
+    which the routes answer with 400, not 500."""
     def normalize_batch_and_arguments(self):
         sp = self.sampling_params
+        if isinstance(sp, list) and not sp:
+            raise _bad("sampling_params", sp, "an object, or a list of one per request")
         for one in (sp if isinstance(sp, list) else [sp]):
             check_sampling_params(one)
-        orig(self)
+        try:
+            orig(self)
+        except (AssertionError, AttributeError, IndexError, KeyError, TypeError) as e:
+            raise ValueError(f"the request's fields do not fit together: {e or type(e).__name__}"
+                             ) from None
         check_per_request(self)
     return normalize_batch_and_arguments
+
+
+EXPERT_RECORD_COMMANDS = ("start_expert_distribution_record", "stop_expert_distribution_record",
+                          "dump_expert_distribution_record")
+_RECORDER_OFF = ("this server records no expert distribution: start it with "
+                 "--expert-distribution-recorder-mode")
+
+
+def _needs_expert_recorder(orig):
+    """SGLang 0.5.17 sends the expert-distribution commands to a scheduler started without a
+    recorder, whose stand-in raises there and stops it (the server with every request in
+    flight). Refused here with ``ValueError`` instead: nothing is sent."""
+    @functools.wraps(orig)
+    async def method(self, *args, **kwargs):
+        if getattr(self.server_args, "expert_distribution_recorder_mode", None) is None:
+            raise ValueError(_RECORDER_OFF)
+        return await orig(self, *args, **kwargs)
+    return method
 
 
 def _extra_key_as_value_error(orig):
@@ -291,12 +320,15 @@ def _extra_key_as_value_error(orig):
 def install() -> None:
     """Put the checks in SGLang's seams (idempotent); a seam SGLang lacks is skipped."""
     try:
-        from sglang.srt.managers.io_struct import GenerateReqInput
+        from sglang.srt.managers.io_struct import EmbeddingReqInput, GenerateReqInput
         from sglang.srt.managers.tokenizer_manager import TokenizerManager
     except Exception:  # pragma: no cover - SGLang without its request types
         return
     wrap_once(TokenizerManager, "_validate_one_request", _validating)
-    wrap_once(GenerateReqInput, "normalize_batch_and_arguments", _normalizing)
+    for name in EXPERT_RECORD_COMMANDS:
+        wrap_once(TokenizerManager, name, _needs_expert_recorder)
+    for req in (GenerateReqInput, EmbeddingReqInput):
+        wrap_once(req, "normalize_batch_and_arguments", _normalizing)
     try:
         from sglang.srt.entrypoints.openai.serving_base import OpenAIServingBase
     except Exception:  # pragma: no cover - no OpenAI layer

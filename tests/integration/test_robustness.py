@@ -149,10 +149,46 @@ def test_per_request_fields_and_a_list_cache_key_are_checked():
     fine = GenerateReqInput(text=["a", "b"], lora_id=["p", "q"], extra_key=["k", "l"])
     fine.normalize_batch_and_arguments()
     assert [fine[i].lora_id for i in range(2)] == ["p", "q"]
+    # an empty list, and SGLang's own failures on a request's fields, on both request types
+    from sglang.srt.managers.io_struct import EmbeddingReqInput
+    for req, kw, match in ((GenerateReqInput, {"sampling_params": []}, "sampling_params"),
+                           (EmbeddingReqInput, {"sampling_params": []}, "sampling_params"),
+                           (EmbeddingReqInput, {"rid": ["x"]}, "rid must be one value"),
+                           (EmbeddingReqInput, {"sampling_params": [{}]}, "do not fit together"),
+                           (EmbeddingReqInput, {"input_ids": []}, "do not fit together")):
+        with pytest.raises(ValueError, match=match):
+            obj = req(**({"input_ids": kw.pop("input_ids")} if "input_ids" in kw else
+                         {"text": "hi"}), **kw)
+            obj.normalize_batch_and_arguments()
+    emb = EmbeddingReqInput(text=["a", "b"], rid=["x", "y"])
+    emb.normalize_batch_and_arguments()  # the control
+    assert emb.batch_size == 2 and emb.sampling_params == [{"max_new_tokens": 0}] * 2
     key = OpenAIServingBase._compute_extra_key
     with pytest.raises(ValueError, match="extra_key must be a string"):
         key(None, SimpleNamespace(cache_salt=None, extra_key=["x"]))
     assert key(None, SimpleNamespace(cache_salt="s", extra_key="k")) == "sk"
+
+
+def test_expert_record_commands_need_a_recorder():
+    """SGLang sends the expert-distribution commands to a scheduler without a recorder, whose
+    stand-in raises and stops it. Refused before anything is sent; with a recorder mode they go
+    through (the control: the stand-in manager has nothing to send with)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    from sglang_prr.serving import requests as request_checks
+
+    request_checks.install()
+    for name in request_checks.EXPERT_RECORD_COMMANDS:
+        method = getattr(TokenizerManager, name)
+        off = SimpleNamespace(server_args=SimpleNamespace(expert_distribution_recorder_mode=None))
+        with pytest.raises(ValueError, match="--expert-distribution-recorder-mode"):
+            asyncio.run(method(off))
+        on = SimpleNamespace(server_args=SimpleNamespace(expert_distribution_recorder_mode="stat"))
+        with pytest.raises(AttributeError):
+            asyncio.run(method(on))
 
 
 def _post(server, path, body):
@@ -247,8 +283,12 @@ def test_bodies_that_gave_500_get_400_and_constrained_decoding_runs_on_cpu(prr_s
     of 2^40, unknown session keys), a list lora_id or positional_embed_overrides on one request
     (each stopped the scheduler), validation messages that echoed the whole body with the
     endpoint's file and line, a prompt given as text and ids (the text was dropped), a
-    regex-constrained request, which stopped a CPU server, and /v1/tokenize (500 on every
-    request for a tokenizer without a model_max_length)."""
+    regex-constrained request, which stopped a CPU server, /v1/tokenize (500 on every
+    request for a tokenizer without a model_max_length), an empty sampling_params list, a list rid
+    on /encode, a body that is not an object on a route that reads its own, the expert-
+    distribution commands on a server without a recorder (they stopped the scheduler), empty
+    messages / input / label_token_ids, and Ollama requests past the context (500, or a stream
+    broken off after a 200)."""
     url = prr_server.url
     hdr = {"Content-Type": "application/json"}
     chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}],
@@ -273,12 +313,33 @@ def test_bodies_that_gave_500_get_400_and_constrained_decoding_runs_on_cpu(prr_s
         ("/generate", json.dumps({"text": "hi", "session_params": {"a": 1}}), "session_params"),
         ("/generate", json.dumps({"text": "hi", "positional_embed_overrides": ["x"]}),
          "positional_embed_overrides"),
+        ("/generate", json.dumps({"text": "hi", "sampling_params": []}), "sampling_params"),
+        ("/encode", json.dumps({"text": "hi", "rid": []}), "rid must be one value"),
+        ("/classify", json.dumps({"text": "hi", "sampling_params": []}), "sampling_params"),
+        ("/remove_external_corpus", "[]", "JSON object"),
+        ("/start_expert_distribution_record", "{}", "records no expert distribution"),
+        ("/dump_expert_distribution_record", "{}", "records no expert distribution"),
+        ("/api/chat", json.dumps({"model": "m", "messages": []}), "body.messages"),
+        ("/v1/messages/count_tokens", json.dumps({"model": "m", "messages": []}), "messages"),
+        ("/v1/responses", json.dumps({"model": "m", "input": []}), "body.input"),
+        ("/v1/score", json.dumps({"model": "m", "query": "q", "items": ["a"],
+                                  "label_token_ids": []}), "label_token_ids"),
+        ("/configure_logging", json.dumps({"log_level": "loud"}), "Unknown level"),
+        ("/parse_function_call", json.dumps({"text": "x", "tool_call_parser": "nope",
+                                             "tools": []}), "tool_call_parser"),
+        # Ollama's default num_predict (2048) is past the demo's context: stream or not
+        ("/api/generate", json.dumps({"model": "m", "prompt": "hi"}), "context length"),
+        ("/api/generate", json.dumps({"model": "m", "prompt": "hi", "stream": False}),
+         "context length"),
     ]
     for path, body, field in cases:
         r = requests.post(url + path, data=body, headers=hdr, timeout=120)
         assert r.status_code == 400, (path, body[:80], r.status_code, r.text[:300])
         assert field in r.text and len(r.text) < 2000 and ".py" not in r.text, r.text[:300]
         assert prr_server.healthy(), (path, body[:80])
+    short = _post(prr_server, "/api/generate", {"model": "m", "prompt": "hi",
+                                                 "options": {"num_predict": 3}})
+    assert short.status_code == 200 and '"done":true' in short.text.replace(" ", "")  # control
     # constrained decoding: the answer matches the regex; unconstrained (the control) it need not
     r = _post(prr_server, "/v1/chat/completions", {**chat, "max_tokens": 8,
                                                    "regex": "[0-9]{3}"})

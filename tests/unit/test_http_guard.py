@@ -15,7 +15,7 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("httpx")
 
-from fastapi import FastAPI  # noqa: E402
+from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.testclient import TestClient  # noqa: E402
 from pydantic import BaseModel, model_validator  # noqa: E402
 
@@ -51,8 +51,25 @@ def _app(guarded: bool):
     async def boom(req: Chat):  # fails after validation: not the body's fault
         raise AttributeError("a bug elsewhere")
 
+    @app.post("/remove_external_corpus")
+    async def remove(request: Request):  # reads its body itself, as SGLang's does
+        body = await request.json()
+        return {"id": body.get("corpus_id")}
+
+    @app.post("/flush")
+    async def flush():  # reads no body, fails elsewhere
+        raise AttributeError("a bug elsewhere")
+
+    @app.post("/count_tokens")
+    async def count(req: Chat):  # indexes the first message, as SGLang's count_tokens does
+        return {"first": req.messages[0]}
+
+    @app.post("/start_expert_distribution_record")
+    async def start_record():  # the tokenizer manager's refusal (requests.py)
+        raise ValueError("this server records no expert distribution")
+
     if guarded:
-        assert http_guard.install(app) == 3
+        assert http_guard.install(app) == 7
     return TestClient(app, raise_server_exceptions=False)
 
 
@@ -125,3 +142,36 @@ def test_validation_message_counts_what_it_leaves_out():
     assert one == "1 validation error: body.9: JSON decode error (unexpected end of data)"
     long_loc = http_guard.validation_message([{"loc": ("body", "u" * 500), "msg": "m"}])
     assert len(long_loc) < 80 and "..." in long_loc
+
+
+@pytest.mark.parametrize("body", [[], None, 5, "x"])
+def test_a_route_reading_its_own_body_answers_a_non_object_with_400(body):
+    """SGLang's /remove_external_corpus calls ``.get`` on whatever JSON came: 500 (the control);
+    guarded, 400; an object still reaches the route, and a route that read no body and failed
+    keeps its 500."""
+    plain, guarded = _app(False), _app(True)
+    raw = {"content": json.dumps(body), "headers": {"Content-Type": "application/json"}}
+    assert plain.post("/remove_external_corpus", **raw).status_code == 500
+    r = guarded.post("/remove_external_corpus", **raw)
+    assert r.status_code == 400 and "JSON object" in r.json()["message"], r.text
+    assert guarded.post("/remove_external_corpus", json={"corpus_id": 7}).json() == {"id": 7}
+    assert guarded.post("/flush", **raw).status_code == 500
+
+
+def test_a_refused_expert_record_command_is_a_400():
+    assert _app(False).post("/start_expert_distribution_record").status_code == 500
+    r = _app(True).post("/start_expert_distribution_record")
+    assert r.status_code == 400 and "records no expert distribution" in r.json()["message"]
+
+
+def test_an_empty_list_behind_an_index_error_is_a_400_naming_it():
+    """An empty ``messages`` that the route indexes: 500 (the control), guarded 400 naming the
+    field; a non-empty one is served, and an IndexError with no empty list stays a 500."""
+    plain, guarded = _app(False), _app(True)
+    assert plain.post("/count_tokens", json={"messages": []}).status_code == 500
+    r = guarded.post("/count_tokens", json={"messages": [], "max_tokens": 2})
+    assert r.status_code == 400 and "body.messages" in r.json()["message"], r.text
+    assert "max_tokens" not in r.json()["message"]
+    assert guarded.post("/count_tokens", json={"messages": ["a"]}).json() == {"first": "a"}
+    assert http_guard.empty_lists_message([b'{"messages": [1]}']) == ""
+    assert http_guard.empty_lists_message([b"[]"]) == ""
