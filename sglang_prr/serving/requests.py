@@ -59,7 +59,7 @@ def short_repr(value: Any) -> str:
 
 
 def _bad(field: str, value: Any, allowed: str) -> ValueError:
-    return ValueError(f"{field} must be {allowed}; got {value!r}")
+    return ValueError(f"{field} must be {allowed}; got {short_repr(value)}")
 
 
 def _is_int(v: Any) -> bool:
@@ -83,6 +83,37 @@ def _known_keys() -> Optional[frozenset]:
     return _struct_keys("sglang.srt.sampling.sampling_params", "SamplingParams")
 
 
+@functools.lru_cache(maxsize=None)
+def _field_types() -> dict:
+    """``SamplingParams``' field types (msgspec), for the values a request gives: a boolean where
+    SGLang's detokenizer passes it to the tokenizer (an integer ``skip_special_tokens`` stopped
+    it, and the server), a string where it compiles a grammar, integer token ids."""
+    try:
+        import msgspec
+
+        from sglang.srt.sampling.sampling_params import SamplingParams
+        return {f.name: f.type for f in msgspec.structs.fields(SamplingParams)
+                if f.name != "custom_params"}  # a custom processor's own business
+    except Exception:  # pragma: no cover - SGLang without msgspec structs: no type check
+        return {}
+
+
+def _check_types(sp: dict) -> None:
+    import msgspec
+
+    types = _field_types()
+    for key, value in sp.items():
+        if key in types:
+            try:
+                msgspec.convert(value, types[key])
+            except msgspec.ValidationError as e:
+                raise _bad(f"sampling_params.{key}", value, f"of its type ({e})") from None
+    bias = sp.get("logit_bias")
+    for token in (bias or {}):
+        if not (token.isdigit() and token.isascii()):
+            raise _bad("sampling_params.logit_bias", bias, "an object keyed by token ids")
+
+
 def check_sampling_params(sp: Any) -> None:
     """One request's ``sampling_params`` (a dict, or None for the defaults): known keys, integers
     where SGLang slices or counts with them, real numbers where it compares them, non-empty stop
@@ -97,6 +128,7 @@ def check_sampling_params(sp: Any) -> None:
         if unknown:
             raise ValueError(f"sampling_params has unknown keys {unknown}; allowed: "
                              f"{sorted(k for k in known if not k.endswith(_INTERNAL))}")
+    _check_types(sp)
     for field, low in _INTS.items():
         v = sp.get(field)
         if v is not None and not (_is_int(v) and v >= low):

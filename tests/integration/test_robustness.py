@@ -287,8 +287,8 @@ def test_bodies_that_gave_500_get_400_and_constrained_decoding_runs_on_cpu(prr_s
     request for a tokenizer without a model_max_length), an empty sampling_params list, a list rid
     on /encode, a body that is not an object on a route that reads its own, the expert-
     distribution commands on a server without a recorder (they stopped the scheduler), empty
-    messages / input / label_token_ids, and Ollama requests past the context (500, or a stream
-    broken off after a 200)."""
+    messages / input / label_token_ids, Ollama requests past the context (500, or a stream
+    broken off after a 200), and an integer skip_special_tokens (it stopped the detokenizer)."""
     url = prr_server.url
     hdr = {"Content-Type": "application/json"}
     chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}],
@@ -314,6 +314,8 @@ def test_bodies_that_gave_500_get_400_and_constrained_decoding_runs_on_cpu(prr_s
         ("/generate", json.dumps({"text": "hi", "positional_embed_overrides": ["x"]}),
          "positional_embed_overrides"),
         ("/generate", json.dumps({"text": "hi", "sampling_params": []}), "sampling_params"),
+        ("/generate", json.dumps({"text": "hi", "sampling_params": {"skip_special_tokens": -1}}),
+         "sampling_params.skip_special_tokens"),
         ("/encode", json.dumps({"text": "hi", "rid": []}), "rid must be one value"),
         ("/classify", json.dumps({"text": "hi", "sampling_params": []}), "sampling_params"),
         ("/remove_external_corpus", "[]", "JSON object"),

@@ -31,9 +31,16 @@ class Req:
     ("top_k", 0, 1), ("top_k", 2.0, 2), ("top_k", -2, -1), ("stop", "", "x"),
     ("stop", ["a", ""], ["a", "b"]), ("stop", [3], ["3"]), ("stop_regex", "(", "a+"),
     ("stream_interval", 0, 1), ("n", 1025, 1024), ("n", 2 ** 40, 7),
+    # SamplingParams' own field types: an integer skip_special_tokens reached the detokenizer's
+    # tokenizer call and stopped the server
+    ("skip_special_tokens", -1, False), ("skip_special_tokens", None, True),
+    ("spaces_between_special_tokens", "yes", True), ("no_stop_trim", 1, True),
+    ("ignore_eos", [], True), ("json_schema", {}, '{"type": "object"}'), ("regex", 5, "a+"),
+    ("stop_token_ids", [[1]], [1, 2]), ("logit_bias", {"5": "x"}, {"5": -1.5}),
+    ("logit_bias", {"a": 1}, {"17": 2}), ("sampling_seed", "7", 7),
 ])
 def test_each_bad_sampling_value_is_refused_by_name(field, bad, good):
-    if bad is not None:
+    if bad is not None or field in ("skip_special_tokens",):
         with pytest.raises(ValueError, match=f"sampling_params.{field}") as e:
             check_sampling_params({"max_new_tokens": 4, field: bad})
         assert repr(bad)[:20] in str(e.value)
