@@ -150,12 +150,15 @@ def _model_validation(route) -> Callable[[Any], Optional[BaseException]]:
     return fails
 
 
-def _guard_route(route, raw: bool = False) -> None:
+def _guard_route(route, raw: bool = False, refusals: bool = False) -> None:
     """Wrap ``route.app`` (its ASGI app, inside the whole middleware stack): record the body as
     the route reads it; when the route raises before it answered and validating the recorded body
     raises the same way, answer 400 naming the field, else re-raise. ``raw``: the route reads
     its JSON body itself (no model): the body is at fault when the route read one that is not an
-    object."""
+    object. An ``IndexError`` with a top-level empty list in the body names that list.
+    ``refusals``: the route does not catch the ``ValueError`` a request is refused with (SGLang's
+    convention: its OpenAI routes answer it with 400), so it answers 400 with its message: the
+    expert-distribution commands (``requests._needs_expert_recorder``) and ``_REFUSING``."""
     inner = route.app
     fails = _not_an_object if raw else _model_validation(route)
 
@@ -174,41 +177,21 @@ def _guard_route(route, raw: bool = False) -> None:
 
         try:
             await inner(scope, recording_receive, watching_send)
-        except (AttributeError, TypeError, KeyError, IndexError) as err:
-            read = bool(chunks) or not raw  # a raw route that read no body: not the body
-            body = _body_at_fault(chunks, fails) if read and not started[0] else _NOT_AT_FAULT
-            if body is not _NOT_AT_FAULT:
-                message = unreadable_body_message(body, fails)
-            elif isinstance(err, IndexError) and not started[0] and (
-                    message := empty_lists_message(chunks)):
-                pass
-            else:
-                raise err  # the failure is elsewhere (or answered already): SGLang's 500
+        except (AttributeError, TypeError, KeyError, IndexError, ValueError) as err:
+            if started[0] or (isinstance(err, ValueError) and not refusals):
+                raise err  # answered already, or not a refusal: SGLang's own handling
+            message = ""
+            if isinstance(err, ValueError):
+                message = str(err)
+            elif chunks or not raw:  # a raw route that read no body: not the body
+                body = _body_at_fault(chunks, fails)
+                if body is not _NOT_AT_FAULT:
+                    message = unreadable_body_message(body, fails)
+                elif isinstance(err, IndexError):
+                    message = empty_lists_message(chunks)
+            if not message:
+                raise err  # the failure is elsewhere: SGLang's 500
             await _json_response(scope.get("path", ""), message)(scope, recording_receive, send)
-
-    route.app = app
-
-
-def _refusal_as_400(route) -> None:
-    """A route that does not catch the ``ValueError`` a request is refused with (SGLang's
-    convention: its OpenAI routes answer it with 400) answers 400 with its message, unless its
-    response had started: the expert-distribution commands (``requests._needs_expert_recorder``),
-    the Ollama routes (a prompt past the context, for one) and ``_REFUSING``'s others."""
-    inner = route.app
-
-    async def app(scope, receive, send):
-        started = [False]
-
-        async def watching_send(message):
-            started[0] = True
-            await send(message)
-
-        try:
-            await inner(scope, receive, watching_send)
-        except ValueError as e:
-            if started[0]:
-                raise
-            await _json_response(scope.get("path", ""), str(e))(scope, receive, send)
 
     route.app = app
 
@@ -326,20 +309,13 @@ def install(app) -> int:
         return _json_response(request.url.path, validation_message(exc.errors()))
 
     app.exception_handlers[RequestValidationError] = on_validation_error
-    routes = [r for r in app.router.routes
-              if isinstance(r, APIRoute) and r.body_field is not None]
+    routes = [r for r in app.router.routes if isinstance(r, APIRoute)
+              and (r.body_field is not None or r.methods & {"POST", "PUT"})]
     for r in routes:
-        _guard_route(r)
-    raw = [r for r in app.router.routes if isinstance(r, APIRoute) and r.body_field is None
-           and r.methods & {"POST", "PUT"}]
-    for r in raw:
-        _guard_route(r, raw=True)
-    for r in app.router.routes:
-        if isinstance(r, APIRoute) and (r.path.strip("/") in EXPERT_RECORD_COMMANDS
-                                        or r.path in _REFUSING):
-            _refusal_as_400(r)
+        _guard_route(r, raw=r.body_field is None, refusals=r.path in _REFUSING
+                     or r.path.strip("/") in EXPERT_RECORD_COMMANDS)
     _patch_ollama_streams()
     _patch_score()
     _patch_count_tokens()
     _patch_tokenize()
-    return len(routes) + len(raw)
+    return len(routes)

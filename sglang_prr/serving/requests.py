@@ -67,43 +67,44 @@ def _is_int(v: Any) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _struct_keys(module: str, name: str) -> Optional[frozenset]:
-    """The fields of SGLang's msgspec struct ``module.name`` (None where it cannot say); read
-    once, not per request."""
+def _struct_types(module: str, name: str) -> Optional[dict]:
+    """The fields of SGLang's msgspec struct ``module.name`` with their types (None where it
+    cannot say); read once, not per request."""
     try:
+        import msgspec
+
         cls = getattr(importlib.import_module(module), name)
-    except Exception:  # pragma: no cover - SGLang missing or moved: no key check
+        return {f.name: f.type for f in msgspec.structs.fields(cls)} or None
+    except Exception:  # pragma: no cover - SGLang missing or moved: no key or type check
         return None
-    fields = getattr(cls, "__struct_fields__", None)
-    return frozenset(fields) if fields else None
+
+
+@functools.lru_cache(maxsize=None)
+def _struct_keys(module: str, name: str) -> Optional[frozenset]:
+    types = _struct_types(module, name)
+    return frozenset(types) if types else None
+
+
+_SAMPLING = ("sglang.srt.sampling.sampling_params", "SamplingParams")
 
 
 def _known_keys() -> Optional[frozenset]:
     """The sampling parameters SGLang's ``SamplingParams`` takes."""
-    return _struct_keys("sglang.srt.sampling.sampling_params", "SamplingParams")
-
-
-@functools.lru_cache(maxsize=None)
-def _field_types() -> dict:
-    """``SamplingParams``' field types (msgspec), for the values a request gives: a boolean where
-    SGLang's detokenizer passes it to the tokenizer (an integer ``skip_special_tokens`` stopped
-    it, and the server), a string where it compiles a grammar, integer token ids."""
-    try:
-        import msgspec
-
-        from sglang.srt.sampling.sampling_params import SamplingParams
-        return {f.name: f.type for f in msgspec.structs.fields(SamplingParams)
-                if f.name != "custom_params"}  # a custom processor's own business
-    except Exception:  # pragma: no cover - SGLang without msgspec structs: no type check
-        return {}
+    return _struct_keys(*_SAMPLING)
 
 
 def _check_types(sp: dict) -> None:
+    """Each value of ``SamplingParams``' field type (msgspec): a boolean where SGLang's
+    detokenizer passes it to the tokenizer (an integer ``skip_special_tokens`` stopped it, and the
+    server), a string where it compiles a grammar, integer token ids; ``logit_bias`` keyed by
+    token ids. ``custom_params`` is a custom processor's own business."""
+    types = _struct_types(*_SAMPLING)
+    if not types:
+        return
     import msgspec
 
-    types = _field_types()
     for key, value in sp.items():
-        if key in types:
+        if key in types and key != "custom_params":
             try:
                 msgspec.convert(value, types[key])
             except msgspec.ValidationError as e:
@@ -316,8 +317,8 @@ def _normalizing(orig):
         try:
             orig(self)
         except (AssertionError, AttributeError, IndexError, KeyError, TypeError) as e:
-            raise ValueError(f"the request's fields do not fit together: {e or type(e).__name__}"
-                             ) from None
+            raise ValueError("the request's fields do not fit together: "
+                             f"{str(e) or type(e).__name__}") from None
         check_per_request(self)
     return normalize_batch_and_arguments
 
