@@ -38,6 +38,8 @@ from torch import Tensor
 
 from . import ops
 from . import reference as ref
+from .step import p_rows
+
 
 # ----------------------------------------------------------------------------- eq 4 on a grid
 def a_weights(scores: Tensor, nblk: Tensor, k: int, sink_blocks: int,
@@ -237,6 +239,7 @@ class Calibrator:
             pad = st.p_idx.shape[-1] - p_idx.shape[-1]  # the pool's lists may be wider
             if pad > 0:
                 p_idx = torch.nn.functional.pad(p_idx, (0, pad), value=-1)
-            slot = st.p_slot(row)  # the half of P's double buffer the next decode step reads
+            # the half of P's double buffer the first decode step (total + 1 tokens) reads
+            slot = p_rows(row, r.total + 1)
             st.p_idx[layers, slot] = p_idx
             st.p_cnt[layers, slot] = p_cnt

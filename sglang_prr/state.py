@@ -64,9 +64,9 @@ class PRRState:
     level, trend: ``[L, rows, Hk, NB]`` float32; n_init: ``[L, rows]`` int64 (blocks with
     state); theta: ``[L, rows, 3]`` float32 (alpha, beta, gamma); p_idx/p_cnt: the prediction
     for the next decode step, double-buffered, ``[L, 2 rows, Hk, n_pred + sink + local]`` int32
-    and ``[L, 2 rows, Hk]``: a request's P is row ``2 r + p_par[r]`` (``p_slot``), and a
-    speculating decode forward writes P(t+1) into ``2 r + 1 - p_par[r]`` while P(t) is still
-    being read, then flips ``p_par: [rows]`` int64 (``DecodeStep.plan``);
+    and ``[L, 2 rows, Hk]``: the decode step of length s (the decoded token included) reads
+    P(t) from row ``2 r + s % 2`` and writes P(t+1) into ``2 r + 1 - s % 2``, which the next
+    step reads (``step.p_rows``);
     h_sum/h_cnt: calibration scores accumulated over the chunks of a prefill, ``[L, rows, C]``
     and ``[L, rows]``; shared_theta: ``[L, 3]``, the theta* a new request starts from: the
     default until a request is calibrated, then the theta* last chosen per layer (a request that
@@ -86,7 +86,6 @@ class PRRState:
         self.theta = torch.empty(L, R, 3, dtype=torch.float32, device=device)
         self.p_idx = torch.empty(L, 2 * R, Hk, n_p, dtype=torch.int32, device=device)
         self.p_cnt = torch.zeros(L, 2 * R, Hk, dtype=torch.int32, device=device)
-        self.p_par = torch.zeros(R, dtype=torch.int64, device=device)
         self.h_sum = torch.zeros(L, R, len(cfg.theta_grid), dtype=torch.float32, device=device)
         self.h_cnt = torch.zeros(L, R, dtype=torch.float32, device=device)
         self.default_theta = torch.tensor(cfg.default_theta, dtype=torch.float32, device=device)
@@ -100,11 +99,7 @@ class PRRState:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (
             self.level, self.trend, self.n_init, self.theta, self.p_idx, self.p_cnt,
-            self.p_par, self.h_sum, self.h_cnt, self.shared_theta))
-
-    def p_slot(self, rows: torch.Tensor) -> torch.Tensor:
-        """Rows of ``p_idx``/``p_cnt`` holding the current P of request slots ``rows`` (device)."""
-        return rows.long() * 2 + self.p_par.index_select(0, rows.long())
+            self.h_sum, self.h_cnt, self.shared_theta))
 
     def layer(self, l: int):
         """Layer ``l``'s state as the decode step reads and writes it, in place (``LayerState``
@@ -141,6 +136,5 @@ class PRRState:
         both = slice(None) if isinstance(rows, slice) else torch.cat([2 * rows, 2 * rows + 1])
         self.p_idx[:, both] = -1
         self.p_cnt[:, both] = 0
-        self.p_par[rows] = 0
         self.h_sum[:, rows] = 0.0
         self.h_cnt[:, rows] = 0.0

@@ -26,13 +26,14 @@ knob) records PRR's speculative pass before the selection instead of after it.
 
 The predictor's step is the selection's epilogue (the scores are on chip there; with
 ``--prr-predictor side`` it is its own launch after the selection, as below): it writes P(t+1)
-into the other half of a double buffer of P (``DecodeBatch.p_cur`` / ``p_nxt``: rows ``2 r + par``
-and ``2 r + 1 - par`` of the pool's P, the parity flipped once per speculating forward), so it
-never races the speculative pass or the merge, which read P(t). The main stream's wait for the
-selection is the only join. The selection is the DSA method's (``methods/``, picked once by
-name): Quest's is that one launch (``fuses_predictor``); InfLLM-v2's composes its scores, top-K
-and set difference, and the predictor's step follows on the side stream (joined once per
-forward, after the last sparse layer: ``run(..., join=True)``).
+into the other half of a double buffer of P (``DecodeBatch.p_cur`` / ``p_nxt``: rows
+``2 r + s % 2`` and ``2 r + 1 - s % 2`` of the pool's P, s the request's length with the decoded
+token; the next decode step, of length s + 1, reads the half this one writes), so it never
+races the speculative pass or the merge, which read P(t), and the parity costs no state and no
+launch. The main stream's wait for the selection is the only join. The selection is the DSA
+method's (``methods/``, picked once by name): Quest's is that one launch (``fuses_predictor``);
+InfLLM-v2's composes its scores, top-K and set difference, and the predictor's step follows on
+the side stream (joined once per forward, after the last sparse layer: ``run(..., join=True)``).
 
 The repair's merge visits the partials of A in ascending block id whichever pass computed
 them, so PRR (exact) gives serial DSA's output bits.
@@ -53,7 +54,7 @@ On CPU (and other devices) every op is the torch reference and the stages run on
 from __future__ import annotations
 
 import os
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -75,12 +76,23 @@ def _env_choice(name: str, default: str, other: str) -> str:
     return value
 
 
+def p_rows(rows: Tensor, seq_lens: Union[Tensor, int]) -> Tensor:
+    """Rows of the pool's P (``[2R, ...]``, double-buffered) that hold P(t) for the decode
+    step of requests in slots ``rows`` (``[B]``) whose length, the decoded token included, is
+    ``seq_lens`` (``[B]``, or one length for all): ``2 r + s % 2``, int64 ``[B]``. The step
+    writes P(t+1) into the other half of the pair, ``2 r + 1 - s % 2``, which the next step
+    (length s + 1) reads."""
+    if isinstance(seq_lens, int):
+        return rows.long() * 2 + seq_lens % 2
+    return torch.add(seq_lens.long() & 1, rows.long(), alpha=2)
+
+
 class DecodeBatch(NamedTuple):
     """Per-forward values every layer shares (``DecodeStep.plan``)."""
 
     rows: Tensor       # [B] request slots (SGLang's req_pool_indices); state rows
-    p_cur: Tensor      # [B] int64 rows of the pool's P holding P(t) (2 r + par)
-    p_nxt: Tensor      # [B] int64 rows receiving P(t+1) (2 r + 1 - par)
+    p_cur: Tensor      # [B] int64 rows of the pool's P holding P(t) (2 r + s % 2)
+    p_nxt: Tensor      # [B] int64 rows receiving P(t+1) (2 r + 1 - s % 2)
     table: Tensor      # [B, NB] int32 page id of every block
     seq_lens: Tensor   # [B] tokens, the one being decoded included
     nblk: Tensor       # [B] int64 blocks now
@@ -157,7 +169,6 @@ class DecodeStep:
         self.spec_first = _env_choice(ENV_SPEC_ORDER, "after", "first") == "first"
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self._p_par: Optional[Tensor] = None
         if self.cuda:
             self.side = torch.cuda.Stream(device=self.device)
             self.forked = torch.cuda.Event()
@@ -165,14 +176,15 @@ class DecodeStep:
             self.side_done = torch.cuda.Event()
 
     # ------------------------------------------------------------------ once per forward
-    def plan(self, req_to_token: Tensor, req_pool_indices: Tensor, seq_lens: Tensor,
-             p_par: Optional[Tensor] = None) -> DecodeBatch:
-        """The values all layers share: a handful of small launches per forward, none per layer.
+    def plan(self, req_to_token: Tensor, req_pool_indices: Tensor,
+             seq_lens: Tensor) -> DecodeBatch:
+        """The values all layers share: a handful of small launches per forward, none per layer,
+        the same for serial DSA and PRR.
 
-        req_to_token: ``[R, max_ctx]`` int32 slots; req_pool_indices, seq_lens: ``[B]``;
-        p_par: ``[R]`` int64 parity of each request's P double buffer (``PRRState.p_par``; the
-        step keeps its own when not given), flipped here for the rows of a speculating
-        forward."""
+        req_to_token: ``[R, max_ctx]`` int32 slots; req_pool_indices, seq_lens: ``[B]``. P's
+        double buffer is addressed by the parity of the length (``p_rows``), so a request that
+        sits a forward out, or decodes one without speculation, only reads an older P (hit rate,
+        never exactness)."""
         p = self.page
         n_pred = 0 if self.serial else self.n_pred
         if n_pred and self.budget is not None:
@@ -184,16 +196,7 @@ class DecodeStep:
         table = req_to_token[:, ::p].index_select(0, req_pool_indices)  # [B, NB] first slots
         table = table.div_(p, rounding_mode="floor")
         s = seq_lens.long()
-        rows = req_pool_indices.long()
-        if p_par is None:
-            if self._p_par is None or self._p_par.shape[0] != req_to_token.shape[0]:
-                self._p_par = torch.zeros(req_to_token.shape[0], dtype=torch.long,
-                                          device=req_to_token.device)
-            p_par = self._p_par
-        par = p_par.index_select(0, rows)  # [B]
-        p_cur = rows * 2 + par
-        if n_pred:
-            p_par.index_copy_(0, rows, 1 - par)  # the next forward reads what this one writes
+        p_cur = p_rows(req_pool_indices, s)
         return DecodeBatch(rows=req_pool_indices, p_cur=p_cur, p_nxt=p_cur ^ 1,
                            table=table, seq_lens=seq_lens,
                            nblk=(s + (p - 1)).div_(p, rounding_mode="floor"),

@@ -272,8 +272,7 @@ class PRRBackend:
         """The per-forward values of the decode step, kept on the batch for its layers."""
         if self.active and fb.forward_mode.is_decode() and not self._runs_dense(fb):
             fb._prr_batch = self.step.plan(self.req_pool.req_to_token, fb.req_pool_indices,
-                                           fb.seq_lens,
-                                           None if self.state is None else self.state.p_par)
+                                           fb.seq_lens)
 
     def init_forward_metadata_out_graph(self, fb, in_capture: bool = False):
         if not in_capture:

@@ -260,7 +260,7 @@ def test_decode_graph_survives_a_later_capture(fuse_predictor):
     torch.cuda.empty_cache()
     free, _ = torch.cuda.mem_get_info()
     poison_buf = torch.full((min(free // 2, 1 << 30) // 8,), -(1 << 40), dtype=torch.long,
-                            device="cuda")  # reused addresses now hold a huge parity
+                            device="cuda")  # reused addresses now hold huge row ids
     for t in range(3):
         outs = dg.replay([dg.ctx + t, 1])
         assert torch.equal(outs["prr"][:1], outs["ser"][:1]), t

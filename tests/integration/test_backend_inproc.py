@@ -365,7 +365,6 @@ def test_decode_updates_the_pool_rows_in_place(method):
     _forward(b, w, fb, q, k, v)
     names = ("level", "trend", "n_init", "p_idx", "p_cnt")
     before = {n: getattr(b.state, n).clone() for n in names}
-    par = b.state.p_par.clone()
     fb, q, k, v = w.batch([3, 1], [1, 1])
     _forward(b, w, fb, q, k, v)
     same = lambda a, c: torch.equal(a.isnan(), c.isnan()) and torch.equal(a.nan_to_num(), c.nan_to_num())
@@ -388,9 +387,42 @@ def test_decode_updates_the_pool_rows_in_place(method):
                                       cfg.predicted_blocks, cfg.sink_blocks, cfg.local_blocks)
     # The step scored a batch of two, the reference one row: equal up to fp32 reassociation.
     assert torch.allclose(b.state.level[l, r:r + 1], lv, rtol=1e-5, atol=1e-6, equal_nan=True)
-    nxt = 2 * r + 1 - int(par[r])  # P(t+1) went to the half P(t) was not in
+    nxt = 2 * r + (int(seq) + 1) % 2  # P(t+1): the half the next step (length s + 1) reads
     assert torch.equal(b.state.p_cnt[l, nxt], p_cnt[0])
     assert torch.equal(b.state.p_idx[l, nxt, :, :p_idx.shape[-1]], p_idx[0])
+
+
+def test_decode_reads_the_half_of_p_the_step_before_wrote():
+    """P's double buffer is addressed by the length's parity: the prefill's calibration writes P
+    into the half the first decode step reads (prompts of both parities), and each decode step
+    reads the half the step before wrote and writes the other. Negative control: the half not
+    read holds no prediction after the prefill (a step reading it would speculate on nothing)."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40,
+                    calib_queries=4).validate()
+    w = World(2, 4, 2, cfg, seed)
+    b = _backends(w, {"prr": cfg})["prr"]
+    rows, prompt = [1, 2], [200, 151]
+    fb, q, k, v = w.batch(rows, prompt)
+    _forward(b, w, fb, q, k, v)
+    st = b.state
+    for r, n in zip(rows, prompt):
+        read, other = 2 * r + (n + 1) % 2, 2 * r + n % 2
+        assert int(st.p_cnt[:, read].min()) > 0, (r, n)
+        assert int(st.p_cnt[:, other].max()) == 0 and (st.p_idx[:, other] == -1).all(), (r, n)
+    wrote = None
+    for t in range(3):
+        fb, q, k, v = w.batch(rows, [1, 1])
+        _forward(b, w, fb, q, k, v)
+        s = fb.seq_lens.long()
+        p = fb._prr_batch
+        assert torch.equal(p.p_cur, 2 * torch.tensor(rows) + s % 2)
+        assert torch.equal(p.p_nxt, p.p_cur ^ 1)
+        if wrote is not None:
+            assert torch.equal(p.p_cur, wrote), t
+        assert int(st.p_cnt[:, p.p_nxt].min()) > 0, t  # P(t+1) written
+        wrote = p.p_nxt
 
 
 @pytest.mark.parametrize("method", ["quest", "infllm_v2"])

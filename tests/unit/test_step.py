@@ -81,8 +81,8 @@ def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method, fuse, monkeyp
     both = torch.cat([2 * P.rows, 2 * P.rows + 1])
     st.p_idx[both], st.p_cnt[both], st.n_init[P.rows] = -1, 0, 0
     st.level[P.rows], st.trend[P.rows] = 0.0, 0.0
-    par = torch.zeros(R, dtype=torch.long)  # which half of P each request reads
     n_done = [0] * len(lens)  # tokens decoded per request
+    wrote = torch.full((R,), -1, dtype=torch.long)  # the row of P each request's last step wrote
     q0 = torch.randn(len(lens), 8, 16, generator=g)
     repaired = middle_hits = 0
     # Batches: every request out of slot order, then a subset (the others must stay untouched).
@@ -100,10 +100,15 @@ def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method, fuse, monkeyp
         if t == 3:
             q0 = torch.randn(len(lens), 8, 16, generator=g)
         q = (q0[b_ids] + DRIFT * torch.randn(len(batch), 8, 16, generator=g)) * 3
-        before, par_before = _clone(st), par.clone()
-        b = prr.plan(P.req_to_token, rows, seq, par)
-        assert torch.equal(b.p_cur, 2 * rows + par_before[rows])
-        assert torch.equal(par[rows], 1 - par_before[rows]), "the parity flips"
+        before = _clone(st)
+        b = prr.plan(P.req_to_token, rows, seq)
+        # P(t) is the half of the pair the previous step of each request wrote (its length's
+        # parity); P(t + 1) goes to the other half, which the next step reads.
+        assert torch.equal(b.p_cur, 2 * rows + seq % 2)
+        assert torch.equal(b.p_nxt, 2 * rows + (seq + 1) % 2)
+        if t > 0:
+            assert torch.equal(b.p_cur, wrote[rows]), "P(t) is last step's P(t+1)"
+        wrote[rows] = b.p_nxt
         stats = torch.zeros(4, dtype=torch.int64)
         o = prr.run(q, P.k_buf, P.v_buf, summary, b, st, stats, P.sm_scale, torch.float32)
         want = serial.run(q, P.k_buf, P.v_buf, summary, serial.plan(P.req_to_token, rows, seq),
@@ -143,7 +148,7 @@ def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method, fuse, monkeyp
         if t > 0 and int(stats[1]) > 0:
             st_n = _clone(before)
             o_n = norep.run(q, P.k_buf, P.v_buf, summary,
-                            norep.plan(P.req_to_token, rows, seq, par_before.clone()),
+                            norep.plan(P.req_to_token, rows, seq),
                             st_n, None, P.sm_scale, torch.float32)
             assert not (rel_err(o_n, want) < 1e-3), msg
             repaired += 1
@@ -151,3 +156,37 @@ def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method, fuse, monkeyp
         middle_hits += int(stats[0] - stats[1]) > (SINK + LOCAL) * int(stats[3])
     assert repaired >= 2, f"seed {seed}: the predictor (almost) never missed: vacuous control"
     assert middle_hits >= 2, f"seed {seed}: P(t) (almost) never hit a middle block of A"
+
+
+class _CountOps(torch.utils._python_dispatch.TorchDispatchMode):
+    """The names of the aten ops dispatched inside the mode, in order (views included)."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(func.overloadpacket.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("budget", [None, lambda b: 0])
+def test_a_speculating_plan_launches_what_a_serial_one_does(budget):
+    """P's double buffer is addressed by the length's parity, so PRR's per-forward plan is the
+    same ops as serial DSA's (on the GPU: the same launches; PRR's extra launches are per layer
+    only); so is a plan whose budget gives |P| = 0 (serial DSA this forward). Control: the
+    count sees the plan's ops (the block table's divide, the parity's bitwise and)."""
+    R, ctx = 6, 512
+    r2t = torch.randperm(R * ctx).to(torch.int32).reshape(R, ctx)
+    rows, seq = torch.tensor([4, 1, 3]), torch.tensor([300, 77, 511])
+    counts = {}
+    for serial in (True, False):
+        step = DecodeStep("quest", K, N_PRED, SINK, LOCAL, PAGE, 0, exact=True, serial=serial,
+                          device=torch.device("cpu"), budget=None if serial else budget)
+        with _CountOps() as c:
+            b = step.plan(r2t, rows, seq)
+        counts[serial] = c.ops
+        assert b.n_pred == (0 if serial or budget is not None else N_PRED)
+        assert torch.equal(b.p_cur, 2 * rows + seq % 2) and torch.equal(b.p_nxt, b.p_cur ^ 1)
+    assert counts[False] == counts[True], (counts[False], counts[True])
+    assert "div_" in counts[True] and "bitwise_and" in counts[False]  # control
