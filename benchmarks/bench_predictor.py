@@ -14,7 +14,8 @@ For each trace family (synthetic, ``tools.traces``) or a captured trace (``--tra
 
 Metrics over the middle blocks of A (sink/local blocks are always attended, hence always hits):
 the score-weighted hit rate of eq 4 (``reference.weighted_hit``), the plain overlap |P n A| / |A|,
-and the distribution of |M| = |A \\ P| (blocks the repair pass must attend).
+the distribution of |M| = |A \\ P| (blocks the repair pass must attend), and how often a step's M
+is empty in every KV head (its layer's repair is then a merge alone: no K/V read, no partial).
 
 Writes ``<out>.csv`` (named predictors), ``<out>_grid.csv`` (every grid theta), ``<out>.md`` (the
 table and the target checks) and ``<out>.png``. Default size runs on CPU in about a minute:
@@ -147,10 +148,15 @@ def run(sources: Dict[str, List[Tuple[torch.Tensor, torch.Tensor]]], ks: Sequenc
                     ov = torch.cat([o["named"][pred]["overlap"] for o in outs])
                     m = torch.cat([o["named"][pred]["missed"].reshape(-1) for o in outs])
                     missed[(name, k, d, pred)] = m.numpy()
+                    # Steps whose M is empty in every KV head: the repair of such a step's
+                    # layer is a merge alone (no K/V read, no partial): [R, T_m, Hk] per group.
+                    none = torch.cat([(o["named"][pred]["missed"].amax(-1) == 0).reshape(-1)
+                                      for o in outs])
                     rows.append(dict(source=name, structured=int(structured.get(name, True)),
                                      k=k, delta=d, n_pred=outs[0]["n_pred"], predictor=pred,
                                      hit=float(hit.mean()), overlap=float(ov.mean()),
-                                     requests=nreq, **_mstats(m)))
+                                     requests=nreq, m_none_all_heads=float(none.double().mean()),
+                                     **_mstats(m)))
                 if not fg:
                     continue
                 ghit = torch.cat([o["grid_hit"] for o in outs]).mean(0)
@@ -216,14 +222,16 @@ def table(rows: List[dict], tg: List[dict], ks: Sequence[int], deltas: Sequence[
             srcs = sorted({s for s, _ in sel}, key=lambda s: (s not in trace_families.FAMILIES, s))
             lines.append(f"\nK = {k} blocks, delta = {d} (|P| = {n_pred_of(k, d)} middle blocks): "
                          "score-weighted hit (eq 4) / plain overlap; |M| of calibrated")
-            lines.append("| source | " + " | ".join(preds) + " | cal - reuse | |M| mean / p90 / max |")
-            lines.append("|---" * (len(preds) + 3) + "|")
+            lines.append("| source | " + " | ".join(preds) + " | cal - reuse | |M| mean / p90 / max "
+                         "| steps with M empty in every head |")
+            lines.append("|---" * (len(preds) + 4) + "|")
             for s in srcs:
                 cells = [f"{sel[(s, p)]['hit']:.3f} / {sel[(s, p)]['overlap']:.3f}" for p in preds]
                 c = sel[(s, "calibrated")]
                 gain = c["hit"] - sel[(s, "reuse_prev")]["hit"]
                 lines.append(f"| {s} | " + " | ".join(cells) + f" | {gain:+.3f} | "
-                             f"{c['m_mean']:.1f} / {c['m_p90']:.0f} / {c['m_max']:.0f} |")
+                             f"{c['m_mean']:.1f} / {c['m_p90']:.0f} / {c['m_max']:.0f} | "
+                             f"{c['m_none_all_heads']:.3f} |")
     lines.append("\nTargets (score-weighted hit rate):")
     for t in tg:
         g = ", ".join(f"{s} {v:+.3f}" for s, v in t["gains"].items())
@@ -343,7 +351,8 @@ def per_layer_rows(rows: List[dict], grid_rows: List[dict]) -> List[dict]:
             cal_minus_reuse=round(cal["hit"] - reuse["hit"], 5),
             cal_minus_best=round(cal["hit"] - best["hit"], 5),
             overlap_reuse=round(reuse["overlap"], 5), overlap_calibrated=round(cal["overlap"], 5),
-            m_mean_reuse=round(reuse["m_mean"], 3), m_mean_calibrated=round(cal["m_mean"], 3)))
+            m_mean_reuse=round(reuse["m_mean"], 3), m_mean_calibrated=round(cal["m_mean"], 3),
+            m_none_calibrated=round(cal["m_none_all_heads"], 4)))
     for r in out:
         r["ok_not_below_reuse"] = int(r["cal_minus_reuse"] >= -LAYER_TOL)
         r["ok_near_best"] = int(r["cal_minus_best"] >= -LAYER_TOL)
@@ -356,15 +365,16 @@ def per_layer_table(prow: List[dict]) -> str:
     lines = ["## Per layer (score-weighted hit rate, eq 4; |M| = mean blocks missed per step and "
              "KV head)", "",
              "| layer | K | delta | reuse-previous | EMA default | EMA calibrated | best theta "
-             "(hindsight) | oracle/request | cal - reuse | cal - best | |M| reuse / cal |",
-             "|---" * 11 + "|"]
+             "(hindsight) | oracle/request | cal - reuse | cal - best | |M| reuse / cal | "
+             "M empty in every head (cal) |",
+             "|---" * 12 + "|"]
     for r in prow:
         lines.append(f"| {r['layer']} | {r['k']} | {r['delta']:g} | {r['reuse_previous']:.3f} | "
                      f"{r['ema_default']:.3f} | {r['ema_calibrated']:.3f} | "
                      f"{r['best_theta_hindsight']:.3f} {r['best_theta']} | "
                      f"{r['oracle_per_request']:.3f} | {r['cal_minus_reuse']:+.3f} | "
                      f"{r['cal_minus_best']:+.3f} | {r['m_mean_reuse']:.2f} / "
-                     f"{r['m_mean_calibrated']:.2f} |")
+                     f"{r['m_mean_calibrated']:.2f} | {r['m_none_calibrated']:.3f} |")
     lines.append("")
     lines.append(f"Per-layer targets (tolerance {LAYER_TOL}): (a) calibrated >= reuse-previous - "
                  f"{LAYER_TOL}; (b) calibrated >= best theta in hindsight - {LAYER_TOL}; (c) where "

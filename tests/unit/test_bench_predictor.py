@@ -215,3 +215,26 @@ def test_per_head_rows_keep_every_head_and_only_move_calibration(bp, seed, tmp_p
     assert abs(float(h["3"]["reuse_previous"]) - float(h["7"]["reuse_previous"])) > 0.1
     with pytest.raises(SystemExit):
         bp.main(["--trace", str(d), "--per-head", "--no-plot"])
+
+
+def test_steps_whose_m_is_empty_in_every_head(bp, seed):
+    """``m_none_all_heads`` is the share of (request, step) cells whose M is empty in every KV
+    head (the layer's repair is then a merge alone), recomputed here from ``evaluate``'s own
+    misses; it grows with delta for reuse-previous (its P at delta 1 is a prefix of its P at 2),
+    and is 1 exactly where no block is missed. Controls: a structured family misses some steps
+    at delta 1 (the share is below 1) and pure noise misses in nearly every step."""
+    src = {"retrieval": [_family(bp, "retrieval", seed)], "noise": [_family(bp, "noise", seed)]}
+    rows, _, _ = bp.run(src, [16], [1.0, 2.0], 24, 1, 1, {"retrieval": True, "noise": False},
+                        full_grid="none")
+    by = {(r["source"], r["delta"], r["predictor"]): r for r in rows}
+    for (name, d, pred), r in by.items():
+        out = bp.evaluate(*src[name][0], 16, d, 24)
+        m = out["named"][pred]["missed"]  # [R, T_m, Hk]
+        want = float((m.amax(-1) == 0).double().mean())
+        assert r["m_none_all_heads"] == pytest.approx(want, abs=1e-12), (name, d, pred)
+        assert (r["m_none_all_heads"] == 1.0) == (r["m_max"] == 0), (name, d, pred)
+    for name in src:
+        assert (by[(name, 2.0, "reuse_prev")]["m_none_all_heads"]
+                >= by[(name, 1.0, "reuse_prev")]["m_none_all_heads"]), name
+    assert by[("retrieval", 1.0, "calibrated")]["m_none_all_heads"] < 1.0
+    assert by[("noise", 1.0, "calibrated")]["m_none_all_heads"] < 0.1
