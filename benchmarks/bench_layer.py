@@ -82,9 +82,12 @@ def build(batch, ctx, page, hq, hk, d, dtype, dev, n_queries, seed=0):
     qs = ((topic + drift).repeat_interleave(group, 2) * 3.0
           + torch.randn(n_queries, batch, hq, d, generator=g)).to(dev, dtype)
     seq = torch.full((batch,), ctx, device=dev, dtype=torch.long)
+    # A length of the other parity in the same blocks (the step addresses P's double buffer by
+    # the length's parity): ctx - 1, or ctx + 1 where ctx - 1 ends the block before.
+    other = ctx - 1 if -(-(ctx - 1) // page) == -(-ctx // page) else ctx + 1
     return dict(k_buf=kv.k_buf, v_buf=kv.v_buf, qs=qs, table=kv.table, kmin=kv.kmin,
-                kmax=kv.kmax, seq=seq, pages=kv.pages, n_pages=kv.n_pages,
-                req_to_token=kv.req_to_token, rows=kv.rows)
+                kmax=kv.kmax, seq=seq, seq_other=torch.full_like(seq, other), pages=kv.pages,
+                n_pages=kv.n_pages, req_to_token=kv.req_to_token, rows=kv.rows)
 
 
 def pool_state(R, hk, nb, width, dev):
@@ -368,12 +371,20 @@ def main(argv=None):
                 st = pool_state(batch + 1, hk, nb, width, dev)
                 # P(t) is read at rows b.p_cur of P's double buffer (the predictor writes P(t+1)
                 # at b.p_nxt): a planted P stays put; without one (drift), every call plans
-                # anew, as the server does per forward, so the prediction evolves.
+                # anew, as the server does per forward, at lengths that alternate between the
+                # context and a neighbour of the other parity in the same blocks (the server's
+                # length grows a token a step, and its parity picks the half of P each step
+                # reads), so the prediction evolves.
                 copy = (copier(st.p_idx, st.p_cnt, plant[0], plant[1], rows=b.p_cur)
                         if plant else None)
+                odd = torch.zeros((), dtype=torch.bool, device=dev)
 
-                def prr(q, count_hits=False, st=st, planted=plant is not None, stp=stp):
-                    bb = b if planted else stp.plan(env["req_to_token"], env["rows"], env["seq"])
+                def prr(q, count_hits=False, st=st, planted=plant is not None, stp=stp, odd=odd):
+                    bb = b
+                    if not planted:
+                        s = torch.where(odd, env["seq_other"], env["seq"])
+                        odd.logical_not_()
+                        bb = stp.plan(env["req_to_token"], env["rows"], s)
                     return stp.run(q, *kv, bb, st, stats if count_hits else None, scale, dtype)
 
                 res[name] = time_graph(prr, q_buf, qs, dev, a.iters, p_copy=copy)

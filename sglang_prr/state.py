@@ -42,7 +42,7 @@ def state_bytes(cfg: PRRConfig, num_layers: int, num_kv_heads: int, rows: int,
     n_p = cfg.predicted_blocks + cfg.sink_blocks + cfg.local_blocks
     # level/trend, P double-buffered (two lists and counts), n_init, theta, calibration sums
     per_row = num_layers * (num_kv_heads * (2 * nb * 4 + 2 * (n_p * 4 + 4)) + 8 + 3 * 4
-                            + len(cfg.theta_grid) * 4 + 4) + 8  # + P's parity
+                            + len(cfg.theta_grid) * 4 + 4)
     return rows * per_row
 
 

@@ -127,6 +127,18 @@ def _backends(world, cfgs):
     return out
 
 
+def _seeded_prr(layers, calib_queries, **shown):
+    """A fresh seed (printed with ``shown``, so a failure can be replayed), a World of ``layers``
+    layers (4 query heads, 2 KV heads) and a PRR backend over it: block PAGE, K = 2 blocks,
+    min_context 40. Returns ``(seed, world, backend)``."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}", *(f"{k}={v}" for k, v in shown.items()))
+    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40,
+                    calib_queries=calib_queries).validate()
+    w = World(layers, 4, 2, cfg, seed)
+    return seed, w, _backends(w, {"prr": cfg})["prr"]
+
+
 def _forward(backend, world, fb, q, k, v):
     backend.init_forward_metadata(fb)  # as SGLang does before every forward
     outs = []
@@ -328,12 +340,7 @@ def test_per_forward_values_follow_a_refilled_batch(stale, monkeypatch):
     """The per-forward block table and row masks are recomputed when the same batch object runs
     through the layers again (SGLang's warm-up runs before a capture); with a cache that
     survived the rerun (the negative control) the rows would read each other's pages."""
-    seed = random.randrange(1 << 30)
-    print(f"seed={seed} stale={stale}")
-    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40,
-                    calib_queries=4).validate()
-    w = World(2, 4, 2, cfg, seed)
-    b = _backends(w, {"prr": cfg})["prr"]
+    seed, w, b = _seeded_prr(2, 4, stale=stale)
     fb, q, k, v = w.batch([1, 2], [90, 150])
     _forward(b, w, fb, q, k, v)
     fb, q, k, v = w.batch([1, 2], [1, 1])
@@ -397,12 +404,7 @@ def test_decode_reads_the_half_of_p_the_step_before_wrote():
     into the half the first decode step reads (prompts of both parities), and each decode step
     reads the half the step before wrote and writes the other. Negative control: the half not
     read holds no prediction after the prefill (a step reading it would speculate on nothing)."""
-    seed = random.randrange(1 << 30)
-    print(f"seed={seed}")
-    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40,
-                    calib_queries=4).validate()
-    w = World(2, 4, 2, cfg, seed)
-    b = _backends(w, {"prr": cfg})["prr"]
+    _, w, b = _seeded_prr(2, 4)
     rows, prompt = [1, 2], [200, 151]
     fb, q, k, v = w.batch(rows, prompt)
     _forward(b, w, fb, q, k, v)

@@ -15,7 +15,7 @@ import torch
 
 pytest.importorskip("sglang")
 
-from test_backend_inproc import PAGE, World, _backends, _forward  # noqa: E402
+from test_backend_inproc import PAGE, World, _backends, _forward, _seeded_prr  # noqa: E402
 
 from sglang_prr import calibration as cal  # noqa: E402
 from sglang_prr import reference as ref  # noqa: E402
@@ -106,12 +106,7 @@ def test_a_request_that_cannot_calibrate_starts_from_the_last_theta_star():
     """A request with one new token (a radix-cache hit but for its last token) samples a single
     query, which calibrates nothing: it takes the theta* last chosen per layer, not the default.
     Negative control: the default differs from that theta* in some layer."""
-    seed = random.randrange(1 << 30)
-    print(f"seed={seed}")
-    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40,
-                    calib_queries=16).validate()
-    w = World(3, 4, 2, cfg, seed)
-    b = _backends(w, {"prr": cfg})["prr"]
+    seed, w, b = _seeded_prr(3, 16)
     st = b.state
     fb, q, k, v = w.batch([1, 2], [200, 150])
     _forward(b, w, fb, q, k, v)

@@ -49,6 +49,27 @@ def test_state_bytes_follow_the_cap():
     assert state_bytes(capped, *args) == state_bytes(full, *args) < state_bytes(huge, *args)
 
 
+@pytest.mark.parametrize("method,rows,ctx", [("quest", 5, 1000), ("infllm_v2", 3, 517)])
+def test_state_bytes_are_what_the_state_allocates(method, rows, ctx):
+    """The memory the server reserves for the predictor state (``state_bytes``) is what
+    ``PRRState`` allocates per request slot, to the byte (the per-layer shared theta* aside: a
+    few bytes a layer, not a slot). Control: one row more is told apart."""
+    import torch
+
+    from sglang_prr.state import PRRState, state_bytes
+
+    class Pool:  # SGLang's ReqToTokenPool as the state reads it (weakly referenced)
+        req_to_token = torch.zeros(rows, ctx, dtype=torch.int32)
+
+    cfg = PRRConfig(method=method, top_k=3, top_k_unit="blocks", block_size=16).validate()
+    L, hk = 3, 2
+    pool = Pool()
+    st = PRRState(cfg, L, hk, pool, "cpu")
+    shared = st.shared_theta.numel() * st.shared_theta.element_size()
+    assert st.nbytes - shared == state_bytes(cfg, L, hk, rows, ctx)
+    assert st.nbytes - shared != state_bytes(cfg, L, hk, rows + 1, ctx)
+
+
 def test_cap_is_logged_once_and_only_when_it_lowers(caplog):
     with caplog.at_level(logging.INFO, logger="sglang_prr"):
         PRRConfig(top_k=8, top_k_unit="blocks", block_size=16).validate().cap_to_context(4096)
