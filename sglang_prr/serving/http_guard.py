@@ -9,7 +9,7 @@ Measured on SGLang 0.5.17 (FastAPI 0.165), PRR on or off:
   ``response_format`` that is not an object, fails inside the request model's own validator
   with an ``AttributeError``, which FastAPI does not turn into a validation error: HTTP 500.
 * ``/v1/tokenize`` answered 500 to every request for a tokenizer without ``model_max_length``
-  (``_patch_tokenize``).
+  (``_tokenize_max_len``).
 * routes that read their JSON body themselves (``/remove_external_corpus``) answered a body that
   is not an object with 500; the expert-distribution commands on a server without a recorder
   stopped the scheduler (refused in ``requests``; their routes answer the refusal with 400).
@@ -29,6 +29,7 @@ pays: a body is validated again only after its route raised before answering.
 
 from __future__ import annotations
 
+import importlib
 import json
 from typing import Any, Callable, Optional, Sequence
 
@@ -223,17 +224,9 @@ def _first_chunk_early(orig):
     return method
 
 
-def _patch_ollama_streams() -> None:
-    try:
-        from sglang.srt.entrypoints.ollama.serving import OllamaServing
-    except Exception:  # pragma: no cover - no Ollama layer
-        return
-    for name in ("_stream_chat_response", "_stream_generate_response"):
-        if hasattr(OllamaServing, name):
-            wrap_once(OllamaServing, name, _first_chunk_early)
-
-
 def _score_labels(orig):
+    """``/v1/score`` with ``label_token_ids: []`` asked for no logprobs and answered 500
+    ("output_logprobs is empty"); refused with 400 by the route's own validation hook."""
     def _validate_request(self, request):
         if getattr(request, "label_token_ids", None) == []:
             return "label_token_ids: give at least one token id to score, or leave it out"
@@ -241,17 +234,10 @@ def _score_labels(orig):
     return _validate_request
 
 
-def _patch_score() -> None:
-    """``/v1/score`` with ``label_token_ids: []`` asked for no logprobs and answered 500
-    ("output_logprobs is empty"); refused with 400 by the route's own validation hook."""
-    try:
-        from sglang.srt.entrypoints.openai.serving_score import OpenAIServingScore
-    except Exception:  # pragma: no cover - no OpenAI layer
-        return
-    wrap_once(OpenAIServingScore, "_validate_request", _score_labels)
-
-
 def _count_needs_messages(orig):
+    """``/v1/messages/count_tokens`` with no messages failed in the chat template (an
+    ``IndexError`` its handler answers with its own 500); refused with 400 in Anthropic's
+    envelope."""
     async def handle_count_tokens(self, request, raw_request):
         if not getattr(request, "messages", None):
             return self._error_response(status_code=400, error_type="invalid_request_error",
@@ -260,18 +246,10 @@ def _count_needs_messages(orig):
     return handle_count_tokens
 
 
-def _patch_count_tokens() -> None:
-    """``/v1/messages/count_tokens`` with no messages failed in the chat template (an
-    ``IndexError`` its handler answers with its own 500); refused with 400 in Anthropic's
-    envelope."""
-    try:
-        from sglang.srt.entrypoints.anthropic.serving import AnthropicServing
-    except Exception:  # pragma: no cover - no Anthropic layer
-        return
-    wrap_once(AnthropicServing, "handle_count_tokens", _count_needs_messages)
-
-
 def _tokenize_max_len(orig):
+    """``/v1/tokenize`` answers ``max_model_len`` from the tokenizer's ``model_max_length``, which
+    Hugging Face sets to 10^30 for a tokenizer that names none: the response did not encode
+    (HTTP 500 on every request). The server's context length is what it serves; it goes there."""
     async def _handle_non_streaming_request(self, adapted_request, request, raw_request):
         out = await orig(self, adapted_request, request, raw_request)
         tm = self.tokenizer_manager
@@ -284,15 +262,30 @@ def _tokenize_max_len(orig):
     return _handle_non_streaming_request
 
 
-def _patch_tokenize() -> None:
-    """``/v1/tokenize`` answers ``max_model_len`` from the tokenizer's ``model_max_length``, which
-    Hugging Face sets to 10^30 for a tokenizer that names none: the response did not encode
-    (HTTP 500 on every request). The server's context length is what it serves; it goes there."""
-    try:
-        from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
-    except Exception:  # pragma: no cover - no OpenAI layer
-        return
-    wrap_once(OpenAIServingTokenize, "_handle_non_streaming_request", _tokenize_max_len)
+# SGLang's methods wrapped where a request made them answer 500 (or break a stream off):
+# (module, class, method, wrapper). A layer or method this SGLang lacks is skipped.
+_SGLANG_WRAPS = (
+    ("sglang.srt.entrypoints.ollama.serving", "OllamaServing", "_stream_chat_response",
+     _first_chunk_early),
+    ("sglang.srt.entrypoints.ollama.serving", "OllamaServing", "_stream_generate_response",
+     _first_chunk_early),
+    ("sglang.srt.entrypoints.openai.serving_score", "OpenAIServingScore", "_validate_request",
+     _score_labels),
+    ("sglang.srt.entrypoints.anthropic.serving", "AnthropicServing", "handle_count_tokens",
+     _count_needs_messages),
+    ("sglang.srt.entrypoints.openai.serving_tokenize", "OpenAIServingTokenize",
+     "_handle_non_streaming_request", _tokenize_max_len),
+)
+
+
+def _wrap_sglang() -> None:
+    for module, cls_name, method, wrapper in _SGLANG_WRAPS:
+        try:
+            cls = getattr(importlib.import_module(module), cls_name)
+        except Exception:  # pragma: no cover - SGLang without that layer
+            continue
+        if hasattr(cls, method):
+            wrap_once(cls, method, wrapper)
 
 
 def install(app) -> int:
@@ -314,8 +307,5 @@ def install(app) -> int:
     for r in routes:
         _guard_route(r, raw=r.body_field is None, refusals=r.path in _REFUSING
                      or r.path.strip("/") in EXPERT_RECORD_COMMANDS)
-    _patch_ollama_streams()
-    _patch_score()
-    _patch_count_tokens()
-    _patch_tokenize()
+    _wrap_sglang()
     return len(routes)
