@@ -35,9 +35,9 @@ from typing import List, Optional
 from . import console
 from ..config import PRRConfigError
 from ..flags import add_prr_args, pop_prr_args
-from .server_args_patch import (PRRArgsError, argv_has, cap_to_context, check_against_model,
-                                check_compatibility, check_prr_argv, complete_argv,
-                                config_from_given, context_len_of, export_config)
+from .server_args_patch import (PRRArgsError, argv_has, check_compatibility, check_prr_argv,
+                                check_server_args, complete_argv, config_from_given,
+                                context_len_of, export_config)
 from .supervisor import ENV_SUPERVISED, supervise
 
 logger = logging.getLogger("sglang_prr")
@@ -238,18 +238,10 @@ def prepare(argv: List[str]):
     export_config(cfg)
     server_args = ServerArgs.from_cli_args(ns)
     try:
-        check_compatibility(cfg, server_args, has_cuda)  # after SGLang's own derivations
+        check_server_args(cfg, server_args, has_cuda)  # after SGLang's own derivations
     except PRRArgsError as e:
         parser.exit(2, f"error: {e}\n")
-    if cfg.enabled:
-        # K and |P| (and so the predictor state and the static decode widths) never exceed the
-        # blocks of the context; without a known context length they stay as given.
-        cap_to_context(cfg, server_args)
-        try:
-            check_against_model(cfg, server_args)
-        except PRRArgsError as e:
-            parser.exit(2, f"error: {e}\n")
-        export_config(cfg)
+    export_config(cfg)
     return server_args, cfg, notes
 
 

@@ -20,6 +20,9 @@ What it patches (each once, each logged):
   (regex, JSON) does not stop a CPU server;
 * the HTTP app (launching process only): ``GET /prr/stats``, and a short HTTP 400 for bodies that
   fail validation (``http_guard.py``) where SGLang answered 500 or echoed the whole body;
+* ``Engine.__init__`` and ``Engine._launch_subprocesses`` (launching process only): the page size
+  follows the block size when left out, and the resolved ``ServerArgs`` are checked against
+  PRR (``check_server_args``) before any process starts, as the launcher checks them;
 * request validation (``requests.install``, ``serving/requests.py``): token ids outside the
   model's vocabulary ``[0, vocab_size)``, and sampling, logprob and per-request arguments that
   SGLang would pass on to its scheduler and fail there, are rejected with a ``ValueError``,
@@ -57,8 +60,9 @@ _patched = set()
 def enable(cfg: Optional[PRRConfig] = None, **options: Any) -> PRRConfig:
     """Turn PRR on for engines created afterwards in this process (``sgl.Engine(...)``).
 
-    ``enable(top_k=512, block_size=16)`` or ``enable(PRRConfig(...))``. The engine must use
-    ``page_size=cfg.block_size``. Returns the validated configuration.
+    ``enable(top_k=512, block_size=16)`` or ``enable(PRRConfig(...))``. The engine's page size
+    follows the block size when left out; another one is a ``PRRArgsError`` from
+    ``sgl.Engine(...)``. Returns the validated configuration.
     """
     cfg = (cfg or PRRConfig(**options)).validate()
     export_config(cfg)
@@ -66,6 +70,10 @@ def enable(cfg: Optional[PRRConfig] = None, **options: Any) -> PRRConfig:
     _applied = False  # re-run so that the configuration is picked up
     apply()
     return cfg
+
+
+# What ``GET /prr/stats`` answers, for the engines this process started (``sgl.Engine``).
+read_stats = stats.read_stats
 
 
 def current_config() -> Optional[PRRConfig]:
@@ -93,6 +101,7 @@ def apply() -> None:
     _patch_cpu_grammar()  # constrained decoding on CPU, also for the dense baseline
     if _is_main_process():
         _patch_http_app()
+        _patch_engine()
     _patch_request_validation()  # wherever a TokenizerManager may run; class-level, cheap
     if not cfg.enabled:
         logger.info("sglang_prr: --prr-method dense: dense attention, PRR off")
@@ -274,6 +283,43 @@ def _patch_cell_size(cfg: PRRConfig) -> None:
 
     pc.DefaultPoolConfigurator._compute_cell_size = _compute_cell_size
     pc.DefaultPoolConfigurator.calculate_pool_sizes = calculate_pool_sizes
+
+
+def _patch_engine() -> None:
+    """``sgl.Engine`` (and SGLang's own launchers) meet the launcher's rules in the launching
+    process: a page size left out follows the PRR block size, and ``check_server_args`` runs on
+    the resolved ``ServerArgs`` before any process is spawned, so a page size other than the
+    block size, or a layer id the model lacks, is a ``PRRArgsError`` from ``sgl.Engine(...)``
+    (it was dense attention without a word, or a scheduler that died with a traceback). Both
+    read the configuration at the call, so a later ``enable()`` counts."""
+    if not _once("engine"):
+        return
+    from sglang.srt.entrypoints.engine import Engine
+
+    from .server_args_patch import check_server_args
+
+    init = Engine.__init__
+    launch = Engine.__dict__["_launch_subprocesses"].__func__
+
+    def __init__(self, **kwargs):
+        cfg = load_config()
+        if cfg is not None and cfg.enabled and "server_args" not in kwargs \
+                and kwargs.get("page_size") is None:
+            kwargs["page_size"] = cfg.block_size
+        init(self, **kwargs)
+
+    def _launch_subprocesses(cls, server_args, *args, **kwargs):
+        cfg = load_config()
+        if cfg is not None:
+            check_server_args(cfg, server_args, torch.cuda.is_available())
+            export_config(cfg)  # K and |P| capped at the context: the schedulers read this
+        return launch(cls, server_args, *args, **kwargs)
+
+    __init__.__doc__ = init.__doc__
+    Engine.__init__ = __init__
+    Engine._launch_subprocesses = classmethod(_launch_subprocesses)
+    logger.info("sglang_prr: sgl.Engine derives its page size from the PRR block size and "
+                "checks its arguments against PRR before it starts")
 
 
 def _patch_http_app() -> None:

@@ -1,6 +1,7 @@
 """The ``--prr-*`` flags (``sglang_prr.flags``) against SGLang's own: what the launcher fills
 in (``complete_argv``), the combinations that cannot work (``check_compatibility``), the cap of K
-and |P| at the context length, and how the configuration reaches every process.
+and |P| at the context length (the last two, with the model's checks, once SGLang has resolved
+its arguments: ``check_server_args``), and how the configuration reaches every process.
 
 The validated configuration travels to SGLang's spawned scheduler processes as JSON in the
 environment variable ``SGLANG_PRR_CONFIG`` (children inherit the parent's environment), where
@@ -185,6 +186,19 @@ def check_against_model(cfg: PRRConfig, server_args: Any) -> None:
             raise PRRArgsError(str(e)) from None
 
 
+def check_server_args(cfg: PRRConfig, server_args: Any, has_cuda: bool) -> None:
+    """Everything PRR checks once SGLang has resolved its arguments (``ServerArgs``), whatever
+    started it (the launcher, ``sgl.Engine``): the combinations that cannot work, K and |P|
+    capped at the context length (``cfg`` changes in place: export it again), and the values
+    only the model's config can judge. Raises ``PRRArgsError``."""
+    check_compatibility(cfg, server_args, has_cuda)
+    if cfg.enabled:
+        # K and |P| (and so the predictor state and the static decode widths) never exceed the
+        # blocks of the context; without a known context length they stay as given.
+        cap_to_context(cfg, server_args)
+        check_against_model(cfg, server_args)
+
+
 def check_compatibility(cfg: PRRConfig, server_args: Any, has_cuda: Optional[bool]) -> None:
     """Combinations of PRR with SGLang options that cannot work: raise ``PRRArgsError``.
 
@@ -199,7 +213,8 @@ def check_compatibility(cfg: PRRConfig, server_args: Any, has_cuda: Optional[boo
     if page != cfg.block_size:
         raise PRRArgsError(
             f"--page-size={page} must equal --prr-block-size={cfg.block_size}: one PRR block is "
-            f"one KV page (leave --page-size out to derive it from the block size)")
+            f"one KV page (leave --page-size, or sgl.Engine's page_size, out to derive it from "
+            f"the block size)")
     spec = getattr(server_args, "speculative_algorithm", None)
     if spec:
         raise PRRArgsError(

@@ -82,6 +82,7 @@ def test_entry_points_are_only_entry_points():
 
     assert launch_server.main is ls.main and models.main is md.main
     assert plugin.apply is pl.apply and plugin.enable is pl.enable
+    assert plugin.read_stats is pl.read_stats is pl.stats.read_stats
     assert profile_budget.main is pb.main
 
 
