@@ -257,9 +257,35 @@ class PRRConfig:
         return d
 
     @classmethod
+    def from_options(cls, **options: Any) -> "PRRConfig":
+        """``PRRConfig(**options).validate()`` (``enable()``'s options), with a name that is no
+        option a ``PRRConfigError`` naming it and the closest option (not Python's TypeError)."""
+        _check_names(options, [f.name for f in dataclasses.fields(cls)])
+        return cls(**options).validate()
+
+    @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "PRRConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
+        """The configuration of ``to_dict()`` (or of the JSON in ``SGLANG_PRR_CONFIG``): its
+        derived values are recomputed, any other name that is no option is a
+        ``PRRConfigError`` (a misspelt option was dropped without a word)."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        _check_names(d, names, also=_DERIVED)
         return cls(**{k: v for k, v in d.items() if k in names}).validate()
+
+
+# The values to_dict() adds to the options (derived from them; from_dict recomputes them).
+_DERIVED = ("top_k_blocks", "predicted_blocks")
+
+
+def _check_names(given: Dict[str, Any], names: Sequence[str], also: Sequence[str] = ()) -> None:
+    """Raise ``PRRConfigError`` for the first name of ``given`` neither in ``names`` (the
+    options, listed in the message) nor in ``also``."""
+    for key in given:
+        if key not in names and key not in also:
+            close = difflib.get_close_matches(str(key), list(names), n=1, cutoff=0.6)
+            raise PRRConfigError(f"unknown PRR option {key!r}" + (
+                f"; did you mean {close[0]}?" if close else
+                f" (the options: {', '.join(names)})"))
 
 
 # Values people reach for that are no value of the option, and what does what they want.

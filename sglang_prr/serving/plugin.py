@@ -43,7 +43,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..config import PRRConfig
+from ..config import PRRConfig, PRRConfigError
 from . import http_guard, stats
 from . import requests as request_checks
 from .server_args_patch import ENV_CONFIG, export_config, load_config
@@ -64,7 +64,10 @@ def enable(cfg: Optional[PRRConfig] = None, **options: Any) -> PRRConfig:
     follows the block size when left out; another one is a ``PRRArgsError`` from
     ``sgl.Engine(...)``. Returns the validated configuration.
     """
-    cfg = (cfg or PRRConfig(**options)).validate()
+    if cfg is not None and options:
+        raise PRRConfigError(f"enable() takes a PRRConfig or options, not both: "
+                             f"{', '.join(sorted(options))} given beside the PRRConfig")
+    cfg = (cfg or PRRConfig.from_options(**options)).validate()
     export_config(cfg)
     global _applied
     _applied = False  # re-run so that the configuration is picked up

@@ -38,3 +38,22 @@ def test_apply_is_idempotent(monkeypatch):
     plugin.apply()
     assert dict(reg.ATTENTION_BACKENDS) == first  # not wrapped twice
     assert A.alloc_extend is alloc
+
+
+def test_enable_takes_a_config_or_options_not_both(monkeypatch):
+    """Options beside a PRRConfig were ignored without a word; now refused before anything is
+    exported or patched. Control: either alone is taken."""
+    from sglang_prr.config import PRRConfig, PRRConfigError
+    from sglang_prr.serving import plugin
+
+    monkeypatch.setenv("SGLANG_PRR_CONFIG", "")
+    monkeypatch.setattr(plugin, "apply", lambda: None)  # patching SGLang is not under test
+    monkeypatch.setattr(plugin, "_applied", plugin._applied)  # enable() resets it: restored
+    with pytest.raises(PRRConfigError, match="not both: top_k given beside"):
+        plugin.enable(PRRConfig(block_size=16), top_k=4)
+    assert plugin.load_config() is None  # nothing exported
+    with pytest.raises(PRRConfigError, match="did you mean top_k"):
+        plugin.enable(topk=64)
+    assert plugin.enable(PRRConfig(block_size=16)).block_size == 16
+    assert plugin.enable(top_k=4, top_k_unit="blocks", block_size=16).top_k_blocks == 4
+    assert plugin.load_config().top_k_blocks == 4

@@ -81,3 +81,33 @@ def test_no_hint_where_nothing_fits():
         PRRConfig(method="xyzzy").validate()
     assert str(e.value) == ("invalid PRR option method='xyzzy': allowed one of quest | "
                             "infllm_v2 | dense")
+
+
+@pytest.mark.parametrize("name,hint", [("topk", "did you mean top_k?"),
+                                       ("block", "did you mean block_size?"),
+                                       ("xyzzy", "(the options: method, block_size, ")])
+def test_an_unknown_option_is_named(name, hint):
+    """``enable()``'s options (``from_options``) and a config's JSON (``from_dict``): a name that
+    is no option is refused with the closest one (it was Python's TypeError, or dropped without
+    a word from ``SGLANG_PRR_CONFIG``). Control: the same value under its right name passes."""
+    for build in (lambda d: PRRConfig.from_options(**d), PRRConfig.from_dict):
+        with pytest.raises(PRRConfigError) as e:
+            build({name: 16, "method": "quest"})
+        assert f"unknown PRR option {name!r}" in str(e.value) and hint in str(e.value), e.value
+        assert build({"top_k": 16, "block_size": 16}).top_k_blocks == 1
+    # to_dict's derived values go back through from_dict (recomputed, not refused)...
+    d = PRRConfig(top_k=64, block_size=16).validate().to_dict()
+    assert PRRConfig.from_dict({**d, "top_k_blocks": 999}).top_k_blocks == 4
+    # ...but are no option of enable()
+    with pytest.raises(PRRConfigError, match="unknown PRR option 'top_k_blocks'"):
+        PRRConfig.from_options(top_k_blocks=4)
+
+
+def test_a_misspelt_option_in_the_environment_is_an_error(monkeypatch):
+    from sglang_prr.serving.server_args_patch import load_config
+
+    monkeypatch.setenv("SGLANG_PRR_CONFIG", '{"topk": 4, "block_size": 16}')
+    with pytest.raises(PRRConfigError, match="SGLANG_PRR_CONFIG.*'topk'; did you mean top_k"):
+        load_config()
+    monkeypatch.setenv("SGLANG_PRR_CONFIG", '{"top_k": 64, "block_size": 16}')
+    assert load_config().top_k_blocks == 4
