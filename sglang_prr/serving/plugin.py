@@ -294,7 +294,8 @@ def _patch_engine() -> None:
     the resolved ``ServerArgs`` before any process is spawned, so a page size other than the
     block size, or a layer id the model lacks, is a ``PRRArgsError`` from ``sgl.Engine(...)``
     (it was dense attention without a word, or a scheduler that died with a traceback). Both
-    read the configuration at the call, so a later ``enable()`` counts."""
+    read the configuration at the call, so a later ``enable()`` counts; the statistics an
+    earlier engine of this process wrote are cleared (``read_stats`` is the new one's)."""
     if not _once("engine"):
         return
     from sglang.srt.entrypoints.engine import Engine
@@ -316,6 +317,7 @@ def _patch_engine() -> None:
         if cfg is not None:
             check_server_args(cfg, server_args, torch.cuda.is_available())
             export_config(cfg)  # K and |P| capped at the context: the schedulers read this
+        stats.clear_stats()  # an earlier engine's counts are not this one's
         return launch(cls, server_args, *args, **kwargs)
 
     __init__.__doc__ = init.__doc__

@@ -78,6 +78,18 @@ def stats_path() -> str:
     return path
 
 
+def clear_stats() -> None:
+    """Forget what an earlier server of this process wrote (a second ``sgl.Engine``, which
+    writes to the same file): ``read_stats`` answers ``empty_stats`` until the new one writes.
+    Called before a server's processes are spawned."""
+    try:
+        os.remove(stats_path())
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        logger.debug("sglang_prr: cannot remove the old stats file (%s)", e)
+
+
 def read_stats() -> dict:
     """The latest statistics written by the scheduler, with the active configuration: every
     field of ``empty_stats()``, the counters at their initial values until the scheduler has

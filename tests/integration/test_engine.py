@@ -9,7 +9,8 @@ One script in a child process, two engines (~1.5 min):
    block 16: sparse_rows 0);
 2. an engine with the session servers' PRR configuration (conftest's ``COMMON``): its greedy
    logprobs equal serial DSA's server on the same prompts (1e-4, fp32), and differ from the
-   dense server's (the negative control).
+   dense server's (the negative control); before its first request ``read_stats()`` has none of
+   the first engine's counts (the two share the process's statistics file).
 
 And, in a few seconds each: a page size other than the block size is a ``PRRArgsError`` from
 ``sgl.Engine(...)``, and from SGLang's own launcher with ``SGLANG_PRR_CONFIG`` set, before any
@@ -58,6 +59,7 @@ if __name__ == "__main__":
     spec = json.loads(sys.argv[1])
     enable(**spec["prr"])
     llm = sgl.Engine(model_path=spec["model"], **spec["engine"])
+    print("PRR_TEST fresh " + json.dumps(read_stats()), flush=True)
     outs = [llm.generate(input_ids=ids, sampling_params=spec["sampling"], return_logprob=True,
                          top_logprobs_num=spec["top_n"]) for ids in spec["prompts"]]
     print("PRR_TEST outs " + json.dumps(outs), flush=True)
@@ -104,6 +106,7 @@ def engine_run(demo_model, prompts, tmp_path_factory):
                        text=True, timeout=RUN_TIMEOUT_S, env=env, cwd=path.parent)
     assert p.returncode == 0, (p.returncode, p.stdout[-3000:], p.stderr[-5000:])
     return {"stdout": p.stdout, "stats": _marked(p.stdout, "PRR_TEST stats "),
+            "fresh": _marked(p.stdout, "PRR_TEST fresh "),
             "outs": _marked(p.stdout, "PRR_TEST outs ")}
 
 
@@ -116,6 +119,16 @@ def test_readme_engine_decodes_sparsely(engine_run):
     assert stats["dense_rows"] == 0, stats
     lines = engine_run["stdout"].split("PRR_TEST stats ")[0].strip().splitlines()
     assert len(lines) >= 2 and "'sparse_rows'" in lines[-1], lines[-3:]  # the README's prints
+
+
+def test_a_second_engine_does_not_report_the_first_ones_counts(engine_run):
+    """The engines of one process share a statistics file: the second's ``read_stats()`` before
+    its first request has none of the first's decode counts (control: the first's had them),
+    and its configuration."""
+    first, fresh = engine_run["stats"], engine_run["fresh"]
+    assert first["decode_batches"] > 0 and first["config"]["top_k"] == 4, first
+    assert fresh["decode_batches"] == 0 and fresh["sparse_rows"] == 0, fresh
+    assert fresh["config"]["top_k"] == SERVERS_PRR["top_k"], fresh["config"]
 
 
 def test_engine_prr_equals_serial_dsa_server(engine_run, serial_server, dense_server, prompts):
