@@ -51,7 +51,7 @@ from ..methods import NewKeys
 from ..state import PRRState
 from ..step import DecodeStep
 from ..summaries import BlockSummaries
-from .stats import Stats
+from .stats import Stats, write_fallback
 
 logger = logging.getLogger("sglang_prr")
 
@@ -101,6 +101,7 @@ class PRRBackend:
         if reason:
             self.active = False
             logger.warning("sglang_prr: %s; PRR falls back to dense attention", reason)
+            write_fallback(cfg, reason)
             return
         mc = runner.model_config
         tp = _attn_tp_size()

@@ -90,6 +90,31 @@ def clear_stats() -> None:
         logger.debug("sglang_prr: cannot remove the old stats file (%s)", e)
 
 
+def _write(snap: Dict[str, Any]) -> None:
+    """Replace the statistics file with ``snap`` (atomically: a reader sees one or the other)."""
+    path = stats_path()
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(snap, f)
+        os.replace(tmp, path)
+    except OSError as e:
+        logger.debug("sglang_prr: cannot write stats (%s)", e)
+
+
+def write_fallback(cfg: PRRConfig, reason: str) -> None:
+    """What ``/prr/stats`` says of a server whose model PRR cannot serve, which decodes with
+    dense attention (``PRRBackend``'s fallback): ``enabled`` false, every decode dense, and why
+    (it said ``enabled`` true with no counts, as a server that has not decoded yet). Written by
+    the attention tensor-parallel rank 0 (the others fall back alike)."""
+    if _attn_tp_rank() != 0:
+        return
+    snap = empty_stats()
+    snap.update(config=cfg.to_dict(), enabled=False, budget={"*": "dense"},
+                budget_reason={"*": f"dense attention: {reason}"}, time=time.time())
+    _write(snap)
+
+
 def read_stats() -> dict:
     """The latest statistics written by the scheduler, with the active configuration: every
     field of ``empty_stats()``, the counters at their initial values until the scheduler has
@@ -205,14 +230,7 @@ class Stats:
         snap = self.snapshot()
         if not self.reporter:  # another tensor-parallel rank reports (its heads are alike)
             return
-        path = stats_path()
-        tmp = f"{path}.{os.getpid()}.tmp"
-        try:
-            with open(tmp, "w") as f:
-                json.dump(snap, f)
-            os.replace(tmp, path)
-        except OSError as e:
-            logger.debug("sglang_prr: cannot write stats (%s)", e)
+        _write(snap)
         if log_due:
             self._last_logged = self.decode_batches
             logger.info("PRR decode batches=%d hit_rate=%s |A|=%s |M|=%s delta=%s",

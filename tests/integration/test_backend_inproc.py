@@ -680,3 +680,31 @@ def test_tensor_parallel_rank_sizes_and_reporting(tmp_path, monkeypatch):
     monkeypatch.setattr(stats, "_attn_tp_rank", lambda: 0)
     stats.Stats("cpu", cfg, SimpleNamespace(enable_metrics=False)).maybe_flush(force=True)
     assert path.exists()
+
+
+@pytest.mark.parametrize("runner_attr,value,why", [
+    ("use_mla_backend", True, "MLA models are not supported"),
+    ("sliding_window_size", 4096, "sliding-window attention models are not supported")])
+def test_a_model_prr_cannot_serve_is_reported_dense(runner_attr, value, why, tmp_path,
+                                                    monkeypatch):
+    """A model PRR cannot serve falls back to dense attention, and ``/prr/stats`` says so and
+    why (it said ``enabled`` true with no counts). Control: a backend that serves the same
+    model shape writes no such report."""
+    from sglang_prr.serving.server_args_patch import export_config
+
+    path = tmp_path / "stats.json"
+    monkeypatch.setattr(stats, "stats_path", lambda: str(path))
+    monkeypatch.setenv("SGLANG_PRR_CONFIG", "")
+    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40).validate()
+    export_config(cfg)
+    w = World(2, 4, 2, cfg, 0)
+    b = bk.PRRBackend(TorchNativeAttnBackend(w.runner), w.runner, cfg, "torch_native")
+    assert b.active and not path.exists()  # control
+    setattr(w.runner, runner_attr, value)
+    b = bk.PRRBackend(TorchNativeAttnBackend(w.runner), w.runner, cfg, "torch_native")
+    assert not b.active
+    got = stats.read_stats()
+    assert got["enabled"] is False and got["budget"] == {"*": "dense"}, got
+    assert got["budget_reason"] == {"*": f"dense attention: {why}"}, got
+    assert got["config"]["top_k_blocks"] == 2 and got["time"] is not None
+    assert list(got) == list(stats.empty_stats())  # the one schema
