@@ -260,7 +260,7 @@ class PRRConfig:
     def from_options(cls, **options: Any) -> "PRRConfig":
         """``PRRConfig(**options).validate()`` (``enable()``'s options), with a name that is no
         option a ``PRRConfigError`` naming it and the closest option (not Python's TypeError)."""
-        _check_names(options, [f.name for f in dataclasses.fields(cls)])
+        _check_names(options)
         return cls(**options).validate()
 
     @classmethod
@@ -268,18 +268,18 @@ class PRRConfig:
         """The configuration of ``to_dict()`` (or of the JSON in ``SGLANG_PRR_CONFIG``): its
         derived values are recomputed, any other name that is no option is a
         ``PRRConfigError`` (a misspelt option was dropped without a word)."""
-        names = [f.name for f in dataclasses.fields(cls)]
-        _check_names(d, names, also=_DERIVED)
-        return cls(**{k: v for k, v in d.items() if k in names}).validate()
+        _check_names(d, also=_DERIVED)
+        return cls(**{k: v for k, v in d.items() if k not in _DERIVED}).validate()
 
 
 # The values to_dict() adds to the options (derived from them; from_dict recomputes them).
 _DERIVED = ("top_k_blocks", "predicted_blocks")
 
 
-def _check_names(given: Dict[str, Any], names: Sequence[str], also: Sequence[str] = ()) -> None:
-    """Raise ``PRRConfigError`` for the first name of ``given`` neither in ``names`` (the
-    options, listed in the message) nor in ``also``."""
+def _check_names(given: Dict[str, Any], also: Sequence[str] = ()) -> None:
+    """Raise ``PRRConfigError`` for the first name of ``given`` neither a ``PRRConfig`` option
+    (the options are listed in the message) nor in ``also``."""
+    names = [f.name for f in dataclasses.fields(PRRConfig)]
     for key in given:
         if key not in names and key not in also:
             close = difflib.get_close_matches(str(key), list(names), n=1, cutoff=0.6)

@@ -67,7 +67,7 @@ def enable(cfg: Optional[PRRConfig] = None, **options: Any) -> PRRConfig:
     if cfg is not None and options:
         raise PRRConfigError(f"enable() takes a PRRConfig or options, not both: "
                              f"{', '.join(sorted(options))} given beside the PRRConfig")
-    cfg = (cfg or PRRConfig.from_options(**options)).validate()
+    cfg = cfg.validate() if cfg is not None else PRRConfig.from_options(**options)
     export_config(cfg)
     global _applied
     _applied = False  # re-run so that the configuration is picked up
@@ -315,6 +315,8 @@ def _patch_engine() -> None:
     def _launch_subprocesses(cls, server_args, *args, **kwargs):
         cfg = load_config()
         if cfg is not None:
+            # The launcher has run these on the same arguments already: they are idempotent
+            # and cost a model-config read, so every other entry point is not left unchecked.
             check_server_args(cfg, server_args, torch.cuda.is_available())
             export_config(cfg)  # K and |P| capped at the context: the schedulers read this
         stats.clear_stats()  # an earlier engine's counts are not this one's
