@@ -33,6 +33,7 @@ require_sm90()
 
 from sglang_prr.methods import SelectSpec  # noqa: E402
 from sglang_prr.step import DecodeStep, new_layer_state  # noqa: E402
+from sglang_prr.step import p_rows as p_rows_of  # noqa: E402
 from test_kernels import DEV, capture, rel_err, seeded  # noqa: E402
 
 CPU = torch.device("cpu")
@@ -154,10 +155,19 @@ def test_decode_step_graph_replay_gives_serial_dsa_bits(name):
     graph = capture(body)
     stats.zero_()
     for t in range(4):
+        # One more token a step (the pool has room for a page more): P(t) is then the half of
+        # P's pair the previous step wrote (the length's parity), as in the server.
+        seq.copy_(torch.tensor(lens, device=DEV) + 1 + t)
         q.copy_((torch.randn(q.shape, generator=g) * 3).to(DEV))
         out.fill_(float("nan"))
+        read = state.p_cnt[p_rows_of(rows, seq)].clamp(min=0).sum()  # |P(t)| the step must read
+        before = stats.clone()
         graph.replay()
         torch.cuda.synchronize()
+        # The counters count the P(t) of the length's parity: the step's own P(t + 1), in the
+        # other half, is read by the next step only. From the second step on, P(t) is non-empty.
+        assert int(stats[2] - before[2]) == int(read), t  # host-ok: test readout
+        assert t == 0 or int(read) > 0, t  # host-ok: the previous step wrote P(t)
         bs = serial.plan(r2t, rows, seq)
         want = serial.run(q, k_buf, v_buf, summary, bs, None, None, sm, q.dtype)
         assert torch.equal(out, want), t  # the same per-block partials, merged in one order
