@@ -161,13 +161,15 @@ def test_decode_step_graph_replay_gives_serial_dsa_bits(name):
         q.copy_((torch.randn(q.shape, generator=g) * 3).to(DEV))
         out.fill_(float("nan"))
         read = state.p_cnt[p_rows_of(rows, seq)].clamp(min=0).sum()  # |P(t)| the step must read
+        pairs = state.p_cnt.view(R, 2, hk)[rows].clone()  # both halves of each request's pair
         before = stats.clone()
         graph.replay()
         torch.cuda.synchronize()
         # The counters count the P(t) of the length's parity: the step's own P(t + 1), in the
         # other half, is read by the next step only. From the second step on, P(t) is non-empty.
-        assert int(stats[2] - before[2]) == int(read), t  # host-ok: test readout
-        assert t == 0 or int(read) > 0, t  # host-ok: the previous step wrote P(t)
+        why = (t, (seq % 2).tolist(), pairs.tolist(), state.p_cnt.view(R, 2, hk)[rows].tolist())
+        assert int(stats[2] - before[2]) == int(read), why  # host-ok: test readout
+        assert t == 0 or int(read) > 0, why  # host-ok: the previous step wrote P(t)
         bs = serial.plan(r2t, rows, seq)
         want = serial.run(q, k_buf, v_buf, summary, bs, None, None, sm, q.dtype)
         assert torch.equal(out, want), t  # the same per-block partials, merged in one order
