@@ -236,7 +236,7 @@ class DecodeStep:
         sel = dict(table=b.table, seq_lens=b.seq_lens, nblk=b.nblk, spec=self.spec,
                    sm_scale=sm_scale, dense_row=b.dense_row,
                    stats=stats if (b.n_pred or self.serial) else None,
-                   new_keys=new_keys if fold else None)
+                   new_keys=new_keys if fold else None, kv=(k_buf, v_buf))
         attn = dict(table=b.table, seq_lens=b.seq_lens, page_size=self.page, sm_scale=sm_scale,
                     out_dtype=out_dtype)
         if b.n_pred == 0:
