@@ -141,8 +141,8 @@ def attn_spread_launches() -> int:
 
 def select_kv_prefetch_launches() -> int:
     """How many one-pass selection launches of this process prefetched their M's K/V rows into
-    L2 (``kv_k`` / ``kv_v`` given and ``SGLANG_PRR_KV_PREFETCH=1``; counted on the host at launch
-    or graph capture). 0 when the library is not loaded."""
+    L2 (``kv_k`` / ``kv_v`` given; counted on the host at launch or graph capture). 0 when the
+    library is not loaded."""
     return int(torch.ops.sglang_prr_cuda.select_kv_prefetch_launches()) if load() else 0
 
 

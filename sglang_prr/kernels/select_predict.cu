@@ -555,7 +555,7 @@ quest_select_onepass_kernel(SelectArgs a) {
       Scan(s_scan).ExclusiveSum(keep, pos, tot);
       if (keep) {
         mrow[base + pos] = x;
-        s_mlist[base + pos] = x;
+        if (a.kv_k) s_mlist[base + pos] = x;
       }
       base += tot;
       __syncthreads();
@@ -656,14 +656,8 @@ bool select_one_pass(int D, int G, int NB, int k, int n_pred, int Np, int n_out,
 }
 
 // One-pass launches that prefetched K/V rows (counted on the host, at launch or capture: the
-// tests' evidence that the prefetch ran). The prefetch is a measuring knob, read at each launch
-// (a captured graph keeps what its capture saw): on with SGLANG_PRR_KV_PREFETCH=1.
+// tests' evidence that the prefetch ran).
 static std::atomic<int64_t> g_kv_prefetch_launches{0};
-
-static bool kv_prefetch_on() {
-  const char* v = std::getenv("SGLANG_PRR_KV_PREFETCH");
-  return v != nullptr && std::strcmp(v, "1") == 0;
-}
 
 int64_t select_kv_prefetch_launches() { return g_kv_prefetch_launches.load(); }
 
@@ -683,7 +677,6 @@ cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
     static const int stop = debug_stop_env("SGLANG_PRR_SELECT_DEBUG_STOP");
     SelectArgs c = a;
     c.debug_stop = stop;
-    if (!kv_prefetch_on()) c.kv_k = c.kv_v = nullptr;
     g_kv_prefetch_launches += c.kv_k != nullptr;
     return c.s_dtype == kBF16 ? onepass_dispatch<__nv_bfloat16>(c, smem, s)
                               : onepass_dispatch<float>(c, smem, s);

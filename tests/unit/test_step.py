@@ -190,3 +190,41 @@ def test_a_speculating_plan_launches_what_a_serial_one_does(budget):
         assert torch.equal(b.p_cur, 2 * rows + seq % 2) and torch.equal(b.p_nxt, b.p_cur ^ 1)
     assert counts[False] == counts[True], (counts[False], counts[True])
     assert "div_" in counts[True] and "bitwise_and" in counts[False]  # control
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+def test_the_kv_prefetch_knob_hands_the_selection_the_pools(fuse, monkeypatch):
+    """SGLANG_PRR_KV_PREFETCH=1: the step gives Quest's selection the layer's K/V pools (the
+    one-pass kernel prefetches M's rows from them); the outputs and state are the same bits as
+    without (the reference ignores them); a value other than 0 or 1 is refused by name."""
+    from sglang_prr.methods import quest
+
+    seed = random.randrange(1 << 30)
+    P = make_paged(seed, [150, 97], hk=2, group=4, page=PAGE)
+    summary = list(P.quest_summary())
+    R, nb = P.req_to_token.shape[0], -(-P.req_to_token.shape[1] // PAGE)
+    q = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(seed)) * 3
+    seq = torch.tensor([140, 90])
+    seen = []
+    for name in ("quest_select", "quest_select_predict"):
+        real = getattr(quest.ops, name)
+        monkeypatch.setattr(quest.ops, name, lambda *a, _real=real, **kw: (
+            seen.append(kw.get("kv_k") is not None), _real(*a, **kw))[1])
+    outs = []
+    for knob in ("0", "1"):
+        monkeypatch.setenv("SGLANG_PRR_KV_PREFETCH", knob)
+        st = _garbage_state(R, 2, nb, torch.Generator().manual_seed(seed))
+        for serial in (True, False):
+            step = DecodeStep("quest", K, N_PRED, SINK, LOCAL, PAGE, 0, exact=True,
+                              serial=serial, device=torch.device("cpu"), fuse_predictor=fuse)
+            b = step.plan(P.req_to_token, P.rows, seq)
+            outs.append(step.run(q, P.k_buf, P.v_buf, summary, b, None if serial else st, None,
+                                 P.sm_scale, torch.float32))
+        outs.append(torch.cat([t.flatten().float() for t in st]))
+    assert seen == [False, False, True, True], (seen, seed)
+    for a, b in zip(outs[:3], outs[3:]):
+        _same(b, a, f"seed {seed}: the pools changed a result")
+    monkeypatch.setenv("SGLANG_PRR_KV_PREFETCH", "yes")
+    with pytest.raises(ValueError, match="SGLANG_PRR_KV_PREFETCH"):
+        DecodeStep("quest", K, N_PRED, SINK, LOCAL, PAGE, 0, exact=True, serial=True,
+                   device=torch.device("cpu"))
