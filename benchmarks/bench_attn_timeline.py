@@ -174,9 +174,7 @@ def plot(rows: Sequence[dict], png: str, chain: Chain = ATTENTION) -> None:
     ax.set_yticks(range(len(cases)), cases)
     ax.set_xlabel("µs (median CTA's links; | the launch's span)")
     ax.legend(fontsize=7, ncol=4, loc="lower right")
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    print(f"wrote {png}")
+    common.save_figure(fig, png, dpi=120)
 
 
 def add_run_args(ap: argparse.ArgumentParser, csv_name: str) -> None:

@@ -367,9 +367,7 @@ def plot(rows, png: str) -> None:
         ax.set_xlabel("µs per call")
         ax.set_title(part)
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    print(f"wrote {png}")
+    common.save_figure(fig, png)
 
 
 def _point(text: str) -> tuple:

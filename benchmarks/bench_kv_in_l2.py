@@ -123,9 +123,7 @@ def plot(rows, png: str) -> None:
     ax.set_yticklabels(labels, fontsize=8)
     ax.set_xlabel("µs per launch (cold L2 otherwise)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    print(f"wrote {png}")
+    common.save_figure(fig, png)
 
 
 def main(argv=None):

@@ -230,9 +230,7 @@ def plot(csv_paths, png):
         ax.set_ylabel("per-layer decode latency, us (median)")
         ax.set_title(os.path.basename(path))
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    print(f"wrote {png}")
+    common.save_figure(fig, png, dpi=120)
 
 
 def main(argv=None):

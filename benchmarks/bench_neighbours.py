@@ -344,9 +344,7 @@ def plot(rows, png: str) -> None:
         ax.invert_yaxis()
         ax.set_xlabel("µs per kernel (CUPTI)")
         ax.set_title(f"{v}: the sparse kernels among their neighbours")
-    fig.tight_layout()
-    fig.savefig(png, dpi=110)
-    print(f"wrote {png}")
+    common.save_figure(fig, png)
 
 
 def main(argv=None):

@@ -117,9 +117,7 @@ def plot(csv_path: str, png: str) -> None:
     ax.set_ylabel("µs per layer (median)")
     ax.set_title("speculative attention and selection on two streams")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(png, dpi=120)
-    print(f"wrote {png}")
+    common.save_figure(fig, png, dpi=120)
 
 
 def main(argv=None):

@@ -121,6 +121,13 @@ def pyplot():
     return plt
 
 
+def save_figure(fig, png: str, dpi: int = 110) -> None:
+    """Lays out ``fig``, writes it to ``png`` and says so."""
+    fig.tight_layout()
+    fig.savefig(png, dpi=dpi)
+    print(f"wrote {png}")
+
+
 def write_rows(path, rows: Sequence[dict], columns: Sequence[str], append: bool = False
                ) -> List[dict]:
     """Write ``rows`` to the CSV at ``path`` under ``columns``, after the rows already there when
