@@ -106,3 +106,57 @@ def test_bad_pools_are_named():
     with pytest.raises(ValueError, match="page_size"):
         ops.quest_select(*args, kv_k=k_pool, kv_v=v_pool)
     ops.quest_select(*args, kv_k=k_pool, kv_v=v_pool, page_size=PAGE)  # control: accepted
+
+
+@pytest.mark.parametrize("serial", [True, False])
+def test_the_knob_in_a_captured_decode_step_keeps_the_bits(serial, monkeypatch):
+    """SGLANG_PRR_KV_PREFETCH=1 in the decode step as the server captures it (a CUDA graph,
+    the length advancing a token a replay): the launches that prefetched are counted at capture,
+    and every replay's output and predictor state are the bits of the same step without it."""
+    import math
+    import random
+
+    from test_methods_conformance import _pool, _summaries
+
+    from sglang_prr import methods
+    from sglang_prr.step import DecodeStep, new_layer_state
+    from test_kernels import capture
+
+    g = torch.Generator().manual_seed(seeded(f"kv prefetch step serial={serial}"))
+    B, hk, group, d, page = 3, 2, 4, 128, 64
+    lens = [random.randint(20 * page, 40 * page) for _ in range(B)]
+    r2t, rows, k_buf, v_buf = _pool(B, hk, d, page, lens, torch.bfloat16, g)
+    summary0 = _summaries(methods.get("quest"), r2t, rows, k_buf, lens, page, DEV)
+    r2t, rows, k_buf, v_buf = r2t.to(DEV), rows.to(DEV), k_buf.to(DEV), v_buf.to(DEV)
+    qs = [(torch.randn(B, hk * group, d, generator=g) * 3).to(DEV, torch.bfloat16)
+          for _ in range(3)]
+    runs = []
+    for knob in ("0", "1"):
+        monkeypatch.setenv("SGLANG_PRR_KV_PREFETCH", knob)
+        step = DecodeStep("quest", 4, 6, 1, 1, page, 0, exact=True, serial=serial, device=DEV)
+        state = new_layer_state(B + 1, hk, -(-r2t.shape[1] // page), 8, (0.6, 0.3, 0.5), DEV)
+        summary = [t.clone() for t in summary0]
+        q, out = torch.empty_like(qs[0]), torch.empty_like(qs[0])
+        seq = torch.tensor(lens, device=DEV) + 1
+
+        def body():
+            b = step.plan(r2t, rows, seq)
+            out.copy_(step.run(q, k_buf, v_buf, summary, b, None if serial else state, None,
+                               1.0 / math.sqrt(d), q.dtype))
+
+        q.copy_(qs[0])
+        n0 = kernels.select_kv_prefetch_launches()
+        graph = capture(body)
+        got = [kernels.select_kv_prefetch_launches() - n0]
+        for t, x in enumerate(qs):
+            seq.copy_(torch.tensor(lens, device=DEV) + 1 + t)
+            q.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            got.append(out.clone())
+        got.append(state.p_idx.clone())
+        runs.append(got)
+    assert runs[0][0] == 0 and runs[1][0] >= 1, (runs[0][0], runs[1][0])
+    for i, (x, y) in enumerate(zip(runs[0][1:], runs[1][1:])):
+        assert torch.equal(x, y), f"replay {i}: the prefetch changed a bit"
+    assert not torch.equal(runs[1][1], runs[1][2])  # control: the replays differ
