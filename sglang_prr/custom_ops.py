@@ -176,9 +176,9 @@ def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
     (the decode update, ``reference.write_new_keys``); without, the summaries are not written.
     ``kv_k`` / ``kv_v`` (the layer's K/V pools ``[slots, Hk, dim]``, pages of ``page_size``):
     the one-pass kernel prefetches M's K/V rows into L2 for the attention after it (a hint: no
-    output depends on it). As in ``reference.quest_select``. (A
-    plain function over the op: torch 2.11 cannot omit a mutable optional argument of a custom
-    op, so every argument is passed.)"""
+    output depends on it). As in ``reference.quest_select``. (A plain function over the op:
+    torch 2.11 cannot omit a mutable optional argument of a custom op, so every argument is
+    passed.)"""
     return _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks,
                          n_out, p_rows, dense_row, stats, new_k, new_pos, page_size, new_loc,
                          kv_k, kv_v)

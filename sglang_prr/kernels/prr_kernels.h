@@ -158,11 +158,11 @@ struct SelectArgs {
 };
 // Whether the one-pass kernel takes these sizes (else scores + top-K kernels, then the
 // predictor's own kernel); its chunk count and candidate widths, and its dynamic shared memory.
+bool select_one_pass(int D, int G, int NB, int k, int n_pred, int Np, int n_out, int* nch,
+                     int* kca, int* kcp, size_t* smem);
 // How many one-pass selection launches of this process prefetched K/V rows into L2
 // (SelectArgs::kv_k given; counted at launch or capture).
 int64_t select_kv_prefetch_launches();
-bool select_one_pass(int D, int G, int NB, int k, int n_pred, int Np, int n_out, int* nch,
-                     int* kca, int* kcp, size_t* smem);
 cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s);
 // The row-tail kernel alone (scores by chunks, top-K by the last CTA of a row; no predictor).
 cudaError_t launch_quest_select_rowtail(const SelectArgs& a, cudaStream_t s);
