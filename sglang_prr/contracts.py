@@ -193,8 +193,7 @@ def check_select_topk(scores, nblk, k, sink, local, n_out, dense_row=None) -> No
 
 def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out,
                        p_rows=None, dense_row=None, stats=None, new_k=None, new_pos=None,
-                       page_size_=0, op: str = "quest_select", new_loc=None, kv_k=None,
-                       kv_v=None) -> None:
+                       page_size_=0, op: str = "quest_select", new_loc=None) -> None:
     query(op, q)
     summaries(op, q, (kmin, kmax), 1)
     index_tensor(op, "table", table, 2)
@@ -213,21 +212,6 @@ def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local,
     if stats is not None and (stats.dtype != torch.int64 or shape(stats) != (len(STATS_SLOTS),)):
         fail(op, "stats", (stats.dtype, shape(stats)), f"int64 ({len(STATS_SLOTS)},)")
     new_keys(op, q, kmin.shape[1], new_k, new_pos, page_size_, new_loc)
-    kv_pools(op, q, kmin.shape[1], (kv_k, kv_v), page_size_)
-
-
-def kv_pools(op: str, q: Tensor, heads: int, kv, page: int) -> None:
-    """The K/V pools a selection prefetches from: none, or both ``[slots, Hk, dim]`` float on
-    q's device, with a page size."""
-    k, v = kv
-    if k is None and v is None:
-        return
-    for name, t in (("kv_k", k), ("kv_v", v)):
-        if (t is None or t.dim() != 3 or t.shape[1] != heads or t.dtype not in _FLOATS
-                or t.device != q.device):
-            fail(op, name, None if t is None else (t.dtype, shape(t), str(t.device)),
-                 f"float [slots, {heads}, dim] on {q.device} (kv_k and kv_v go together)")
-    page_size(op, page)
 
 
 def new_keys(op: str, q: Tensor, heads: int, new_k: Optional[Tensor], new_pos: Optional[Tensor],
@@ -269,12 +253,10 @@ def check_quest_update(kmin, kmax, k, out_loc, positions, page_size_) -> None:
 def check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                                p_next_rows, level, trend, n_init, theta, rows, k, n_pred, sink,
                                local, n_out, dense_row=None, stats=None, new_k=None,
-                               new_pos=None, page_size_=0, new_loc=None, kv_k=None,
-                               kv_v=None) -> None:
+                               new_pos=None, page_size_=0, new_loc=None) -> None:
     op = "quest_select_predict"
     check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows,
-                       dense_row, stats, new_k, new_pos, page_size_, op=op, new_loc=new_loc,
-                       kv_k=kv_k, kv_v=kv_v)
+                       dense_row, stats, new_k, new_pos, page_size_, op=op, new_loc=new_loc)
     if level.dim() != 3 or shape(level)[1:] != (kmin.shape[1], table.shape[1]):
         fail(op, "level.shape", shape(level), f"[rows, {kmin.shape[1]}, {table.shape[1]}]")
     scores = torch.empty((q.shape[0],) + tuple(level.shape[1:]), device="meta")  # shape only

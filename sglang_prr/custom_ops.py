@@ -138,12 +138,11 @@ def _quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Te
                   local_blocks: int, n_out: int, p_rows: Optional[Tensor],
                   dense_row: Optional[Tensor], stats: Optional[Tensor],
                   new_k: Optional[Tensor] = None, new_pos: Optional[Tensor] = None,
-                  page_size: int = 0, new_loc: Optional[Tensor] = None,
-                  kv_k: Optional[Tensor] = None, kv_v: Optional[Tensor] = None
+                  page_size: int = 0, new_loc: Optional[Tensor] = None
                   ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     contracts.check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
                                  local_blocks, n_out, p_rows, dense_row, stats, new_k, new_pos,
-                                 page_size, new_loc=new_loc, kv_k=kv_k, kv_v=kv_v)
+                                 page_size, new_loc=new_loc)
     return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
                             local_blocks, n_out, p_rows, dense_row, stats, new_k, new_pos,
                             page_size, new_loc)
@@ -151,8 +150,7 @@ def _quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Te
 
 @fake(_quest_select)
 def _(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out, p_rows,
-      dense_row, stats, new_k=None, new_pos=None, page_size=0, new_loc=None, kv_k=None,
-      kv_v=None):
+      dense_row, stats, new_k=None, new_pos=None, page_size=0, new_loc=None):
     B, Hk, NB = q.shape[0], kmin.shape[1], table.shape[1]
     lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32),
              q.new_empty((B, Hk), dtype=torch.int32)]
@@ -165,8 +163,7 @@ def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
                  local_blocks: int, n_out: int, p_rows: Optional[Tensor] = None,
                  dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None,
                  new_k: Optional[Tensor] = None, new_pos: Optional[Tensor] = None,
-                 page_size: int = 0, new_loc: Optional[Tensor] = None,
-                 kv_k: Optional[Tensor] = None, kv_v: Optional[Tensor] = None
+                 page_size: int = 0, new_loc: Optional[Tensor] = None
                  ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Quest scores + top-K + ``M = A \\ P`` in one op (one launch on SM90):
     ``(scores [B, Hk, NB] f32, a_idx, a_cnt, m_idx, m_cnt)``; P read from pool rows ``p_rows``,
@@ -174,14 +171,10 @@ def quest_select(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, nblk: Ten
     positions ``new_pos [B]`` folded into their blocks' scores (pages of ``page_size`` tokens).
     With the keys' slots ``new_loc [B]`` the op also writes the folded bounds into kmin/kmax
     (the decode update, ``reference.write_new_keys``); without, the summaries are not written.
-    ``kv_k`` / ``kv_v`` (the layer's K/V pools ``[slots, Hk, dim]``, pages of ``page_size``):
-    the one-pass kernel prefetches M's K/V rows into L2 for the attention after it (a hint: no
-    output depends on it). As in ``reference.quest_select``. (A plain function over the op:
-    torch 2.11 cannot omit a mutable optional argument of a custom op, so every argument is
-    passed.)"""
+    As in ``reference.quest_select``. (A plain function over the op: torch 2.11 cannot omit a
+    mutable optional argument of a custom op, so every argument is passed.)"""
     return _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks,
-                         n_out, p_rows, dense_row, stats, new_k, new_pos, page_size, new_loc,
-                         kv_k, kv_v)
+                         n_out, p_rows, dense_row, stats, new_k, new_pos, page_size, new_loc)
 
 
 # ----------------------------------------------------------------------------- predictor
@@ -277,13 +270,12 @@ def _quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, 
                           local_blocks: int, n_out: int, dense_row: Optional[Tensor],
                           stats: Optional[Tensor], new_k: Optional[Tensor] = None,
                           new_pos: Optional[Tensor] = None, page_size: int = 0,
-                          new_loc: Optional[Tensor] = None, kv_k: Optional[Tensor] = None,
-                          kv_v: Optional[Tensor] = None
+                          new_loc: Optional[Tensor] = None
                           ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     contracts.check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt,
                                          p_rows, p_next_rows, level, trend, n_init, theta, rows,
                                          k, n_pred, sink_blocks, local_blocks, n_out, dense_row,
-                                         stats, new_k, new_pos, page_size, new_loc, kv_k, kv_v)
+                                         stats, new_k, new_pos, page_size, new_loc)
     return ref.quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                                     p_next_rows, level, trend, n_init, theta, rows, k, n_pred,
                                     sink_blocks, local_blocks, n_out, dense_row, stats, new_k,
@@ -293,7 +285,7 @@ def _quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, 
 @fake(_quest_select_predict)
 def _(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level, trend,
       n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats,
-      new_k=None, new_pos=None, page_size=0, new_loc=None, kv_k=None, kv_v=None):
+      new_k=None, new_pos=None, page_size=0, new_loc=None):
     B, Hk, NB = q.shape[0], kmin.shape[1], table.shape[1]
     lists = [q.new_empty((B, Hk, n_out), dtype=torch.int32),
              q.new_empty((B, Hk), dtype=torch.int32)]
@@ -308,19 +300,18 @@ def quest_select_predict(q: Tensor, kmin: Tensor, kmax: Tensor, table: Tensor, n
                          local_blocks: int, n_out: int, dense_row: Optional[Tensor] = None,
                          stats: Optional[Tensor] = None, new_k: Optional[Tensor] = None,
                          new_pos: Optional[Tensor] = None, page_size: int = 0,
-                         new_loc: Optional[Tensor] = None, kv_k: Optional[Tensor] = None,
-                         kv_v: Optional[Tensor] = None
+                         new_loc: Optional[Tensor] = None
                          ) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """Quest selection and the predictor's step of one decode step in one op (one launch on
     SM90): ``(scores [B, Hk, NB] f32, a_idx, a_cnt, m_idx, m_cnt)`` with M = A \\ P(t), P(t) at
     rows ``p_rows`` of p_idx ``[R', Hk, Np]``; the Holt update on state rows ``rows`` of level /
     trend ``[R, Hk, NB]``, n_init ``[R]``, theta ``[R, 3]``; P(t+1) written at rows
-    ``p_next_rows``; new keys (and their write, with ``new_loc``) and the K/V prefetch as in
-    ``quest_select``. See ``reference.quest_select_predict``."""
+    ``p_next_rows``; new keys (and their write, with ``new_loc``) as in ``quest_select``. See
+    ``reference.quest_select_predict``."""
     return _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                                  p_next_rows, level, trend, n_init, theta, rows, k, n_pred,
                                  sink_blocks, local_blocks, n_out, dense_row, stats, new_k,
-                                 new_pos, page_size, new_loc, kv_k, kv_v)
+                                 new_pos, page_size, new_loc)
 
 
 @_op("calibrate")

@@ -65,7 +65,6 @@ from .methods import NewKeys, SelectSpec
 ENV_FOLD_NEW_KEYS = "SGLANG_PRR_FOLD_NEW_KEYS"
 ENV_SUMMARY_UPDATE = "SGLANG_PRR_SUMMARY_UPDATE"
 ENV_SPEC_ORDER = "SGLANG_PRR_SPEC_ORDER"
-ENV_KV_PREFETCH = "SGLANG_PRR_KV_PREFETCH"
 
 
 def _env_choice(name: str, default: str, other: str) -> str:
@@ -168,9 +167,6 @@ class DecodeStep:
         # kernels in the order they were recorded, and the first one's CTAs take the SMs, so the
         # order decides which one waits for room (a measuring knob).
         self.spec_first = _env_choice(ENV_SPEC_ORDER, "after", "first") == "first"
-        # SGLANG_PRR_KV_PREFETCH=1: the selection is given the layer's K/V pools and prefetches
-        # M's rows into L2 for the attention after it (a measuring knob until measured).
-        self.kv_prefetch = _env_choice(ENV_KV_PREFETCH, "0", "1") == "1"
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
@@ -240,8 +236,7 @@ class DecodeStep:
         sel = dict(table=b.table, seq_lens=b.seq_lens, nblk=b.nblk, spec=self.spec,
                    sm_scale=sm_scale, dense_row=b.dense_row,
                    stats=stats if (b.n_pred or self.serial) else None,
-                   new_keys=new_keys if fold else None,
-                   kv=(k_buf, v_buf) if self.kv_prefetch else None)
+                   new_keys=new_keys if fold else None)
         attn = dict(table=b.table, seq_lens=b.seq_lens, page_size=self.page, sm_scale=sm_scale,
                     out_dtype=out_dtype)
         if b.n_pred == 0:

@@ -600,8 +600,6 @@ bool launches_with_pdl() { return prr::launches_with_pdl(); }
 
 int64_t attn_spread_launches() { return prr::attn_spread_launches(); }
 
-int64_t select_kv_prefetch_launches() { return prr::select_kv_prefetch_launches(); }
-
 // The timing probe's records of the last probed launch (SGLANG_PRR_ATTN_TIMELINE=1 or
 // SGLANG_PRR_SELECT_TIMELINE=1): [ctas, kTimelineSlots] int64 on the host, and the SM clock in
 // kHz (clock64 stamps to time). Waits for the device: development only.
@@ -652,8 +650,8 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
   m.def("quest_select(Tensor q, Tensor(a!) kmin, Tensor(b!) kmax, Tensor table, Tensor nblk, "
         "Tensor? p_idx, Tensor? p_cnt, int k, int sink_blocks, int local_blocks, int n_out, "
         "Tensor? p_rows=None, Tensor? dense_row=None, Tensor(c!)? stats=None, "
-        "Tensor? new_k=None, Tensor? new_pos=None, int page_size=0, Tensor? new_loc=None, "
-        "Tensor? kv_k=None, Tensor? kv_v=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? new_k=None, Tensor? new_pos=None, int page_size=0, Tensor? new_loc=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("predict_update(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) n_init, Tensor scores, "
         "Tensor nblk, Tensor theta, Tensor nblk_next, int n_pred, int sink_blocks, "
         "int local_blocks) -> (Tensor, Tensor)");
@@ -666,15 +664,14 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
         "Tensor p_next_rows, Tensor(e!) level, Tensor(f!) trend, Tensor(g!) n_init, "
         "Tensor theta, Tensor rows, int k, int n_pred, int sink_blocks, int local_blocks, "
         "int n_out, Tensor? dense_row=None, Tensor(h!)? stats=None, Tensor? new_k=None, "
-        "Tensor? new_pos=None, int page_size=0, Tensor? new_loc=None, Tensor? kv_k=None, "
-        "Tensor? kv_v=None) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+        "Tensor? new_pos=None, int page_size=0, Tensor? new_loc=None) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("calib_grid_terms(Tensor scores, Tensor nblk, Tensor wa, Tensor am, Tensor alphas, "
         "Tensor betas, Tensor gammas, int n_pred, int sink_blocks, int local_blocks) -> Tensor");
   m.def("prepare(Tensor like) -> ()");
   // No tensor argument: a catch-all kernel (dispatched without a device).
   m.def("launches_with_pdl() -> bool", &launches_with_pdl);
   m.def("attn_spread_launches() -> int", &attn_spread_launches);
-  m.def("select_kv_prefetch_launches() -> int", &select_kv_prefetch_launches);
   m.def("probe_timeline() -> (Tensor, int)", &probe_timeline);
 }
 

@@ -187,10 +187,10 @@ def _sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_size, sm
 
 def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out,
                   p_rows=None, dense_row=None, stats=None, new_k=None, new_pos=None,
-                  page_size=0, new_loc=None, kv_k=None, kv_v=None):
+                  page_size=0, new_loc=None):
     contracts.check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
                                  local_blocks, n_out, p_rows, dense_row, stats, new_k, new_pos,
-                                 page_size, new_loc=new_loc, kv_k=kv_k, kv_v=kv_v)
+                                 page_size, new_loc=new_loc)
     ok = _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats, new_k)
     if not ok:
         return ref.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks,
@@ -199,7 +199,7 @@ def _quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink_blocks, loca
     return torch.ops.sglang_prr_cuda.quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k,
                                                   sink_blocks, local_blocks, n_out, p_rows,
                                                   dense_row, stats, new_k, new_pos, page_size,
-                                                  new_loc, kv_k, kv_v)
+                                                  new_loc)
 
 
 def _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats, new_k=None) -> bool:
@@ -224,11 +224,11 @@ def _select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats, new_k=None) -> b
 def _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,
                           p_next_rows, level, trend, n_init, theta, rows, k, n_pred, sink_blocks,
                           local_blocks, n_out, dense_row=None, stats=None, new_k=None,
-                          new_pos=None, page_size=0, new_loc=None, kv_k=None, kv_v=None):
+                          new_pos=None, page_size=0, new_loc=None):
     contracts.check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt,
                                          p_rows, p_next_rows, level, trend, n_init, theta, rows,
                                          k, n_pred, sink_blocks, local_blocks, n_out, dense_row,
-                                         stats, new_k, new_pos, page_size, new_loc, kv_k, kv_v)
+                                         stats, new_k, new_pos, page_size, new_loc)
     ok = (_select_ok(q, kmin, kmax, table, nblk, p_idx, p_cnt, stats, new_k)
           and q.shape[0] <= MAX_GROUPS
           and level.dtype == torch.float32 and trend.dtype == torch.float32
@@ -243,7 +243,7 @@ def _quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p
     return torch.ops.sglang_prr_cuda.quest_select_predict(
         q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level, trend,
         n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats,
-        new_k, new_pos, page_size, new_loc, kv_k, kv_v)
+        new_k, new_pos, page_size, new_loc)
 
 
 def _predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred, sink_blocks,

@@ -139,13 +139,6 @@ def attn_spread_launches() -> int:
     return int(torch.ops.sglang_prr_cuda.attn_spread_launches()) if load() else 0
 
 
-def select_kv_prefetch_launches() -> int:
-    """How many one-pass selection launches of this process prefetched their M's K/V rows into
-    L2 (``kv_k`` / ``kv_v`` given; counted on the host at launch or graph capture). 0 when the
-    library is not loaded."""
-    return int(torch.ops.sglang_prr_cuda.select_kv_prefetch_launches()) if load() else 0
-
-
 def load_error() -> Optional[str]:
     """Why ``load()`` failed (None when it succeeded or was not tried)."""
     return _lib_error

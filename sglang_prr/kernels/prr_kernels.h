@@ -147,22 +147,11 @@ struct SelectArgs {
   // read, [num_pages, Hk, D]): the key's own page in the server, whose only reader in the launch
   // is the CTA that writes it (a request's newest page is its own; padding rows write page 0).
   const void* new_loc; bool new_loc64; void* w_kmin; void* w_kmax;  // [B]
-  // An L2 prefetch of the K/V rows that the attention after this launch reads (kv_k != nullptr,
-  // the one-pass kernel): once a row's tail knows M (A for serial DSA) it issues one
-  // cp.async.bulk.prefetch.L2 per listed block, token (page_size a block) and K or V of its KV
-  // head ([kv_slots, Hk, *] pools; strides and rows in bytes, 16-byte aligned). Nothing in the
-  // launch reads what it fetches: the outputs do not depend on it.
-  const void* kv_k; const void* kv_v;
-  int64_t kv_k_slot, kv_k_head, kv_v_slot, kv_v_head, kv_slots;
-  int kv_k_row, kv_v_row;
 };
 // Whether the one-pass kernel takes these sizes (else scores + top-K kernels, then the
 // predictor's own kernel); its chunk count and candidate widths, and its dynamic shared memory.
 bool select_one_pass(int D, int G, int NB, int k, int n_pred, int Np, int n_out, int* nch,
                      int* kca, int* kcp, size_t* smem);
-// How many one-pass selection launches of this process prefetched K/V rows into L2
-// (SelectArgs::kv_k given; counted at launch or capture).
-int64_t select_kv_prefetch_launches();
 cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s);
 // The row-tail kernel alone (scores by chunks, top-K by the last CTA of a row; no predictor).
 cudaError_t launch_quest_select_rowtail(const SelectArgs& a, cudaStream_t s);

@@ -24,38 +24,6 @@ struct PredictorTensors {
   int64_t n_pred;
 };
 
-// The K/V pools of the attention after the selection (SelectArgs::kv_k): [slots, Hk, *] each,
-// the last dim contiguous; a pool whose rows are not 16-byte multiples at 16-byte aligned
-// addresses is not prefetched (the bulk prefetch's unit; the outputs never depend on it).
-void kv_prefetch_args(prr::SelectArgs& a, const c10::optional<Tensor>& kv_k,
-                      const c10::optional<Tensor>& kv_v, int64_t page_size, const char* op) {
-  TORCH_CHECK(kv_k.has_value() && kv_v.has_value(), op, ": kv_k and kv_v go together");
-  TORCH_CHECK(page_size > 0, op, ": the K/V prefetch needs page_size > 0 (tokens a block), got ",
-              page_size);
-  const Tensor& k = *kv_k;
-  const Tensor& v = *kv_v;
-  check_cuda(k, "kv_k");
-  check_cuda(v, "kv_v");
-  for (const Tensor* t : {&k, &v})
-    TORCH_CHECK(t->dim() == 3 && t->size(1) == a.Hk && t->stride(2) == 1 && t->size(2) > 0,
-                op, ": kv_k/kv_v must be [slots, ", a.Hk, ", dim] with the last dim contiguous, "
-                "got ", t->sizes(), " strides ", t->strides());
-  const auto bytes = [](const Tensor& t, int64_t n) { return n * (int64_t)t.element_size(); };
-  const int64_t kr = bytes(k, k.size(2)), vr = bytes(v, v.size(2));
-  bool ok = true;
-  for (int64_t x : {kr, vr, bytes(k, k.stride(0)), bytes(k, k.stride(1)), bytes(v, v.stride(0)),
-                    bytes(v, v.stride(1)), (int64_t)reinterpret_cast<uintptr_t>(k.data_ptr()),
-                    (int64_t)reinterpret_cast<uintptr_t>(v.data_ptr())})
-    ok = ok && x % 16 == 0;
-  if (!ok) return;
-  a.kv_k = k.data_ptr(); a.kv_v = v.data_ptr();
-  a.kv_k_slot = bytes(k, k.stride(0)); a.kv_k_head = bytes(k, k.stride(1));
-  a.kv_v_slot = bytes(v, v.stride(0)); a.kv_v_head = bytes(v, v.stride(1));
-  a.kv_slots = std::min(k.size(0), v.size(0));
-  a.kv_k_row = (int)kr; a.kv_v_row = (int)vr;
-  a.page_size = (int)page_size;
-}
-
 // Quest scores + top-K + M = A \ P in one launch, with the predictor's step when `pr` is set:
 // (scores, a_idx, a_cnt, m_idx, m_cnt).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
@@ -65,8 +33,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
     int64_t n_out, const c10::optional<Tensor>& p_rows, const c10::optional<Tensor>& dense_row,
     const c10::optional<Tensor>& stats, const c10::optional<Tensor>& new_k_in,
     const c10::optional<Tensor>& new_pos_in, int64_t page_size,
-    const c10::optional<Tensor>& new_loc_in, const c10::optional<Tensor>& kv_k,
-    const c10::optional<Tensor>& kv_v, const PredictorTensors* pr, const char* op) {
+    const c10::optional<Tensor>& new_loc_in, const PredictorTensors* pr, const char* op) {
   check_cuda(q_in, "q");
   c10::cuda::CUDAGuard guard(q_in.device());
   const Tensor q = q_view(q_in);
@@ -144,7 +111,6 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
       a.w_kmin = kmin.data_ptr(); a.w_kmax = kmax.data_ptr();
     }
   }
-  if (kv_k.has_value() || kv_v.has_value()) kv_prefetch_args(a, kv_k, kv_v, page_size, op);
   if (pr) {
     Tensor& level = *pr->level;
     Tensor& trend = *pr->trend;
@@ -202,10 +168,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select(
     int64_t k, int64_t sink, int64_t local, int64_t n_out, const c10::optional<Tensor>& p_rows,
     const c10::optional<Tensor>& dense_row, const c10::optional<Tensor>& stats,
     const c10::optional<Tensor>& new_k, const c10::optional<Tensor>& new_pos, int64_t page_size,
-    const c10::optional<Tensor>& new_loc, const c10::optional<Tensor>& kv_k,
-    const c10::optional<Tensor>& kv_v) {
+    const c10::optional<Tensor>& new_loc) {
   return select_common(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows,
-                       dense_row, stats, new_k, new_pos, page_size, new_loc, kv_k, kv_v, nullptr,
+                       dense_row, stats, new_k, new_pos, page_size, new_loc, nullptr,
                        "quest_select");
 }
 
@@ -219,15 +184,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select_predict(
     int64_t sink, int64_t local, int64_t n_out, const c10::optional<Tensor>& dense_row,
     const c10::optional<Tensor>& stats, const c10::optional<Tensor>& new_k,
     const c10::optional<Tensor>& new_pos, int64_t page_size,
-    const c10::optional<Tensor>& new_loc, const c10::optional<Tensor>& kv_k,
-    const c10::optional<Tensor>& kv_v) {
+    const c10::optional<Tensor>& new_loc) {
   TORCH_CHECK(p_idx.is_contiguous() && p_cnt.is_contiguous(),
               "quest_select_predict: p_idx/p_cnt must be contiguous (written in place)");
   PredictorTensors pr{&level, &trend, &n_init, &theta, &rows, &nblk_next, &p_idx, &p_cnt,
                       &p_next_rows, n_pred};
   return select_common(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out,
-                       p_rows, dense_row, stats, new_k, new_pos, page_size, new_loc, kv_k,
-                       kv_v, &pr, "quest_select_predict");
+                       p_rows, dense_row, stats, new_k, new_pos, page_size, new_loc, &pr,
+                       "quest_select_predict");
 }
 
 }  // namespace

@@ -11,7 +11,6 @@
 #include <cuda_bf16.h>
 #include <cub/block/block_scan.cuh>
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <cmath>
@@ -115,32 +114,6 @@ __device__ int write_kept_list(const int* ids, int nid, int lo, int hi, int n, i
   const int c = total < w ? total : w;
   if (threadIdx.x == 0) *cnt = c;
   return c;
-}
-
-// The L2 prefetch of the K/V rows of head hk of the n listed blocks of request b
-// (SelectArgs::kv_k): their pages from the table (an L2 hit: the row's chunk CTAs read the same
-// entries) into s_pg, then one bulk prefetch per (block, token, K or V), a 16-byte multiple the
-// attention's copies then find in L2. Fire and forget: the CTA does not wait for the bytes.
-// Called by the whole CTA.
-__device__ void prefetch_kv_rows(const SelectArgs& a, int b, int hk, const int* list, int n,
-                                 int64_t* s_pg) {
-  for (int i = threadIdx.x; i < n; i += blockDim.x)
-    s_pg[i] = in_pool(ld_index(a.table, (int64_t)b * a.table_stride + list[i], a.table64),
-                      a.num_pages);
-  __syncthreads();
-  const int per = 2 * a.page_size;
-  const char* kb = reinterpret_cast<const char*>(a.kv_k) + hk * a.kv_k_head;
-  const char* vb = reinterpret_cast<const char*>(a.kv_v) + hk * a.kv_v_head;
-#pragma unroll 1
-  for (int e = threadIdx.x; e < n * per; e += blockDim.x) {
-    const int i = e / per, r = e - i * per;
-    const int64_t slot = s_pg[i] * a.page_size + (r >> 1);
-    if (slot >= a.kv_slots) continue;
-    const bool v = r & 1;
-    const char* p = v ? vb + slot * a.kv_v_slot : kb + slot * a.kv_k_slot;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;"
-                 :: "l"(p), "r"(v ? a.kv_v_row : a.kv_k_row) : "memory");
-  }
 }
 
 // Three CTAs per SM (<= 85 registers): more requests in flight for the latency-bound chain.
@@ -404,9 +377,6 @@ quest_select_onepass_kernel(SelectArgs a) {
   int* s_ida = s_pl + a.Np;               // A's top ids, ascending [KA]
   int* s_idp = s_ida + KA;                // P(t+1)'s top ids, ascending [KP]
   int* s_alist = s_idp + KP;              // A [n_out]
-  int* s_mlist = s_alist + a.n_out;       // M [n_out] (PRR: the K/V prefetch's list)
-  int64_t* s_pg = reinterpret_cast<int64_t*>(  // M's pages, 8-byte aligned
-      (reinterpret_cast<uintptr_t>(s_mlist + a.n_out) + 7) & ~static_cast<uintptr_t>(7));
   // candidates (third round trip, L2), and P(t) for M: the counts' loads, then every candidate
   // load in flight at once (kTailLoads per thread per round trip).
   constexpr int kTailLoads = 16;
@@ -553,10 +523,7 @@ quest_select_onepass_kernel(SelectArgs a) {
       }
       int pos, tot;
       Scan(s_scan).ExclusiveSum(keep, pos, tot);
-      if (keep) {
-        mrow[base + pos] = x;
-        if (a.kv_k) s_mlist[base + pos] = x;
-      }
+      if (keep) mrow[base + pos] = x;
       base += tot;
       __syncthreads();
     }
@@ -572,8 +539,6 @@ quest_select_onepass_kernel(SelectArgs a) {
     }
   }
   stamp(a, kSlLists);
-  // M is complete in shared memory (the scan's last barrier; serial DSA's M is A's copy).
-  if (a.kv_k) prefetch_kv_rows(a, b, hk, a.p_idx ? s_mlist : s_alist, base, s_pg);
   probe_exit(a);
 }
 
@@ -648,18 +613,10 @@ bool select_one_pass(int D, int G, int NB, int k, int n_pred, int Np, int n_out,
   // 43 KB a CTA, not 82.
   const size_t bytes = 2 * (size_t)n * (ka + kp) * sizeof(unsigned long long) +
                        2 * (size_t)n * sizeof(int) +
-                       ((size_t)Np + std::max(k, 0) + std::max(n_pred, 0) + n_out) * sizeof(int) +
-                       // M and its pages (the K/V prefetch), the pages 8-byte aligned
-                       (size_t)n_out * (sizeof(int) + sizeof(int64_t)) + 8;
+                       ((size_t)Np + std::max(k, 0) + std::max(n_pred, 0) + n_out) * sizeof(int);
   *nch = n; *kca = ka; *kcp = kp; *smem = bytes;
   return bytes <= kOpMaxSmem;
 }
-
-// One-pass launches that prefetched K/V rows (counted on the host, at launch or capture: the
-// tests' evidence that the prefetch ran).
-static std::atomic<int64_t> g_kv_prefetch_launches{0};
-
-int64_t select_kv_prefetch_launches() { return g_kv_prefetch_launches.load(); }
 
 cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
   if (a.D % 8 != 0 || a.Hq % a.Hk != 0 || a.NB > kTopkMaxBlocks)
@@ -677,7 +634,6 @@ cudaError_t launch_quest_select(const SelectArgs& a, cudaStream_t s) {
     static const int stop = debug_stop_env("SGLANG_PRR_SELECT_DEBUG_STOP");
     SelectArgs c = a;
     c.debug_stop = stop;
-    g_kv_prefetch_launches += c.kv_k != nullptr;
     return c.s_dtype == kBF16 ? onepass_dispatch<__nv_bfloat16>(c, smem, s)
                               : onepass_dispatch<float>(c, smem, s);
   }

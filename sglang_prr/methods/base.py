@@ -196,13 +196,10 @@ class DSAMethod:
                spec: SelectSpec, sm_scale: float, nblk: Optional[Tensor] = None,
                p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None,
                p_rows: Optional[Tensor] = None, dense_row: Optional[Tensor] = None,
-               stats: Optional[Tensor] = None, new_keys: Optional[NewKeys] = None,
-               kv: Optional[Tuple[Tensor, Tensor]] = None) -> Selected:
+               stats: Optional[Tensor] = None, new_keys: Optional[NewKeys] = None) -> Selected:
         """The decode step's selection: ``scores``, then ``select_from_scores`` (A, M = A \\ P,
         the counters). Arguments as in ``scores`` and ``select_from_scores``; ``new_keys`` only
-        where the method ``folds_new_keys``; ``kv``: the layer's K/V pools, which the attention
-        after the selection reads M from (a hint: a method's kernel may prefetch M's rows; no
-        output depends on it; this composed form does not)."""
+        where the method ``folds_new_keys``."""
         self._no_new_keys(new_keys)
         nblk = ref.num_blocks(seq_lens, spec.page_size) if nblk is None else nblk
         s = self.scores(q, summary, table=table, seq_lens=seq_lens, page_size=spec.page_size,
@@ -214,19 +211,18 @@ class DSAMethod:
                        seq_lens: Tensor, nblk: Tensor, nblk_next: Tensor, spec: SelectSpec,
                        sm_scale: float, state, rows: Tensor, p_rows: Tensor,
                        p_next_rows: Tensor, n_pred: int, dense_row: Optional[Tensor] = None,
-                       stats: Optional[Tensor] = None, new_keys: Optional[NewKeys] = None,
-                       kv: Optional[Tuple[Tensor, Tensor]] = None) -> Selected:
+                       stats: Optional[Tensor] = None,
+                       new_keys: Optional[NewKeys] = None) -> Selected:
         """A PRR decode step's selection against P(t) at rows ``p_rows`` of the layer's pool-wide
         predictor ``state`` (``step.LayerState``: p_idx, p_cnt, level, trend, n_init, theta),
         then the predictor's step on state rows ``rows: [B]``: the Holt update with this step's
         scores and P(t+1) (``n_pred`` middle blocks) written at rows ``p_next_rows``
         (``ops.predict_update_rows``; P(t) is read before P(t+1) is written). A method with
-        ``fuses_predictor`` does both in one op, with the same result; ``kv`` as in ``select``."""
+        ``fuses_predictor`` does both in one op, with the same result."""
         st = state
         sel = self.select(q, summary, table=table, seq_lens=seq_lens, spec=spec,
                           sm_scale=sm_scale, nblk=nblk, p_idx=st.p_idx, p_cnt=st.p_cnt,
-                          p_rows=p_rows, dense_row=dense_row, stats=stats, new_keys=new_keys,
-                          kv=kv)
+                          p_rows=p_rows, dense_row=dense_row, stats=stats, new_keys=new_keys)
         ops.predict_update_rows(level=st.level, trend=st.trend, n_init=st.n_init,
                                 p_idx=st.p_idx, p_cnt=st.p_cnt, theta=st.theta, rows=rows,
                                 scores=sel.scores, nblk=nblk, nblk_next=nblk_next, n_pred=n_pred,

@@ -62,21 +62,20 @@ class Quest(DSAMethod):
                spec: SelectSpec, sm_scale: float, nblk: Optional[Tensor] = None,
                p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None,
                p_rows: Optional[Tensor] = None, dense_row: Optional[Tensor] = None,
-               stats: Optional[Tensor] = None, new_keys: Optional[NewKeys] = None,
-               kv: Optional[Tuple[Tensor, Tensor]] = None) -> Selected:
+               stats: Optional[Tensor] = None, new_keys: Optional[NewKeys] = None) -> Selected:
         nblk = ref.num_blocks(seq_lens, spec.page_size) if nblk is None else nblk
         return Selected(*ops.quest_select(
             q=q, kmin=summary[0], kmax=summary[1], table=table, nblk=nblk, p_idx=p_idx,
             p_cnt=p_cnt, k=spec.k, sink_blocks=spec.sink_blocks, local_blocks=spec.local_blocks,
             n_out=spec.n_out, p_rows=p_rows, dense_row=dense_row, stats=stats,
-            **_select_args(new_keys, spec, kv)))
+            **_fold_args(new_keys, spec)))
 
     def select_predict(self, q: Tensor, summary: Sequence[Tensor], *, table: Tensor,
                        seq_lens: Tensor, nblk: Tensor, nblk_next: Tensor, spec: SelectSpec,
                        sm_scale: float, state, rows: Tensor, p_rows: Tensor,
                        p_next_rows: Tensor, n_pred: int, dense_row: Optional[Tensor] = None,
-                       stats: Optional[Tensor] = None, new_keys: Optional[NewKeys] = None,
-                       kv: Optional[Tuple[Tensor, Tensor]] = None) -> Selected:
+                       stats: Optional[Tensor] = None,
+                       new_keys: Optional[NewKeys] = None) -> Selected:
         st = state
         return Selected(*ops.quest_select_predict(
             q=q, kmin=summary[0], kmax=summary[1], table=table, nblk=nblk, nblk_next=nblk_next,
@@ -84,16 +83,13 @@ class Quest(DSAMethod):
             level=st.level, trend=st.trend, n_init=st.n_init, theta=st.theta, rows=rows,
             k=spec.k, n_pred=n_pred, sink_blocks=spec.sink_blocks,
             local_blocks=spec.local_blocks, n_out=spec.n_out, dense_row=dense_row, stats=stats,
-            **_select_args(new_keys, spec, kv)))
+            **_fold_args(new_keys, spec)))
 
 
-def _select_args(new_keys: Optional[NewKeys], spec: SelectSpec,
-                 kv: Optional[Tuple[Tensor, Tensor]]) -> dict:
-    """The selection ops' optional arguments: the page size, the new keys (none without them;
-    their slots, so that the op writes the summaries, where given) and the K/V pools whose M
-    rows the op may prefetch (none without them)."""
-    kv_k, kv_v = (None, None) if kv is None else kv
-    out = dict(page_size=spec.page_size, kv_k=kv_k, kv_v=kv_v)
-    if new_keys is not None:
-        out.update(new_k=new_keys.k, new_pos=new_keys.pos, new_loc=new_keys.loc)
-    return out
+def _fold_args(new_keys: Optional[NewKeys], spec: SelectSpec) -> dict:
+    """The selection ops' new-key arguments (none without new keys; their slots, so that the op
+    writes the summaries, where given)."""
+    if new_keys is None:
+        return {}
+    return dict(new_k=new_keys.k, new_pos=new_keys.pos, page_size=spec.page_size,
+                new_loc=new_keys.loc)

@@ -280,19 +280,3 @@ def test_minor_sm_scale_q_dtype_and_bools(seed):
     _raises("local_blocks", ops.select_fused, **dict(sel, local_blocks=True))
     _raises("sink_blocks", contracts.nonneg, "op", sink_blocks=False)
     ops.select_fused(**sel)  # control
-
-
-def test_the_selections_kv_pools_come_in_pairs_with_a_page_size(seed):
-    """``kv_k`` / ``kv_v`` (the pools whose M rows the one-pass kernel prefetches) go together,
-    as ``[slots, Hk, dim]`` float on q's device, with a page size; the reference ignores them (a
-    hint: the outputs are the same bits with and without)."""
-    P, kmin, kmax = _paged(seed)
-    Hk, nblk = kmin.shape[1], (P.seq_lens + P.page - 1) // P.page
-    args = (P.q, kmin, kmax, P.table, nblk, None, None, 2, 1, 1, 4)
-    kv = dict(kv_k=P.k_buf, kv_v=P.v_buf, page_size=P.page)
-    _raises("kv_v", ops.quest_select, *args, **dict(kv, kv_v=None))
-    _raises("kv_k", ops.quest_select, *args, **dict(kv, kv_k=P.k_buf[:, :Hk - 1]))
-    _raises("kv_v", ops.quest_select, *args, **dict(kv, kv_v=P.v_buf.long()))
-    _raises("page_size", ops.quest_select, *args, **dict(kv, page_size=0))
-    plain, with_kv = ops.quest_select(*args), ops.quest_select(*args, **kv)  # control: accepted
-    assert all(torch.equal(x, y) for x, y in zip(plain, with_kv)), seed
