@@ -105,7 +105,9 @@ share of the measured prefill's tokens), median_warm_ttft_ms, delta, mean_repair
 mean_selected_blocks, logprob_max_abs_diff, first_diff_token, prompt, launch (``pdl`` or
 empty), predictor (``side`` or empty), library (a source hash or empty),
 sparse_wall_us_per_layer (the wall time PRR's kernels hold the GPU per layer, overlap counted
-once: ``profile_trace.sparse_spans``).
+once: ``profile_trace.sparse_spans``), round, itl_pass_ms (each pass's median ITL),
+host_syncs_per_step (runtime calls that wait for the device) and prr_host_us_per_step (PRR's
+own Python a step under the profiler: ``profile_trace.host_summary``).
 
 Random weights give random attention, so the hit rate of the Llama-shape rows is not a real
 model's; what they measure is the cost of each decode path at a real shape.
@@ -175,7 +177,8 @@ COLUMNS = ["variant", "label", "ctx", "batch", "out", "median_itl_ms", "p90_itl_
            "decode_steps", "steady", "arrival", "profile_bs", "prefill_cached_frac",
            "median_warm_ttft_ms", "delta", "mean_repair_blocks", "mean_selected_blocks",
            "logprob_max_abs_diff", "first_diff_token", "prompt", "launch", "predictor",
-           "library", "sparse_wall_us_per_layer", "round", "itl_pass_ms"]
+           "library", "sparse_wall_us_per_layer", "round", "itl_pass_ms",
+           "host_syncs_per_step", "prr_host_us_per_step"]
 
 
 @dataclass(frozen=True, order=True)
@@ -857,6 +860,8 @@ def measure_point(url: str, log: Path, srv: Server, pt: Point, a, model_path: st
         gpu_busy_ms_per_step=round(s["gpu_busy_ms_per_step"], 4) if s else None,
         kernels_per_layer=round(s["kernels_per_layer"], 3) if s else None,
         sparse_wall_us_per_layer=round(s["sparse_wall_us_per_layer"], 2) if s else None,
+        host_syncs_per_step=round(s["host"]["host_syncs_per_step"], 2) if s else None,
+        prr_host_us_per_step=round(s["host"]["prr_host_us_per_step"], 1) if s else None,
         reference=int(pt.kind == "reference"),
         method=srv.method, model=srv.model, kind=pt.kind,
         decode_batch=statistics.median(logged) if logged else None,

@@ -19,6 +19,14 @@ among the cluster's kernels of that name: PRR's speculative attention and its re
 kernel) gets its mean start and end from the cluster's start and its stream
 (``sparse_layout``): which launch waits on which, and what the critical path is made of.
 
+The host side (``host_summary``): the CUDA runtime and driver calls a step, those of them that
+wait for the device (``SYNC_CALLS``: a decode step should make none), and the host time of PRR's
+own Python a step: the exclusive time (own time less its children's) of every CPU event whose
+nearest Python frame is in ``sglang_prr/`` (the built-ins and torch ops it calls count as its
+own; SGLang's functions it calls do not), the scheduler's entry ``ENTRY_FRAMES`` left out (the
+whole loop runs under it). Python frames are in the trace when the profiler records stacks
+(SGLang's ``/start_profile`` does with the CPU activity); without them the PRR figure is 0.
+
 The per-step numbers divide by the caller's step count (the N the profiler was asked for).
 SGLang also marks each forward step with a span ``step[DECODE bs=8]`` (``user_annotation``);
 those spans are counted beside it, to check that the recorded steps were N decode steps of the
@@ -37,6 +45,14 @@ from collections import defaultdict
 from pathlib import Path
 
 TOP = 15
+# CUDA runtime / driver calls that block the host until the device (or a stream) catches up.
+SYNC_CALLS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
+              "cudaMemcpy", "cudaMemcpy2D", "cudaMemset", "cuCtxSynchronize",
+              "cuStreamSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2"}
+PRR_FRAME = re.compile(r"(^|[/\\])sglang_prr[/\\][^()]*\.py\(")  # "…/sglang_prr/x.py(12): f"
+PY_FRAME = re.compile(r"\.py\(\d+\)")
+ENTRY_FRAMES = ("run_scheduler_process",)  # PRR's wrappers around a whole process's loop
+HOST_CATS = ("python_function", "cpu_op", "cuda_runtime", "cuda_driver")
 OWN = "prr::"  # PRR's kernels live in this C++ namespace (their demangled names start with it)
 NAME_WIDTH = 110  # kernel names are long C++ template instantiations; the table shows their head
 
@@ -62,7 +78,8 @@ def summarize(path, num_layers: int, steps: int, top: int = TOP) -> dict:
         raise ValueError(f"steps ({steps}) and num_layers ({num_layers}) must be >= 1")
     count, us, spans = defaultdict(int), defaultdict(float), defaultdict(int)
     kernels_at = []  # (start, end, PRR's own, name, stream) of every kernel: the sparse path
-    for e in load_events(path):
+    events = load_events(path)
+    for e in events:
         cat, name = str(e.get("cat", "")).lower(), e.get("name", "?")
         if cat == "kernel":
             count[name] += 1
@@ -82,7 +99,58 @@ def summarize(path, num_layers: int, steps: int, top: int = TOP) -> dict:
         top=[(n, count[n] / steps, us[n] / steps) for n in ranked],
         step_spans=dict(sorted(spans.items())),
         sparse_wall_us_per_layer=sum(sparse_spans(kernels_at)) / steps / num_layers,
-        sparse_layout=sparse_layout(kernels_at))
+        sparse_layout=sparse_layout(kernels_at), host=host_summary(events, steps))
+
+
+def host_summary(events, steps: int) -> dict:
+    """The host side of the recorded steps (module docstring): ``runtime_calls_per_step``,
+    ``host_syncs_per_step`` (``SYNC_CALLS``), ``syncs`` (``{name: count}``) and
+    ``prr_host_us_per_step`` (PRR's own Python and what it calls, exclusive time)."""
+    if steps < 1:
+        raise ValueError(f"steps ({steps}) must be >= 1")
+    runtime, syncs = 0, defaultdict(int)
+    by_thread = defaultdict(list)
+    for e in events:
+        cat = str(e.get("cat", "")).lower()
+        if cat not in HOST_CATS or "ts" not in e:
+            continue
+        if cat in ("cuda_runtime", "cuda_driver"):
+            runtime += 1
+            if e.get("name") in SYNC_CALLS:
+                syncs[e["name"]] += 1
+        t0 = float(e["ts"])
+        by_thread[(e.get("pid"), e.get("tid"))].append((t0, t0 + float(e.get("dur", 0.0)),
+                                                         cat, str(e.get("name", ""))))
+    prr_us = sum(_prr_exclusive_us(evs) for evs in by_thread.values())
+    return dict(runtime_calls_per_step=runtime / steps,
+                host_syncs_per_step=sum(syncs.values()) / steps, syncs=dict(sorted(syncs.items())),
+                prr_host_us_per_step=prr_us / steps)
+
+
+def _prr_exclusive_us(evs) -> float:
+    """Exclusive µs of one thread's events ``(start, end, cat, name)`` owned by PRR's Python:
+    events nest by time; an event's owner is its own frame's package for a Python frame of a
+    ``.py`` file, else its parent's (built-ins, torch ops, runtime calls)."""
+    total, stack = 0.0, []  # stack entries: [end, owned, exclusive µs so far]
+    for t0, t1, cat, name in sorted(evs, key=lambda x: (x[0], -x[1])):
+        while stack and t0 >= stack[-1][0]:
+            total += _close(stack)
+        parent_owned = stack[-1][1] if stack else False
+        if cat == "python_function" and PY_FRAME.search(name):
+            owned = bool(PRR_FRAME.search(name)) and not name.endswith(ENTRY_FRAMES)
+        else:
+            owned = parent_owned
+        if stack:
+            stack[-1][2] -= min(t1, stack[-1][0]) - t0  # the parent's time inside this child
+        stack.append([t1, owned, t1 - t0])
+    while stack:
+        total += _close(stack)
+    return total
+
+
+def _close(stack) -> float:
+    _, owned, excl = stack.pop()
+    return max(excl, 0.0) if owned else 0.0
 
 
 def sparse_clusters(kernels_at) -> list:
@@ -180,6 +248,13 @@ def markdown(s: dict, title: str = "") -> str:
               f"kernels/layer, {s['gpu_busy_ms_per_step']:.3f} ms GPU-busy/step"
               + (f", PRR's kernels {s['sparse_wall_us_per_layer']:.1f} µs wall/layer"
                  if s.get("sparse_wall_us_per_layer") else ""), ""]
+    h = s.get("host")
+    if h:
+        lines += [f"host: {h['runtime_calls_per_step']:.1f} runtime calls/step, "
+                  f"{h['host_syncs_per_step']:.2f} synchronising"
+                  + (" (" + ", ".join(f"{n} x {k}" for k, n in h["syncs"].items()) + ")"
+                     if h["syncs"] else "")
+                  + f", PRR's Python {h['prr_host_us_per_step']:.1f} µs/step", ""]
     if s["step_spans"]:
         lines += ["recorded steps: " + ", ".join(f"{n} x {k}" for k, n in s["step_spans"].items()),
                   ""]

@@ -172,3 +172,57 @@ def test_sparse_layout_places_each_launch_of_a_kernel_on_the_critical_path(tmp_p
     md = pt.markdown(s)
     assert "| `attn<__half, 128, true>` | 2 | 7 | 2 | 20.0 | 12.0 | 32.0 |" in md
     assert pt.sparse_layout([]) == []
+
+
+def _cpu(cat, name, ts, dur, tid=1):
+    return {"ph": "X", "cat": cat, "name": name, "pid": 3, "tid": tid, "ts": ts, "dur": dur}
+
+
+def _host_step(ts, prr_own, sync):
+    """One step's host events on thread 1: SGLang's loop, PRR's hook (``prr_own`` µs of its own
+    Python and a built-in it calls, around 100 µs of SGLang's planning it calls), a runtime call
+    inside the hook (PRR's), and a synchronisation (SGLang's) when ``sync``."""
+    own = prr_own - 3
+    ev = [_cpu("python_function", "/x/sglang/srt/scheduler.py(10): event_loop", ts, 1000),
+          _cpu("python_function", "/x/sglang_prr/serving/backend.py(278): hook", ts + 10,
+               own + 3 + 100 + 5),
+          _cpu("python_function", "<built-in function len>", ts + 11, 3),
+          _cpu("python_function", "/x/sglang/srt/flashinfer_backend.py(691): plan", ts + 20, 100),
+          _cpu("cpu_op", "aten::copy_", ts + 30, 40),  # SGLang's: inside its planning
+          _cpu("cuda_runtime", "cudaLaunchKernel", ts + 20 + 100, 5)]  # PRR's own launch
+    if sync:
+        ev.append(_cpu("cuda_runtime", "cudaStreamSynchronize", ts + 500, 50))
+    return ev
+
+
+@pytest.mark.parametrize("prr_own,syncs", [(37.0, (True, True, True)), (11.0, (False,) * 3),
+                                           (203.0, (True, False, False))])
+def test_host_summary_counts_prrs_own_python_and_the_syncs(prr_own, syncs):
+    pt = _load()
+    steps = len(syncs)
+    ev = [_cpu("python_function", "/x/sglang_prr/serving/plugin.py(123): run_scheduler_process",
+               -5, 10 * 1000)]  # the whole loop under PRR's entry: not PRR's time
+    for i, s in enumerate(syncs):
+        ev += _host_step(i * 1000, prr_own, s)
+    ev += [_kernel("attn_kernel", 10, 0)]  # device events are not host time
+    h = pt.host_summary(ev, steps)
+    # Own time prr_own - 3 + the built-in 3 + the runtime call 5 inside the hook.
+    assert h["prr_host_us_per_step"] == pytest.approx(prr_own + 5)
+    assert h["host_syncs_per_step"] == pytest.approx(sum(syncs) / steps)
+    assert h["runtime_calls_per_step"] == pytest.approx(1 + sum(syncs) / steps)
+    assert h["syncs"] == ({"cudaStreamSynchronize": sum(syncs)} if any(syncs) else {})
+    # Negative control: the same hook in SGLang's tree is not PRR's time.
+    other = [dict(e, name=e["name"].replace("sglang_prr/serving", "sglang/srt")) for e in ev]
+    assert pt.host_summary(other, steps)["prr_host_us_per_step"] == 0.0
+
+
+def test_host_line_in_markdown(tmp_path):
+    pt = _load()
+    ev = _events() + _host_step(0, 20.0, True) + _host_step(1000, 20.0, False)
+    s = pt.summarize(_write(tmp_path, ev), num_layers=2, steps=2)
+    assert s["host"]["prr_host_us_per_step"] == pytest.approx(25.0)
+    md = pt.markdown(s)
+    assert "0.50 synchronising (1 x cudaStreamSynchronize)" in md
+    assert "PRR's Python 25.0 µs/step" in md
+    with pytest.raises(ValueError, match="steps"):
+        pt.host_summary(ev, 0)
