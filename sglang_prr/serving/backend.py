@@ -247,10 +247,10 @@ class PRRBackend:
             self.stats.decode_batches += 1
             lens = getattr(fb, "seq_lens_cpu", None)
             if lens is not None:
-                real = len(lens) - int(getattr(fb, "num_padding", 0) or 0)
+                bs = int(lens.shape[0])  # the graph's batch size (padding rows included)
+                real = bs - int(getattr(fb, "num_padding", 0) or 0)
                 self.stats.count_batch(lens, real, self.cfg.min_context, self.sparse_layers,
-                                       self.budget.delta(len(lens)) > 0,
-                                       dense=self._runs_dense(fb))
+                                       self.budget.delta(bs) > 0, dense=self._runs_dense(fb))
 
     def init_forward_metadata(self, fb):
         self._before_forward(fb)

@@ -208,8 +208,8 @@ class Stats:
         CUDA-graph padding) split at ``min_context`` like the decode step splits them;
         ``speculates``: False when the budget runs this batch as serial DSA; ``dense``: the
         budget runs it with dense attention (every row is a dense row)."""
-        lens = lens_cpu[:real_rows]
-        n_sparse = 0 if dense else int((lens >= min_context).sum())
+        # (A dense batch reads no length: this runs on the host every decode step.)
+        n_sparse = 0 if dense else int((lens_cpu[:real_rows] >= min_context).sum())
         # Short rows count in every batch, also one without a long row (they were counted only
         # beside a long one, so a server that saw only short prompts reported 0).
         self.dense_rows += sparse_layers * (real_rows - n_sparse)
