@@ -49,7 +49,8 @@ decode phase). ``--passes N`` times the point N times on its server (one pass af
 ``--arrival staggered`` each pass cold): ITL, TPOT and TTFT are medians over every pass's
 values, ``itl_pass_ms`` keeps each pass's median ITL. ``--rounds R`` starts every server R
 times, all of them once a round in the plan's order; the rows say their ``round`` and the run
-ends with each point's ITL by round and each variant's ratio to serial DSA in that round.
+ends with each point's ITL by round and each variant's ratio to serial DSA in that round (to
+dense in a round without serial DSA).
 The hit rate, |M| (``mean_repair_blocks``) and |A| (``mean_selected_blocks``)
 come from ``/prr/stats`` around the point; ``delta`` is the speculation budget that ran (0:
 serial DSA; for ``auto`` the server's choice at this batch size, -1 when it runs dense
@@ -1064,25 +1065,27 @@ def _write_profile_table(csv_path: str) -> None:
 
 def rounds_table(rows: List[dict]) -> str:
     """Each point's median ITL by round and variant, and each variant's ratio to serial DSA in
-    the same round (a markdown table): how far a ratio moves between starts of its servers."""
+    the same round, or to dense where the round has no serial DSA (``auto`` against dense on
+    SmolLM2; a markdown table): how far a ratio moves between starts of its servers."""
     groups: Dict[tuple, Dict[int, Dict[str, float]]] = {}
     for r in rows:
         if not r.get("median_itl_ms"):
             continue
-        key = (r["method"], r["model"], r["kind"], int(r["ctx"]), int(r["batch"]),
-               r.get("launch") or "")
-        name = r["variant"] + (f" ({r['predictor']})" if r.get("predictor") else "")
+        key = (r["model"], r["kind"], int(r["ctx"]), int(r["batch"]), r.get("launch") or "")
+        method = r.get("method") or "quest"
+        name = (r["variant"] + (f" [{method}]" if method not in ("quest", "dense") else "")
+                + (f" ({r['predictor']})" if r.get("predictor") else ""))
         groups.setdefault(key, {}).setdefault(int(r.get("round") or 1), {})[name] = float(
             r["median_itl_ms"])
-    lines = ["| point | round | median ITL ms | / serial DSA |", "|---|---:|---|---|"]
-    for (method, model, kind, ctx, batch, launch), by_round in groups.items():
-        point = f"{method} {model} {kind} {_ctx(ctx)} / {batch}" + (f" {launch}" if launch
-                                                                     else "")
+    lines = ["| point | round | median ITL ms | / serial DSA (else dense) |", "|---|---:|---|---|"]
+    for (model, kind, ctx, batch, launch), by_round in groups.items():
+        point = f"{model} {kind} {_ctx(ctx)} / {batch}" + (f" {launch}" if launch else "")
         for rnd in sorted(by_round):
             itl = by_round[rnd]
-            ref = itl.get("serial")
+            ref_name = "serial" if "serial" in itl else "dense"
+            ref = itl.get(ref_name)
             ratios = ", ".join(f"{n} {v / ref:.3f}x" for n, v in itl.items()
-                               if ref and n != "serial")
+                               if ref and n != ref_name)
             lines.append(f"| {point} | {rnd} | "
                          + ", ".join(f"{n} {v:.3f}" for n, v in itl.items())
                          + f" | {ratios or '-'} |")

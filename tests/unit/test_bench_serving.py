@@ -264,8 +264,8 @@ def test_rounds_keep_their_rows_and_show_their_ratios(bench, tmp_path):
     """Rows of two rounds of the same point sit side by side in the CSV (a round measured
     again replaces only itself), and the rounds table gives each round's ratio to serial DSA."""
     path = str(tmp_path / "serving.csv")
-    row = lambda v, rnd, itl, **kw: dict(  # noqa: E731
-        variant=v, method="quest", model="llama3-8b-shape", kind="grid", ctx=131072, batch=1,
+    row = lambda v, rnd, itl, method="quest", **kw: dict(  # noqa: E731
+        variant=v, method=method, model="llama3-8b-shape", kind="grid", ctx=131072, batch=1,
         median_itl_ms=itl, round=rnd, **kw)
     rows = [row("serial", 1, 5.0), row("prr", 1, 5.2, predictor="side"),
             row("serial", 2, 5.1), row("prr", 2, 5.0, predictor="side")]
@@ -275,11 +275,18 @@ def test_rounds_keep_their_rows_and_show_their_ratios(bench, tmp_path):
     assert back == [("serial", "1", "5.0"), ("prr", "1", "5.2"), ("prr", "2", "5.0"),
                     ("serial", "2", "4.0")]
     table = bench.rounds_table(rows).splitlines()
-    assert table[2] == ("| quest llama3-8b-shape grid 128K / 1 | 1 | serial 5.000, prr (side) "
+    assert table[2] == ("| llama3-8b-shape grid 128K / 1 | 1 | serial 5.000, prr (side) "
                         "5.200 | prr (side) 1.040x |")
     assert table[3].endswith("| 2 | serial 5.100, prr (side) 5.000 | prr (side) 0.980x |")
-    # a round without serial DSA has no ratio
+    # a round without serial DSA or dense has no ratio
     assert bench.rounds_table([row("prr", 3, 5.0)]).splitlines()[2].endswith("| - |")
+    # without serial DSA the ratio is to dense (SmolLM2's auto), whose rows carry method dense
+    smol = [row("dense", 1, 1.6, method="dense"), row("auto", 1, 1.56), row("serial", 2, 2.0),
+            row("dense", 2, 1.0, method="dense"), row("prr", 2, 3.0, method="infllm_v2")]
+    t = bench.rounds_table(smol).splitlines()
+    assert t[2].endswith("| 1 | dense 1.600, auto 1.560 | auto 0.975x |")
+    assert t[3].endswith("| 2 | serial 2.000, dense 1.000, prr [infllm_v2] 3.000 | "
+                         "dense 0.500x, prr [infllm_v2] 1.500x |")
 
 
 def test_logprob_comparison(bench):
