@@ -43,6 +43,9 @@ outside the timed graph (every layer of a forward shares them). Stage rows time 
 (scores, A, M), the selection with the predictor's step in its epilogue (PRR's selection, one
 launch), the speculative pass, the repair, the merge and the repair with its merge (one launch)
 alone, on P(0) of the planted pool (read at rows ``DecodeBatch.p_cur`` of P's double buffer).
+Every row's time includes its graph's query bump (and the variants' the planted P's copy): the
+rows "stage: bump alone" and "stage: bump + P copy" time those with no work, to subtract (a
+stage's own time is its row less the bump's).
 """
 
 from __future__ import annotations
@@ -407,6 +410,12 @@ def main(argv=None):
                 p_idx0, p_cnt0 = plants["PRR (exact)"][:2]
                 st.p_idx.index_copy_(0, b.p_cur, p_idx0[0])
                 st.p_cnt.index_copy_(0, b.p_cur, p_cnt0[0])
+            # What every timed graph pays beside its work: the query bump (every row) and the
+            # planted P's copy (the variants' rows), with no work: subtract it from a stage.
+            res["stage: bump alone"] = time_graph(lambda q: None, q_buf, qs, dev, a.iters)
+            if spare is not None:
+                res["stage: bump + P copy"] = time_graph(
+                    lambda q: None, q_buf, qs, dev, a.iters, p_copy=spare)
             # Stages alone, for the timeline (the step's ops, on the same pool-row state).
             sel = dict(nblk=b.nblk, n_out=step.n_out, dense_row=b.dense_row, p_rows=b.p_cur)
             res["stage: selection"] = time_graph(

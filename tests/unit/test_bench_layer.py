@@ -44,7 +44,8 @@ def test_bench_layer_quick_cpu_real_hit_rate(mod, tmp_path, one_trace):
     rows = mod.main(["--quick", "--device", "cpu", "--real-traces", one_trace, "--calib-rows",
                      "8", "--out", str(tmp_path / "layer.csv")])
     by = _by(rows)
-    assert {"serial DSA", "PRR (exact)", "PRR (exact), hit 0.7", "stage: selection"} <= set(by)
+    assert {"serial DSA", "PRR (exact)", "PRR (exact), hit 0.7", "stage: selection",
+            "stage: bump alone", "stage: bump + P copy"} <= set(by)
     assert all(r["median_us"] > 0 and r["cold_median_us"] > 0 for r in rows)
     prr, low = by["PRR (exact)"], by["PRR (exact), hit 0.7"]
     real = trace_replay.real_hit_rate(one_trace, delta=1.5, calib_rows=8)["overlap"]
