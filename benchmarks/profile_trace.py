@@ -19,13 +19,13 @@ among the cluster's kernels of that name: PRR's speculative attention and its re
 kernel) gets its mean start and end from the cluster's start and its stream
 (``sparse_layout``): which launch waits on which, and what the critical path is made of.
 
-The host side (``host_summary``): the CUDA runtime and driver calls a step, those of them that
-wait for the device (``SYNC_CALLS``: a decode step should make none), and the host time of PRR's
-own Python a step: the exclusive time (own time less its children's) of every CPU event whose
-nearest Python frame is in ``sglang_prr/`` (the built-ins and torch ops it calls count as its
-own; SGLang's functions it calls do not), the scheduler's entry ``ENTRY_FRAMES`` left out (the
-whole loop runs under it). Python frames are in the trace when the profiler records stacks
-(SGLang's ``/start_profile`` does with the CPU activity); without them the PRR figure is 0.
+The host side (``host_summary``): the CUDA runtime and driver calls a step, those of them that wait
+for the device (``SYNC_CALLS``: SGLang's own one a step; PRR should add none), and the host time of
+PRR's own Python a step: the exclusive time (own time less its children's) of every CPU event whose
+nearest Python frame is in ``sglang_prr/`` (the built-ins and torch ops it calls count as its own;
+SGLang's functions it calls do not), the scheduler's entry ``ENTRY_FRAMES`` left out (the whole loop
+runs under it). Python frames are in the trace when the profiler records stacks (SGLang's
+``/start_profile`` does with the CPU activity); without them the PRR figure is 0.
 
 The per-step numbers divide by the caller's step count (the N the profiler was asked for).
 SGLang also marks each forward step with a span ``step[DECODE bs=8]`` (``user_annotation``);
@@ -47,7 +47,7 @@ from pathlib import Path
 TOP = 15
 # CUDA runtime / driver calls that block the host until the device (or a stream) catches up.
 SYNC_CALLS = {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize",
-              "cudaMemcpy", "cudaMemcpy2D", "cudaMemset", "cuCtxSynchronize",
+              "cudaMemcpy", "cudaMemcpy2D", "cuCtxSynchronize",
               "cuStreamSynchronize", "cuEventSynchronize", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2"}
 PRR_FRAME = re.compile(r"(^|[/\\])sglang_prr[/\\][^()]*\.py\(")  # "…/sglang_prr/x.py(12): f"
 PY_FRAME = re.compile(r"\.py\(\d+\)")

@@ -250,7 +250,7 @@ class PRRBackend:
                 bs = int(lens.shape[0])  # the graph's batch size (padding rows included)
                 real = bs - int(getattr(fb, "num_padding", 0) or 0)
                 self.stats.count_batch(lens, real, self.cfg.min_context, self.sparse_layers,
-                                       self.budget.delta(bs) > 0, dense=self._runs_dense(fb))
+                                       self.budget.delta(bs) > 0, dense=self.budget.dense(bs))
 
     def init_forward_metadata(self, fb):
         self._before_forward(fb)
