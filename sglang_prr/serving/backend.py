@@ -97,6 +97,13 @@ class PRRBackend:
         self.req_pool = runner.req_to_token_pool
         self.active = True
         self._warned = False
+        # True where no layer does more than the inner backend: PRR cannot serve the model, or
+        # every batch size decodes dense and no summary is kept. ``forward`` then hands every
+        # layer straight to the inner backend (a decode step without a CUDA graph took ~3 µs of
+        # host time a layer in the wrapper's checks, for nothing).
+        self.passthrough = True
+        # Host and device tensors of ones by (batch size, dtype, device), for ``_dense_batch``.
+        self._ones = {}
         reason = self._incompatible(runner)
         if reason:
             self.active = False
@@ -124,6 +131,7 @@ class PRRBackend:
         # Block summaries serve the sparse step only: none is written when every batch size runs
         # dense (their memory stays allocated).
         self.keeps_summaries = not self.budget.always_dense()
+        self.passthrough = not self.keeps_summaries
         # One model runner may build several backends (separate prefill and decode backends):
         # they share one set of summaries, state and statistics, kept on the runner.
         shared = getattr(runner, "_prr_shared", None)
@@ -292,12 +300,24 @@ class PRRBackend:
                 or not fb.forward_mode.is_decode() or self._runs_dense(fb)):
             return fb
         view = copy.copy(fb)
-        view.seq_lens = torch.ones_like(fb.seq_lens)
-        view.seq_lens_cpu = torch.ones_like(lens_cpu)
-        view.seq_lens_sum = int(view.seq_lens_cpu.sum())
+        view.seq_lens = self._ones_like(fb.seq_lens)
+        view.seq_lens_cpu = self._ones_like(lens_cpu)
+        view.seq_lens_sum = int(lens_cpu.shape[0])
         return view
 
+    def _ones_like(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor of ones of ``t``'s shape, dtype and device, made once per batch size: the
+        inner backend only reads it, and a new one every step cost a fill kernel launch on the
+        device and ~10 µs of host time (``bench_host_step.py``)."""
+        key = (tuple(t.shape), t.dtype, t.device)
+        ones = self._ones.get(key)
+        if ones is None:
+            ones = self._ones[key] = torch.ones_like(t)
+        return ones
+
     def forward(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        if self.passthrough:
+            return self.inner.forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         mode = forward_batch.forward_mode
         if mode.is_idle():
             return q.new_empty(q.shape[0], layer.tp_q_head_num * layer.v_head_dim)

@@ -209,7 +209,7 @@ class Stats:
         ``speculates``: False when the budget runs this batch as serial DSA; ``dense``: the
         budget runs it with dense attention (every row is a dense row)."""
         # (A dense batch reads no length: this runs on the host every decode step.)
-        n_sparse = 0 if dense else int((lens_cpu[:real_rows] >= min_context).sum())
+        n_sparse = 0 if dense else _count_at_least(lens_cpu, real_rows, min_context)
         # Short rows count in every batch, also one without a long row (they were counted only
         # beside a long one, so a server that saw only short prompts reported 0).
         self.dense_rows += sparse_layers * (real_rows - n_sparse)
@@ -258,6 +258,15 @@ class Stats:
                     g.set(float(snap[k]))
         except Exception as e:  # metrics must never break serving
             logger.debug("sglang_prr: prometheus export failed (%s)", e)
+
+
+def _count_at_least(lens_cpu, n: int, bound: int) -> int:
+    """How many of the first ``n`` host lengths are at least ``bound``. A Python list for the
+    batch sizes a decode step usually has (a torch compare and sum costs ~10 µs of host time a
+    step whatever the size), numpy's for longer ones."""
+    if n <= 64:
+        return sum(x >= bound for x in lens_cpu[:n].tolist())
+    return int((lens_cpu[:n].numpy() >= bound).sum())
 
 
 def _attn_tp_rank() -> int:

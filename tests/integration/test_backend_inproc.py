@@ -326,6 +326,51 @@ def test_stats_drain_and_host_counts():
     assert st.snapshot()["hit_rate"] == 0.375  # (16 - 10) / 16 over both drains
 
 
+@pytest.mark.parametrize("n", [1, 3, 63, 64, 65, 257])
+def test_host_row_count_at_the_min_context_bound(n):
+    """The host count of long rows (a Python list up to 64 rows, numpy past it) equals torch's
+    compare-and-sum over fresh random lengths, rows exactly at ``min_context`` counted as long,
+    CUDA-graph padding rows after ``real`` not counted. Control: the count over every row,
+    padding included, differs where a padding row is long."""
+    seed = random.randrange(1 << 30)
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 80, (n + 2,), generator=g)
+    lens[0] = 40  # at the bound: long
+    lens[-2:] = 60  # padding rows past `real`, long
+    want = int((lens[:n] >= 40).sum())
+    assert stats._count_at_least(lens, n, 40) == want, seed
+    assert stats._count_at_least(lens, n + 2, 40) == want + 2, seed  # control
+    cfg = PRRConfig(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40).validate()
+    st = stats.Stats("cpu", cfg, SimpleNamespace(enable_metrics=False))
+    st.count_batch(lens, n, 40, sparse_layers=3)
+    assert (st.decode_steps, st.dense_rows) == (3 if want else 0, 3 * (n - want)), seed
+
+
+def test_planning_view_reuses_its_ones_and_leaves_the_batch_alone():
+    """The view the inner backend plans a sparse decode step with: one-token rows of the batch's
+    dtypes and devices, the same tensors step after step at one batch size (no allocation or
+    fill launch a step), other ones at another batch size; the batch's own lengths are not
+    touched. Control: a batch the inner backend attends is handed over as it is."""
+    _, w, prr = _seeded_prr(2, 0)
+    views = {}
+    for rows in ([1, 2, 3], [1, 2, 3], [4]):
+        fb, *_ = w.batch(rows, [50] * len(rows))
+        lens = fb.seq_lens_cpu.clone()
+        fb.forward_mode = ForwardMode.DECODE
+        view = prr._dense_batch(fb)
+        assert view is not fb and torch.equal(fb.seq_lens_cpu, lens)
+        assert view.seq_lens.tolist() == [1] * len(rows) and view.seq_lens_sum == len(rows)
+        assert view.seq_lens.dtype == fb.seq_lens.dtype and view.req_pool_indices is \
+            fb.req_pool_indices
+        views.setdefault(len(rows), []).append(view)
+    (a, b), (c,) = views[3], views[1]
+    assert a.seq_lens is b.seq_lens and a.seq_lens_cpu is b.seq_lens_cpu
+    assert c.seq_lens is not a.seq_lens
+    fb, *_ = w.batch([1], [1])
+    fb.forward_mode = ForwardMode.EXTEND
+    assert prr._dense_batch(fb) is fb  # control: not a decode step
+
+
 def _rerun_permuted(backend, w, fb, q, k, v, perm):
     """Run the same batch object again with its tensors refilled in place in another row order
     (what a CUDA-graph replay does to the captured batch's static buffers)."""
@@ -611,7 +656,7 @@ def test_budget_auto_dense_everywhere_is_the_inner_backend(tmp_path):
     backs = {"auto": _backends(worlds["auto"], {"auto": cfg})["auto"],
              "dense": _backends(worlds["dense"], {})["dense"]}
     auto = backs["auto"]
-    assert not auto.keeps_summaries and not auto.calibrates
+    assert not auto.keeps_summaries and not auto.calibrates and auto.passthrough
     assert auto.stats.budget == {"1": "dense", "4": "dense"}
     start = [[t.clone() for t in auto.summaries.layer(i)] for i in range(2)]
     gap, planned = 0.0, set()
@@ -635,7 +680,7 @@ def test_budget_auto_dense_everywhere_is_the_inner_backend(tmp_path):
                                   dense={1: 0.5, 4: 1.5})
     mixed = _backends(worlds["mixed"], {"mixed": PRRConfig(budget="auto", profile=mixed_profile,
                                                            **base)})["mixed"]
-    assert mixed.keeps_summaries
+    assert mixed.keeps_summaries and not mixed.passthrough
     before = [t.clone() for t in mixed.summaries.layer(0)]
     for rows, new in steps[:3]:
         fb, q, k, v = worlds["mixed"].batch(rows, new)
