@@ -54,9 +54,10 @@ def sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def split(gguf: Path, out: Path, part_bytes: int) -> dict:
+def split(gguf: Path, out: Path, part_bytes: int, meta: Optional[dict] = None) -> dict:
     """Write ``gguf`` as ``part-00``, ``part-01``, ... of at most ``part_bytes`` into ``out``,
-    and the manifest (name, size and SHA-256 of the whole file and of each part)."""
+    and the manifest (name, size and SHA-256 of the whole file and of each part; ``meta``'s
+    fields, the model's by default)."""
     if part_bytes < 1:
         raise ValueError(f"part size {part_bytes} bytes: allowed >= 1")
     out.mkdir(parents=True, exist_ok=True)
@@ -72,8 +73,10 @@ def split(gguf: Path, out: Path, part_bytes: int) -> dict:
             (out / name).write_bytes(data)
             parts.append({"name": name, "bytes": len(data),
                           "sha256": hashlib.sha256(data).hexdigest()})
-    man = {"file": gguf.name, "bytes": gguf.stat().st_size, "sha256": sha256(gguf),
-           "source": models.WHEEL_REQ, "model_dir": models.MODEL_DIRNAME, "parts": parts}
+    if meta is None:
+        meta = {"source": models.WHEEL_REQ, "model_dir": models.MODEL_DIRNAME}
+    man = {"file": gguf.name, "bytes": gguf.stat().st_size, "sha256": sha256(gguf), **meta,
+           "parts": parts}
     (out / MANIFEST).write_text(json.dumps(man, indent=1) + "\n")
     return man
 
@@ -135,15 +138,24 @@ def unpack(folder: Path) -> str:
     return models.smollm2_path(download=lambda tmp: join(folder, tmp))
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "),
+def parts_parser(doc: str, actions: List[str], folder: Path, part_mib: float
+                 ) -> argparse.ArgumentParser:
+    """A staging command's arguments: its action (the first of ``actions`` makes the parts),
+    ``--dir`` (``folder`` by default) and ``--part-mib``; ``doc``'s first paragraph describes
+    it, the rest is the epilog."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0].replace("\n", " "),
                                  formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog=__doc__.split("\n\n", 1)[1])
-    ap.add_argument("action", choices=["pack", "status", "unpack"])
-    ap.add_argument("--dir", type=Path, default=XFER, help="where the parts are (default "
-                    ".xfer/model of the repository)")
-    ap.add_argument("--part-mib", type=float, default=PART_MIB,
-                    help="largest part, MiB (pack)")
+                                 epilog=doc.split("\n\n", 1)[1])
+    ap.add_argument("action", choices=actions)
+    ap.add_argument("--dir", type=Path, default=folder, help="where the parts are (default "
+                    f"{folder.relative_to(ROOT)} of the repository)")
+    ap.add_argument("--part-mib", type=float, default=part_mib,
+                    help=f"largest part, MiB ({actions[0]})")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = parts_parser(__doc__, ["pack", "status", "unpack"], XFER, PART_MIB)
     ap.add_argument("--gguf", type=Path, default=None,
                     help="split this GGUF instead of fetching the wheel (pack)")
     a = ap.parse_args(argv)

@@ -1,0 +1,118 @@
+"""benchmarks/stage_flashinfer.py: FlashInfer's compiled modules packed into capped parts on one
+machine and installed as AOT modules on another, bit for bit; parts of another FlashInfer
+version or architecture, missing or damaged parts and entries outside ``<module>/<module>.so``
+refused with nothing written; a module already installed kept."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import stage_flashinfer as sf  # noqa: E402
+import stage_model  # noqa: E402
+
+VERSION, ARCH = "0.6.15.post1", "90a"
+
+
+@pytest.fixture
+def machine(tmp_path, monkeypatch):
+    """A JIT directory with three compiled modules of fresh random bytes and one whose build
+    failed (no .so), an empty AOT directory, FlashInfer's version and architecture."""
+    here = {"version": VERSION, "arch": ARCH, "jit": tmp_path / "jit", "aot": tmp_path / "aot"}
+    monkeypatch.setattr(sf, "dirs", lambda: dict(here))
+    mods = {}
+    for i, n in enumerate((3000, 70_000, 1)):
+        name = f"batch_prefill_with_kv_cache_head_dim_{64 << i}"
+        (here["jit"] / name).mkdir(parents=True)
+        mods[name] = os.urandom(n)
+        (here["jit"] / name / f"{name}.so").write_bytes(mods[name])
+        (here["jit"] / name / "build.ninja").write_text("not carried")
+    (here["jit"] / "failed_module").mkdir()
+    return here, mods
+
+
+def installed(here):
+    return {so.parent.name: so.read_bytes() for so in sf.compiled_modules(here["aot"])}
+
+
+def test_harvest_and_install_round_trip(machine, tmp_path):
+    here, mods = machine
+    parts = tmp_path / "parts"
+    man = sf.harvest(parts, 0.01)  # ~10 KB parts: the random bytes do not compress
+    assert len(man["parts"]) >= 3 and man["flashinfer"] == VERSION and man["arch"] == ARCH
+    assert sorted(man["modules"]) == sorted(mods)  # not the failed build
+    assert installed(here) == {}  # control: nothing there before install
+    assert sorted(sf.install(parts)) == sorted(mods)
+    assert installed(here) == mods
+    assert not list(here["aot"].rglob("*.part"))
+    assert sf.install(parts) == []  # installed already: kept
+    assert "3 modules of FlashInfer 0.6.15.post1 (90a)" in sf.status(parts)
+
+
+def test_a_module_already_installed_is_kept(machine, tmp_path):
+    here, mods = machine
+    sf.harvest(tmp_path / "parts", 14)
+    name = sorted(mods)[0]
+    mine = here["aot"] / name / f"{name}.so"
+    mine.parent.mkdir(parents=True)
+    mine.write_bytes(b"built here")
+    assert name not in sf.install(tmp_path / "parts")
+    assert mine.read_bytes() == b"built here" and len(installed(here)) == 3
+
+
+@pytest.mark.parametrize("key, other", [("version", "0.6.14"), ("arch", "100a")])
+def test_parts_of_another_flashinfer_or_architecture_are_refused(machine, tmp_path, key, other,
+                                                                  monkeypatch):
+    here, _ = machine
+    sf.harvest(tmp_path / "parts", 14)
+    monkeypatch.setattr(sf, "dirs", lambda: {**here, key: other})
+    with pytest.raises(ValueError, match=other):
+        sf.install(tmp_path / "parts")
+    assert installed(here) == {}
+
+
+def test_a_missing_or_damaged_part_is_named(machine, tmp_path):
+    here, _ = machine
+    parts = tmp_path / "parts"
+    sf.harvest(parts, 0.01)
+    p1 = parts / "part-01"
+    data = bytearray(p1.read_bytes())
+    data[len(data) // 2] ^= 1
+    p1.write_bytes(bytes(data))
+    (parts / "part-02").unlink()
+    with pytest.raises(ValueError) as e:
+        sf.install(parts)
+    assert "part-01 is damaged" in str(e.value) and "part-02 missing" in str(e.value)
+    assert installed(here) == {}
+    assert sf.main(["install", "--dir", str(parts)]) == 1
+
+
+@pytest.mark.parametrize("entry", ["../evil.so", "mod/other.so", "mod/sub/mod.so"])
+def test_an_entry_outside_module_so_is_refused(machine, tmp_path, entry):
+    here, _ = machine
+    src = tmp_path / "src.so"
+    src.write_bytes(b"x")
+    archive = tmp_path / sf.ARCHIVE
+    with tarfile.open(archive, "w:gz") as tar:  # a valid module first: not written either
+        tar.add(src, arcname="mod/mod.so")
+        tar.add(src, arcname=entry)
+    stage_model.split(archive, tmp_path / "parts", 1 << 20,
+                      {"flashinfer": VERSION, "arch": ARCH, "modules": ["mod"]})
+    with pytest.raises(ValueError, match="unexpected entry"):
+        sf.install(tmp_path / "parts")
+    assert not (tmp_path / "evil.so").exists() and installed(here) == {}
+
+
+def test_nothing_to_harvest_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(sf, "dirs", lambda: {"version": VERSION, "arch": ARCH,
+                                             "jit": tmp_path / "none", "aot": tmp_path / "a"})
+    with pytest.raises(ValueError, match="run a server first"):
+        sf.harvest(tmp_path / "parts", 14)
+    assert json.loads(json.dumps(sf.compiled_modules(tmp_path / "none"))) == []
