@@ -10,7 +10,7 @@ kernel, the GPU architecture is in the JIT directory's name):
 
     python benchmarks/stage_flashinfer.py harvest --dir /tmp/fi   # manifest.json + part-00, ...
 
-packs every compiled module into parts small enough to come back from the machine (at most
+packs every compiled (or installed) module into parts small enough to come back from the machine (at most
 ``--part-mib``, 14 MiB by default), with the FlashInfer version and the architecture in the
 manifest. Keep them under ``.xfer/flashinfer`` of the repository (git-ignored). On a later fresh
 machine, carrying ``.xfer/flashinfer`` (after FlashInfer is staged):
@@ -63,12 +63,15 @@ def compiled_modules(folder: Path) -> List[Path]:
 
 
 def harvest(out: Path, part_mib: float) -> dict:
-    """Pack the JIT directory's compiled modules into parts under ``out`` (``stage_model.split``:
-    SHA-256 of each part and of the whole)."""
+    """Pack every module this machine holds (compiled by its JIT, or installed: the next machine
+    needs both) into parts under ``out`` (``stage_model.split``: SHA-256 of each part and of the
+    whole). A module in both directories is taken from the JIT's."""
     d = dirs()
-    mods = compiled_modules(d["jit"])
+    by_name = {so.parent.name: so for key in ("aot", "jit") for so in compiled_modules(d[key])}
+    mods = [by_name[n] for n in sorted(by_name)]
     if not mods:
-        raise ValueError(f"no compiled FlashInfer module under {d['jit']}: run a server first")
+        raise ValueError(f"no compiled FlashInfer module under {d['jit']} or {d['aot']}: run a "
+                         "server first")
     with tempfile.TemporaryDirectory(prefix="fi-") as tmp:
         archive = Path(tmp) / ARCHIVE
         with tarfile.open(archive, "w:gz") as tar:

@@ -54,6 +54,14 @@ def test_harvest_and_install_round_trip(machine, tmp_path):
     assert not list(here["aot"].rglob("*.part"))
     assert sf.install(parts) == []  # installed already: kept
     assert "3 modules of FlashInfer 0.6.15.post1 (90a)" in sf.status(parts)
+    # The next harvest packs the installed modules with the ones compiled since.
+    extra = here["jit"] / "late_module"
+    extra.mkdir()
+    (extra / "late_module.so").write_bytes(b"late")
+    for name in mods:
+        (here["jit"] / name / f"{name}.so").unlink()
+    again = sf.harvest(tmp_path / "again", 14)
+    assert sorted(again["modules"]) == sorted([*mods, "late_module"])
 
 
 def test_a_module_already_installed_is_kept(machine, tmp_path):
