@@ -17,6 +17,15 @@ machine, carrying ``.xfer/flashinfer`` (after FlashInfer is staged):
 
     python benchmarks/stage_flashinfer.py install    # checks the parts, writes the AOT modules
 
+A machine without a GPU can compile them too (nvcc and FlashInfer's sources, for sm_90a):
+
+    python benchmarks/stage_flashinfer.py build --head-dims 64 128   # then harvest, as above
+
+builds the modules SGLang 0.5.17's FlashInfer backend asks for on an H100 or H200 with bf16 KV,
+by our reading of its code (``BUILT``: paged prefill and tensor-core decode "fa2", ragged prefill
+"auto", which is fa3 on sm90, CUDA-core decode below GQA 4), per head dimension. A module the
+server asks for and the parts lack is compiled there as before.
+
 ``install`` refuses parts of another FlashInfer version or architecture (their modules would not
 be the ones this FlashInfer asks for) and names a missing or damaged part; it keeps a module that
 is already there. ``status`` lists the parts and the modules each directory holds.
@@ -26,9 +35,13 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import shutil
+import subprocess
 import sys
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 from typing import Dict, List
 
@@ -60,6 +73,89 @@ def compiled_modules(folder: Path) -> List[Path]:
     if not folder.is_dir():
         return []
     return sorted(d / f"{d.name}.so" for d in folder.iterdir() if (d / f"{d.name}.so").is_file())
+
+
+# (kind, backend) of each module ``build`` compiles per head dimension.
+BUILT = (("prefill", "fa2"), ("prefill", "fa3"), ("decode", None))
+ARCH_LIST = "9.0a"
+
+
+def build_env(cuda_lib: Path, curand_include: Path, stub_dir: Path) -> Dict[str, str]:
+    """The environment FlashInfer's JIT needs to compile and link for sm_90a on a machine
+    without a GPU or a driver: the architecture list, curand's headers (CUTLASS's utilities
+    include them; only those headers, not the wheel's whole include folder, whose runtime
+    headers clash with nvcc's), the CUDA runtime's folder and a stub ``libcuda`` (the modules
+    load the driver's at run time)."""
+    stub_dir.mkdir(parents=True, exist_ok=True)
+    inc = stub_dir / "include"
+    inc.mkdir(exist_ok=True)
+    for h in curand_include.glob("curand*.h"):
+        link = inc / h.name
+        if not link.exists():
+            link.symlink_to(h)
+    stub = stub_dir / "libcuda.so"
+    if not stub.exists():
+        src = stub_dir / "stub.c"
+        src.write_text("/* libcuda stub for linking only */\n")
+        subprocess.run(["cc", "-shared", "-o", str(stub), "-Wl,-soname,libcuda.so.1", str(src)],
+                       check=True)
+    return {"FLASHINFER_CUDA_ARCH_LIST": ARCH_LIST,
+            "FLASHINFER_EXTRA_CUDAFLAGS": f"-I{inc}",
+            "FLASHINFER_EXTRA_LDFLAGS": f"-L{cuda_lib} -L{stub_dir}"}
+
+
+def specs(head_dims: List[int]):
+    """The JIT specs ``build`` compiles (``BUILT`` for each head dimension; bf16 q, KV and
+    output, int32 indices, no positional encoding, sliding window, soft cap or fp16 QK
+    reduction, as SGLang plans them for Llama-like models)."""
+    import torch
+    from flashinfer.jit.attention.modules import gen_batch_decode_module, gen_batch_prefill_module
+
+    bf, i32 = torch.bfloat16, torch.int32
+    out = []
+    for hd in head_dims:
+        for kind, backend in BUILT:
+            if kind == "prefill":
+                out.append(gen_batch_prefill_module(backend, bf, bf, bf, i32, hd, hd, 0, False,
+                                                    False, False))
+            else:
+                out.append(gen_batch_decode_module(bf, bf, bf, i32, hd, hd, 0, False, False))
+    return out
+
+
+def build(head_dims: List[int]) -> List[str]:
+    """Compile ``specs(head_dims)`` into FlashInfer's JIT directory; the names compiled. A
+    module already compiled there is kept (ninja would rebuild it for another flag). Set
+    ``build_env``'s variables before FlashInfer is imported (``main`` does)."""
+    done = []
+    for spec in specs(head_dims):
+        if spec.is_compiled:
+            print(f"   kept    {spec.name}", flush=True)
+            continue
+        t0 = time.time()
+        spec.build(verbose=False)
+        print(f"{time.time() - t0:7.1f} s  {spec.name}", flush=True)
+        done.append(spec.name)
+    return done
+
+
+def default_cuda_lib() -> Path:
+    """The folder of nvcc's ``libcudart.so`` (``lib`` or ``lib64`` beside its ``bin``)."""
+    nvcc = shutil.which("nvcc")
+    home = Path(nvcc).resolve().parents[1] if nvcc else Path("/usr/local/cuda")
+    return next((home / d for d in ("lib64", "lib") if (home / d / "libcudart.so").exists()),
+                home / "lib64")
+
+
+def default_curand_include() -> Path:
+    """curand's headers from the pip CUDA wheels torch brings (``nvidia/cu*/include``)."""
+    import nvidia
+
+    for root in map(Path, nvidia.__path__):
+        for h in sorted(root.glob("cu*/include/curand_kernel.h")) + sorted(
+                root.glob("curand/include/curand_kernel.h")):
+            return h.parent
+    raise ValueError("no curand_kernel.h in the nvidia wheels: pass --curand-include")
 
 
 def harvest(out: Path, part_mib: float) -> dict:
@@ -143,10 +239,27 @@ def status(folder: Path) -> str:
 
 
 def main(argv=None) -> int:
-    ap = stage_model.parts_parser(__doc__, ["harvest", "status", "install"], XFER, PART_MIB)
+    ap = stage_model.parts_parser(__doc__, ["harvest", "status", "install", "build"], XFER,
+                                  PART_MIB)
+    ap.add_argument("--head-dims", type=int, nargs="+", default=[64, 128],
+                    help="head dimensions to compile (build)")
+    ap.add_argument("--cuda-lib", type=Path, default=None,
+                    help="the CUDA runtime's folder (build; default: beside nvcc)")
+    ap.add_argument("--curand-include", type=Path, default=None,
+                    help="curand's headers (build; default: the pip CUDA wheel's)")
     a = ap.parse_args(argv)
     try:
-        if a.action == "harvest":
+        if a.action == "build":
+            bad = [h for h in a.head_dims if h not in (64, 128, 256)]
+            if bad:
+                ap.error(f"--head-dims {bad}: allowed 64, 128, 256")
+            env = build_env(a.cuda_lib or default_cuda_lib(),
+                            a.curand_include or default_curand_include(),
+                            Path(tempfile.gettempdir()) / "stage_flashinfer")
+            os.environ.update(env)  # before FlashInfer is imported (its JIT reads them then)
+            print(f"compiled {len(build(a.head_dims))} modules for sm_90a into "
+                  f"{dirs()['jit']} (harvest packs them)")
+        elif a.action == "harvest":
             if a.part_mib <= 0:
                 ap.error(f"--part-mib {a.part_mib}: allowed > 0")
             man = harvest(a.dir, a.part_mib)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import tarfile
 from pathlib import Path
@@ -124,3 +125,61 @@ def test_nothing_to_harvest_says_so(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="run a server first"):
         sf.harvest(tmp_path / "parts", 14)
     assert json.loads(json.dumps(sf.compiled_modules(tmp_path / "none"))) == []
+
+
+def test_build_env_links_only_curand_and_stubs_the_driver(tmp_path):
+    """The build's environment: sm_90a, an include folder holding curand's headers alone (links),
+    a stub libcuda whose soname is the driver's, the runtime's folder on the link path."""
+    inc = tmp_path / "wheel_include"
+    inc.mkdir()
+    for h in ("curand.h", "curand_kernel.h", "cuda_runtime.h"):
+        (inc / h).write_text(f"/* {h} */")
+    env = sf.build_env(tmp_path / "cudalib", inc, tmp_path / "stub")
+    assert env["FLASHINFER_CUDA_ARCH_LIST"] == "9.0a"
+    linked = tmp_path / "stub" / "include"
+    assert env["FLASHINFER_EXTRA_CUDAFLAGS"] == f"-I{linked}"
+    assert sorted(p.name for p in linked.iterdir()) == ["curand.h", "curand_kernel.h"]
+    assert (linked / "curand.h").resolve() == (inc / "curand.h").resolve()
+    assert env["FLASHINFER_EXTRA_LDFLAGS"].split() == [f"-L{tmp_path / 'cudalib'}",
+                                                       f"-L{tmp_path / 'stub'}"]
+    stub = (tmp_path / "stub" / "libcuda.so").read_bytes()
+    assert stub[:4] == b"\x7fELF" and b"libcuda.so.1" in stub
+    assert sf.build_env(tmp_path / "cudalib", inc, tmp_path / "stub") == env  # again: the same
+
+
+def _spec_names(head_dims):
+    """``specs(head_dims)``'s names from a fresh process whose FlashInfer is imported for sm_90a
+    (as ``main`` imports it for ``build``: FlashInfer fixes its architectures at import)."""
+    code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import stage_flashinfer as sf; "
+            f"print(json.dumps([s.name for s in sf.specs({list(head_dims)})]))")
+    env = {**os.environ, "FLASHINFER_CUDA_ARCH_LIST": sf.ARCH_LIST}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_the_modules_built_are_sglangs_names():
+    """Per head dimension: FlashInfer's fa2 and fa3 (sm90) batch prefill and its batch decode,
+    bf16 with int32 indices, nothing else on; another head dimension gives other names."""
+    pytest.importorskip("flashinfer")
+    both = _spec_names([64, 128])
+    names = both[:3]
+    tail = ("dtype_q_bf16_dtype_kv_bf16_dtype_o_bf16_dtype_idx_i32_head_dim_qk_64_head_dim_vo_64"
+            "_posenc_0_use_swa_False_use_logits_cap_False")
+    assert names == [f"batch_prefill_with_kv_cache_{tail}_f16qk_False",
+                     f"batch_prefill_with_kv_cache_{tail}_f16qk_False_sm90",
+                     f"batch_decode_with_kv_cache_{tail}"]
+    assert len(both) == 6 and not set(names) & set(both[3:])
+
+
+def test_build_compiles_each_spec_and_refuses_other_head_dims(monkeypatch, capsys):
+    built = []
+    fake = [type("Spec", (), {"name": f"m{i}", "is_compiled": i == 1,
+                              "build": lambda self, verbose: built.append(self.name)})()
+            for i in range(3)]
+    monkeypatch.setattr(sf, "specs", lambda dims: fake)
+    assert sf.build([64]) == ["m0", "m2"] and built == ["m0", "m2"]  # m1 compiled already
+    with pytest.raises(SystemExit) as e:
+        sf.main(["build", "--head-dims", "96"])
+    assert e.value.code == 2 and "96" in capsys.readouterr().err
