@@ -10,9 +10,9 @@ kernel, the GPU architecture is in the JIT directory's name):
 
     python benchmarks/stage_flashinfer.py harvest --dir /tmp/fi   # manifest.json + part-00, ...
 
-packs every compiled (or installed) module into parts small enough to come back from the machine (at most
-``--part-mib``, 14 MiB by default), with the FlashInfer version and the architecture in the
-manifest. Keep them under ``.xfer/flashinfer`` of the repository (git-ignored). On a later fresh
+packs every compiled (or installed) module into parts small enough to come back from the
+machine (at most ``--part-mib``, 14 MiB by default), with the FlashInfer version and the
+architecture in the manifest. Keep them under ``.xfer/flashinfer`` of the repository (git-ignored). On a later fresh
 machine, carrying ``.xfer/flashinfer`` (after FlashInfer is staged):
 
     python benchmarks/stage_flashinfer.py install    # checks the parts, writes the AOT modules
