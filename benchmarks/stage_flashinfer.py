@@ -12,14 +12,15 @@ kernel, the GPU architecture is in the JIT directory's name):
 
 packs every compiled (or installed) module into parts small enough to come back from the
 machine (at most ``--part-mib``, 14 MiB by default), with the FlashInfer version and the
-architecture in the manifest. Keep them under ``.xfer/flashinfer`` of the repository (git-ignored). On a later fresh
-machine, carrying ``.xfer/flashinfer`` (after FlashInfer is staged):
+architecture in the manifest. Keep them under ``.xfer/flashinfer`` of the repository
+(git-ignored). On a later fresh machine, carrying ``.xfer/flashinfer`` (after FlashInfer is
+staged):
 
     python benchmarks/stage_flashinfer.py install    # checks the parts, writes the AOT modules
 
 A machine without a GPU can compile them too (nvcc and FlashInfer's sources, for sm_90a):
 
-    python benchmarks/stage_flashinfer.py build --head-dims 64 128   # then harvest, as above
+    python benchmarks/stage_flashinfer.py build --head-dims 64 128   # and packs them, as harvest
 
 builds the modules SGLang 0.5.17's FlashInfer backend asks for on an H100 or H200 with bf16 KV,
 by our reading of its code (``BUILT``: paged prefill and tensor-core decode "fa2", ragged prefill
@@ -257,8 +258,9 @@ def main(argv=None) -> int:
                             a.curand_include or default_curand_include(),
                             Path(tempfile.gettempdir()) / "stage_flashinfer")
             os.environ.update(env)  # before FlashInfer is imported (its JIT reads them then)
-            print(f"compiled {len(build(a.head_dims))} modules for sm_90a into "
-                  f"{dirs()['jit']} (harvest packs them)")
+            print(f"compiled {len(build(a.head_dims))} modules for sm_90a into {dirs()['jit']}")
+            man = harvest(a.dir, a.part_mib)  # in this process: FlashInfer imported for sm_90a
+            print(f"{len(man['modules'])} modules in {len(man['parts'])} parts under {a.dir}")
         elif a.action == "harvest":
             if a.part_mib <= 0:
                 ap.error(f"--part-mib {a.part_mib}: allowed > 0")
