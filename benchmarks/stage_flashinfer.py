@@ -92,8 +92,9 @@ def build_env(cuda_lib: Path, curand_include: Path, stub_dir: Path) -> Dict[str,
     inc.mkdir(exist_ok=True)
     for h in curand_include.glob("curand*.h"):
         link = inc / h.name
-        if not link.exists():
-            link.symlink_to(h)
+        if link.is_symlink() or link.exists():  # an earlier run's, perhaps broken: made anew
+            link.unlink()
+        link.symlink_to(h)
     stub = stub_dir / "libcuda.so"
     if not stub.exists():
         src = stub_dir / "stub.c"
