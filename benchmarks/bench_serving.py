@@ -84,8 +84,8 @@ one-wave grid would spread it: ``merge-split`` / ``merge-fused`` / ``merge-ticke
 entries past the list's count included): ``spread-row``;
 ``SGLANG_PRR_SELECT_GRID=rows|table`` forces every selection grid to two waves or to the table's
 width: ``select-rows`` / ``select-table``.
-``--predictor side`` starts the PRR and auto servers with
-``--prr-predictor side``; their rows have ``predictor`` = ``side``. Rows of servers that load a
+``--predictor side|fused`` (default ``side``, the server's default) is the PRR and auto servers'
+``--prr-predictor``; their rows have ``predictor`` = ``side`` or empty (fused). Rows of servers that load a
 kernel library built from other sources than this tree's (``SGLANG_PRR_KERNEL_LIB``) carry its
 source hash in ``library``.
 
@@ -310,7 +310,7 @@ def server_args(model: str, srv: Server, points: Sequence[Point], a) -> list:
             "--prr-block-size", str(a.page), "--prr-top-k", str(a.top_k),
             "--prr-top-k-unit", "tokens", "--prr-min-context", str(a.min_context)] + dev + \
         budget + VARIANTS[srv.variant] + method + \
-        (["--prr-predictor", "side"] if _predictor(srv, a) else [])
+        (["--prr-predictor", a.predictor] if srv.variant in ("prr", "auto") else [])
 
 
 def prr_stats(url: str) -> dict:
@@ -708,9 +708,10 @@ def _launch() -> str:
 
 def _predictor(srv: Server, a) -> str:
     """``side`` when this server runs PRR's predictor as its own launch on the side stream
-    (``--predictor side``: ``--prr-predictor side`` for the variants that speculate), else
-    ``""`` (the selection's epilogue, the default)."""
-    return "side" if getattr(a, "predictor", "fused") == "side" and \
+    (``--predictor side``, the default: ``--prr-predictor side`` for the variants that
+    speculate), else ``""`` (fused in the selection's epilogue, or a server that does not
+    speculate)."""
+    return "side" if getattr(a, "predictor", "side") == "side" and \
         srv.variant in ("prr", "auto") else ""
 
 
@@ -1098,7 +1099,7 @@ def parse_args(argv=None):
     ap.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS), metavar="KIND",
                     help=f"kinds of points to run, of {', '.join(KINDS)} (default: all)")
     ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    ap.add_argument("--predictor", choices=["fused", "side"], default="fused",
+    ap.add_argument("--predictor", choices=["fused", "side"], default="side",
                     help="--prr-predictor of the prr and auto servers (rows: predictor column)")
     ap.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])

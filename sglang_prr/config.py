@@ -65,11 +65,11 @@ class PRRConfig:
     mode: str = field(default="exact", metadata=_meta(
         "exact: attend exactly the selected set A (serial DSA semantics); union: attend P u A "
         "(the paper's kernel behaviour).", choices=MODES))
-    predictor: str = field(default="fused", metadata=_meta(
-        "Where PRR's predictor step (Holt update, P(t+1)) runs: fused, in the selection's "
-        "epilogue (one launch, on the layer's critical path); side, as its own launch after the "
-        "selection on the side stream (off the critical path). Methods without a fused "
-        "selection (infllm_v2) always run it on the side.", choices=PREDICTORS))
+    predictor: str = field(default="side", metadata=_meta(
+        "Where PRR's predictor step (Holt update, P(t+1)) runs: side, as its own launch after the "
+        "selection on the side stream (off the layer's critical path); fused, in the selection's "
+        "epilogue (one launch fewer, on the critical path). The same bits either way. Methods "
+        "without a fused selection (infllm_v2) always run it on the side.", choices=PREDICTORS))
     serial: bool = field(default=False, metadata=_meta(
         "Decode with serial DSA (score -> select -> attend) instead of PRR: the baseline that "
         "--prr-mode exact reproduces."))

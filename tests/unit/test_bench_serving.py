@@ -92,7 +92,10 @@ def test_server_commands(bench, tmp_path, capsys):
     assert opt(auto, "--prr-profile").endswith("budget_profile_h200.json")
     assert opt(sm_a, "--prr-budget") == "auto"
     assert opt(sm_a, "--prr-profile").endswith("budget_profile_h200_smollm2.json")
-    assert not any("--prr-predictor" in c for c in cmds)  # the default: fused
+    # the default predictor (side), named to the servers that speculate only
+    pred = [opt(c, "--prr-predictor") if "--prr-predictor" in c else None for c in cmds]
+    assert pred[cmds.index(auto)] == "side" and pred[cmds.index(sm_a)] == "side"
+    assert pred[cmds.index(sm_d)] is None and pred[cmds.index(sm_s)] is None
 
 
 def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, capsys):
@@ -107,6 +110,13 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     _, a = bench.parse_args(["--predictor", "side"])
     assert bench._label(bench.Server("prr", "quest", "m"), a) == "PRR (exact), side predictor"
     assert bench._label(bench.Server("serial", "quest", "m"), a) == "serial DSA"
+    # --predictor fused names it to the same servers; their rows' predictor column is empty
+    bench.main(["--dry-run", "--workdir", str(tmp_path), "--predictor", "fused", "--only",
+                "grid", "infllm"])
+    cmds = [ln.split() for ln in capsys.readouterr().out.splitlines() if "launch_server" in ln]
+    assert [side(c) for c in cmds] == [None, None, "fused", "fused", None, "fused"]
+    _, a = bench.parse_args(["--predictor", "fused"])
+    assert bench._predictor(bench.Server("prr", "quest", "m"), a) == ""
 
 
 @pytest.mark.parametrize("env,want", [
@@ -426,7 +436,7 @@ def test_rows_of_another_kernel_library_say_which(bench, tmp_path, monkeypatch):
     monkeypatch.setenv("SGLANG_PRR_KERNEL_LIB", str(lib))
     assert bench._library(prr) == "0123456789abcdef" and bench._library(dense) == ""
     _, a = bench.parse_args([])
-    assert bench._label(prr, a) == "PRR (exact), library 01234567"
+    assert bench._label(prr, a) == "PRR (exact), side predictor, library 01234567"
     (lib.parent / build.STAMP_NAME).write_text(build.source_hash())  # built from this tree
     assert bench._library(prr) == ""
     # the library is part of a row's key: both libraries' rows of a point stay

@@ -245,7 +245,7 @@ def test_profiler_plumbing_on_cpu(tmp_path, capsys):
     assert pol.delta(1) in (0.0, 1.0, 2.0)
     # the compare hit rate: its own speculative times, serial DSA's shared
     assert prof.meta["hit_rate"] == 0.9 and prof.meta["compare"]["hit_rate"] == 0.5
-    assert prof.meta["predictor"] == "fused"  # --prr-predictor, which the server compares
+    assert prof.meta["predictor"] == "side"  # --prr-predictor (default), which the server compares
     cmp = prof.compared()
     assert cmp.meta["hit_rate"] == 0.5 and set(cmp.layer_us) == set(prof.layer_us)
     assert all(cmp.layer_us[k] == prof.layer_us[k] for k in prof.layer_us if k[2] == 0.0)
@@ -432,7 +432,7 @@ def test_profile_of_the_other_predictor_placement_is_named(tmp_path, caplog):
     legacy = _write(tmp_path, prof, "legacy.json")
     side = _write(tmp_path, {**prof, "predictor": "side"}, "side.json")
     with caplog.at_level(logging.WARNING, logger="sglang_prr"):
-        BudgetPolicy(_cfg(legacy), SHAPE)  # control: the same placement, no warning
+        BudgetPolicy(_cfg(legacy, predictor="fused"), SHAPE)  # control: the same placement
         BudgetPolicy(_cfg(side, predictor="side"), SHAPE)
         assert not [r for r in caplog.records if "--prr-predictor" in r.getMessage()]
         pol = BudgetPolicy(_cfg(legacy, predictor="side"), SHAPE)
