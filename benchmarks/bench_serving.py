@@ -85,9 +85,9 @@ entries past the list's count included): ``spread-row``;
 ``SGLANG_PRR_SELECT_GRID=rows|table`` forces every selection grid to two waves or to the table's
 width: ``select-rows`` / ``select-table``.
 ``--predictor side|fused`` (default ``side``, the server's default) is the PRR and auto servers'
-``--prr-predictor``; their rows have ``predictor`` = ``side`` or empty (fused). Rows of servers that load a
-kernel library built from other sources than this tree's (``SGLANG_PRR_KERNEL_LIB``) carry its
-source hash in ``library``.
+``--prr-predictor``; their rows have ``predictor`` = ``side`` or empty (fused). Rows of servers
+that load a kernel library built from other sources than this tree's (``SGLANG_PRR_KERNEL_LIB``)
+carry its source hash in ``library``.
 
     python benchmarks/bench_serving.py --profile --csv benchmarks/results/serving_h200.csv
     python benchmarks/bench_serving.py --only throughput --append --csv ...   # one kind
