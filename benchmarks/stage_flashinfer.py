@@ -250,6 +250,8 @@ def main(argv=None) -> int:
     ap.add_argument("--curand-include", type=Path, default=None,
                     help="curand's headers (build; default: the pip CUDA wheel's)")
     a = ap.parse_args(argv)
+    if a.action in ("build", "harvest") and a.part_mib <= 0:  # build packs too, after compiling
+        ap.error(f"--part-mib {a.part_mib}: allowed > 0")
     try:
         if a.action == "build":
             bad = [h for h in a.head_dims if h not in (64, 128, 256)]
@@ -263,8 +265,6 @@ def main(argv=None) -> int:
             man = harvest(a.dir, a.part_mib)  # in this process: FlashInfer imported for sm_90a
             print(f"{len(man['modules'])} modules in {len(man['parts'])} parts under {a.dir}")
         elif a.action == "harvest":
-            if a.part_mib <= 0:
-                ap.error(f"--part-mib {a.part_mib}: allowed > 0")
             man = harvest(a.dir, a.part_mib)
             print(f"{len(man['modules'])} modules of FlashInfer {man['flashinfer']} "
                   f"({man['arch']}): {man['bytes']} bytes in {len(man['parts'])} parts under "

@@ -183,3 +183,12 @@ def test_build_compiles_each_spec_and_refuses_other_head_dims(monkeypatch, capsy
     with pytest.raises(SystemExit) as e:
         sf.main(["build", "--head-dims", "96"])
     assert e.value.code == 2 and "96" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("action", ["build", "harvest"])
+def test_a_part_size_of_zero_is_refused_before_any_work(action, monkeypatch, capsys):
+    monkeypatch.setattr(sf, "build", lambda dims: pytest.fail("compiled before the check"))
+    with pytest.raises(SystemExit) as e:
+        sf.main([action, "--part-mib", "0"])
+    assert e.value.code == 2 and "--part-mib 0" in capsys.readouterr().err
+    sf.main(["status"])  # control: another action does not read --part-mib
