@@ -269,12 +269,18 @@ class BudgetPolicy:
 
     Fixed by the config (``--prr-serial``: 0; a number: that delta for every batch; never dense)
     or, with ``--prr-budget auto``, chosen from the profile over the contexts the server serves
-    (``cfg.max_context_blocks`` blocks: the launcher sets it from the context length). ``shape``
-    (``SHAPE_KEYS``) is checked against the profile's when given.
+    (``cfg.max_context_blocks`` blocks: the launcher sets it from the context length) and the
+    batch sizes it decodes (at most ``max_batch`` requests a step: the request pool's rows; None,
+    any). ``shape`` (``SHAPE_KEYS``) is checked against the profile's when given.
     """
 
-    def __init__(self, cfg: PRRConfig, shape: Optional[Mapping[str, object]] = None):
+    def __init__(self, cfg: PRRConfig, shape: Optional[Mapping[str, object]] = None,
+                 max_batch: Optional[int] = None):
+        if max_batch is not None and (isinstance(max_batch, bool) or
+                                      not isinstance(max_batch, int) or max_batch < 1):
+            raise ValueError(f"BudgetPolicy: max_batch must be >= 1 or None, got {max_batch!r}")
         self.cfg = cfg
+        self.max_batch = None if max_batch is None else int(max_batch)
         self.profile: Optional[BudgetProfile] = None
         self.contexts: Optional[List[int]] = None
         if cfg.enabled and not cfg.serial and cfg.budget == "auto":
@@ -293,6 +299,14 @@ class BudgetPolicy:
             self.contexts = self.profile.contexts_upto(
                 None if bound is None else int(bound) * cfg.block_size)
         self._cache: Dict[int, Tuple[bool, float]] = {}
+        # Decided once: when every batch size the server decodes runs dense, no summary is kept,
+        # so every batch size must run dense (``dense``), whatever the profile says of it.
+        # Likewise, speculation (calibration, the side stream) is set up only when a batch size
+        # the server decodes speculates, so no other batch size may (``delta``).
+        reached = self.reachable_batch_sizes()
+        self._always_dense = self.profile is not None and all(self._choice(b)[0] for b in reached)
+        self._speculates = self.profile is None or (not self._always_dense and any(
+            self._choice(b)[1] > 0 for b in reached))
 
     def _choice(self, batch: int) -> Tuple[bool, float]:
         """(dense, delta) of batch size ``batch`` under the profile, cached."""
@@ -302,26 +316,40 @@ class BudgetPolicy:
             self._cache[batch] = (dense, 0.0 if dense else prof.choose(batch, mb, self.contexts))
         return self._cache[batch]
 
+    def reachable_batch_sizes(self) -> List[int]:
+        """The profiled batch sizes that decide a batch size of at most ``max_batch`` (each maps
+        to its nearest profiled one); every profiled one without a bound."""
+        if self.profile is None:
+            return []
+        sizes = self.profile.batch_sizes
+        if self.max_batch is None:
+            return sizes
+        # Past twice the largest profiled size every batch maps to the largest.
+        top = min(self.max_batch, 2 * sizes[-1] + 1)
+        return sorted({self.profile.nearest_batch(b) for b in range(1, top + 1)})
+
     def dense(self, batch: int) -> bool:
         """Whether batch size ``batch`` decodes with dense attention (``--prr-budget auto``
-        only: where the profile measures dense faster than the sparse choice)."""
+        only: where the profile measures dense faster than the sparse choice; every batch size
+        when ``always_dense``)."""
         if self.cfg.serial or not self.cfg.enabled or self.profile is None:
             return False
-        return self._choice(batch)[0]
+        return self._always_dense or self._choice(batch)[0]
 
     def always_dense(self) -> bool:
         """Whether every batch size decodes with dense attention: ``--prr-budget auto`` with a
-        profile that measures dense attention faster at every profiled batch size (every batch
-        size maps to its nearest profiled one). No request ever decodes sparse then, so the
-        server updates no block summary and calibrates nothing."""
-        return self.profile is not None and all(self.dense(b) for b in self.profile.batch_sizes)
+        profile that measures dense attention faster at every batch size the server decodes
+        (``reachable_batch_sizes``: a server of at most 1 request a step is decided by batch 1
+        alone). No request ever decodes sparse then, so the server updates no block summary and
+        calibrates nothing, and a larger batch than ``max_batch`` would run dense too."""
+        return (not self.cfg.serial and self.cfg.enabled and self._always_dense)
 
     def delta(self, batch: int) -> float:
         if self.cfg.serial or not self.cfg.enabled:
             return 0.0
         if self.profile is None:
             return float(self.cfg.budget)
-        return self._choice(batch)[1]
+        return self._choice(batch)[1] if self._speculates else 0.0
 
     def predicted_blocks(self, batch: int) -> int:
         """|P| in middle blocks for batch size ``batch``; 0 for serial DSA (and dense)."""
@@ -329,12 +357,11 @@ class BudgetPolicy:
         return 0 if d == 0 else self.cfg.predicted_blocks_for(d)
 
     def may_speculate(self) -> bool:
-        """False when no batch size ever speculates (calibration is then useless)."""
+        """False when no batch size the server decodes speculates (calibration is then
+        useless, and ``delta`` is 0 for every batch size)."""
         if self.cfg.serial or not self.cfg.enabled:
             return False
-        if self.profile is None:
-            return True
-        return any(self.delta(b) > 0 for b in self.profile.batch_sizes)
+        return self._speculates
 
     def reasons(self) -> Dict[str, str]:
         """Why each profiled batch size runs what it runs (``describe``), in words: the best
@@ -347,6 +374,7 @@ class BudgetPolicy:
             return {"*": f"fixed budget delta {float(self.cfg.budget):g}"}
         prof, out, ctxs = self.profile, {}, self.contexts
         over = ", ".join(f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in ctxs)
+        reached = set(self.reachable_batch_sizes())
         for b in prof.batch_sizes:
             rat = {dl: r for dl, r in prof.ratios(b, ctxs).items()
                    if 0 < dl <= self.cfg.max_budget + 1e-9}
@@ -363,6 +391,9 @@ class BudgetPolicy:
             what = DENSE if dense else (f"PRR delta {chosen:g}" if chosen > 0 else "serial DSA")
             out[str(b)] = (f"{what}: {why}{dense_says} (over {over}; margin "
                            f"{SPECULATE_MARGIN:g} at every context)")
+            if b not in reached:
+                out[str(b)] += (f"; not reached: this server decodes at most {self.max_batch} "
+                                f"requests a step")
         return out
 
     def describe(self) -> Dict[str, object]:

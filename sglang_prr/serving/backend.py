@@ -51,6 +51,7 @@ from ..methods import NewKeys
 from ..state import PRRState
 from ..step import DecodeStep
 from ..summaries import BlockSummaries
+from .server_args_patch import max_decode_batch_of
 from .stats import Stats, write_fallback
 
 logger = logging.getLogger("sglang_prr")
@@ -124,7 +125,7 @@ class PRRBackend:
         # from the profile, checked against this layer shape).
         shape = layer_shape(cfg, self.page, D, Hk, mc.get_num_attention_heads(tp)
                             if hasattr(mc, "get_num_attention_heads") else None)
-        self.budget = BudgetPolicy(cfg, shape)
+        self.budget = BudgetPolicy(cfg, shape, max_decode_batch_of(runner))
         # Calibration, the side stream and the PRR statistics only serve speculation: all off
         # when no batch size ever speculates.
         self.calibrates = self.budget.may_speculate()
@@ -168,9 +169,10 @@ class PRRBackend:
             for b, why in self.stats.budget_reason.items():
                 logger.info("sglang_prr: budget at batch size %s: %s", b, why)
             if not self.keeps_summaries:
-                logger.info("sglang_prr: every batch size decodes with dense attention: no block "
-                            "summary is updated (the inner backend's attention, launch for "
-                            "launch)")
+                logger.info("sglang_prr: every batch size of this server (at most %s requests a "
+                            "step) decodes with dense attention: no block summary is updated "
+                            "(the inner backend's attention, launch for launch)",
+                            self.budget.max_batch)
         self.tracer = self._make_tracer()
         self._ext_plan = None
         summary_mib = self.summaries.nbytes / 2**20

@@ -1,7 +1,8 @@
 """The ``--prr-*`` flags (``sglang_prr.flags``) against SGLang's own: what the launcher fills
 in (``complete_argv``), the combinations that cannot work (``check_compatibility``), the cap of K
 and |P| at the context length (the last two, with the model's checks, once SGLang has resolved
-its arguments: ``check_server_args``), and how the configuration reaches every process.
+its arguments: ``check_server_args``), the largest decode batch a runner carries (the budget's
+bound), and how the configuration reaches every process.
 
 The validated configuration travels to SGLang's spawned scheduler processes as JSON in the
 environment variable ``SGLANG_PRR_CONFIG`` (children inherit the parent's environment), where
@@ -126,6 +127,23 @@ def context_len_of(server_args: Any) -> Optional[int]:
         logger.debug("sglang_prr: model context length unknown (%s)", e)
     n = getattr(server_args, "context_length", None)
     return int(n) if n else None
+
+
+def max_decode_batch_of(runner: Any) -> Optional[int]:
+    """The most requests one decode forward of ``runner`` carries, CUDA-graph padding included:
+    SGLang's graph buckets never exceed its request pool's rows (``req_to_token_pool.size``,
+    ``--max-running-requests`` and a padding row), aligned as its graph runner aligns them.
+    None when unknown (the budget then counts every profiled batch size)."""
+    size = getattr(getattr(runner, "req_to_token_pool", None), "size", None)
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        return None
+    try:
+        from sglang.srt.utils.common import get_cuda_graph_max_batch_size
+
+        return max(int(get_cuda_graph_max_batch_size(runner.server_args, size)), size)
+    except Exception as e:  # an unknown alignment: no bound rather than a wrong one
+        logger.debug("sglang_prr: decode batch bound unknown (%s)", e)
+        return None
 
 
 def cap_to_context(cfg: PRRConfig, server_args: Any) -> Optional[int]:

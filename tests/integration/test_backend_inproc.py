@@ -690,6 +690,42 @@ def test_budget_auto_dense_everywhere_is_the_inner_backend(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(mixed.summaries.layer(0), before))
 
 
+def test_budget_auto_decided_by_the_batch_sizes_the_server_decodes(tmp_path, monkeypatch):
+    """The profile of the test above that keeps the summaries (dense at batch 1, PRR at batch 4)
+    on a server whose request pool has one row (``--max-running-requests 1``): batch 4 cannot
+    occur, so the backend is the inner one, launch for launch (no summary written, nothing
+    planned), as run with a profile dense at every batch size. Control: the same profile with a
+    pool of 4 rows keeps the summaries and speculates."""
+    import sglang.srt.utils.common as common
+
+    monkeypatch.setattr(common, "get_cuda_graph_max_batch_size", lambda server_args, n: n)
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    base = dict(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40, calib_queries=6)
+    path = _auto_profile(tmp_path, 4, 2, {1: {1.5: 1.1}, 4: {1.5: 0.8}}, dense={1: 0.5, 4: 1.5})
+    cfg = PRRConfig(budget="auto", profile=path, **base)
+    worlds = {m: World(2, 4, 2, cfg, seed) for m in ("one", "four", "dense")}
+    worlds["one"].req.size, worlds["four"].req.size = 1, 4
+    backs = {m: _backends(worlds[m], {m: cfg})[m] for m in ("one", "four")}
+    backs["dense"] = _backends(worlds["dense"], {})["dense"]
+    one = backs["one"]
+    assert one.budget.max_batch == 1 and one.passthrough and not one.calibrates
+    assert one.stats.budget == {"1": "dense", "4": "dense"}
+    assert "not reached: this server decodes at most 1 requests" in one.stats.budget_reason["4"]
+    four = backs["four"]  # control
+    assert four.budget.max_batch == 4 and four.keeps_summaries and four.calibrates
+    assert four.stats.budget == {"1": "dense", "4": 1.5}
+    start = [t.clone() for t in one.summaries.layer(0)]
+    gap = 0.0
+    steps = [(rows, new) for rows, new in AUTO_STEPS if len(rows) == 1 or new[0] > 1]
+    for rows, fb, outs in _decode_steps({"auto": worlds["one"], "dense": worlds["dense"]},
+                                        {"auto": one, "dense": backs["dense"]}, steps):
+        assert len(rows) == 1 and getattr(fb, "_prr_batch", None) is None
+        gap = max(gap, (outs["auto"] - outs["dense"]).abs().max().item())
+    assert gap == 0.0, f"a one-row server vs the inner backend: {gap} (seed {seed})"
+    assert all(torch.equal(a, b) for a, b in zip(one.summaries.layer(0), start))
+
+
 def test_tensor_parallel_rank_sizes_and_reporting(tmp_path, monkeypatch):
     """Under --tp 2 a rank owns half the heads: its summaries, predictor state and calibration
     are sized from its own KV heads (the model's 8 q / 4 KV heads -> 4 / 2 per rank), its decode

@@ -440,3 +440,82 @@ def test_profile_of_the_other_predictor_placement_is_named(tmp_path, caplog):
     assert len(msgs) == 1 and "measured with --prr-predictor fused" in msgs[0] and \
         "runs side" in msgs[0], msgs
     assert pol.delta(1) == 0.0
+
+
+def _dense_small_prr_large(tmp_path):
+    """Dense wins at batch 1 (every context), PRR (delta 1.5) at batch 8, serial DSA at 32."""
+    ctxs = (8192, 131072)
+    prof = _profile({1: {1.0: 1.05}, 8: {1.5: 0.90}, 32: {1.0: 1.02}}, contexts=ctxs)
+    _with_dense(prof, {1: {8192: 0.7, 131072: 0.8}, 8: {8192: 2.0, 131072: 3.0},
+                       32: {8192: 2.0, 131072: 4.0}})
+    return _write(tmp_path, prof)
+
+
+@pytest.mark.parametrize("max_batch, reached, always", [
+    (1, [1], True), (2, [1], True),  # 2 is nearer 1 than 8 in log2
+    (3, [1, 8], False), (8, [1, 8], False), (12, [1, 8], False), (23, [1, 8, 32], False),
+    (4096, [1, 8, 32], False), (None, [1, 8, 32], False)])
+def test_the_batch_sizes_a_server_decodes_decide_always_dense(tmp_path, max_batch, reached,
+                                                              always):
+    """A server that decodes at most ``max_batch`` requests a step is decided by the profiled
+    batch sizes those map to: dense at every one of them keeps no summary and speculates never,
+    and then every batch size runs dense and none speculates, whatever the profile says of a
+    batch it cannot reach (the summaries such a batch would read are not kept)."""
+    pol = BudgetPolicy(_cfg(_dense_small_prr_large(tmp_path)), SHAPE, max_batch)
+    assert pol.reachable_batch_sizes() == reached
+    assert pol.always_dense() is always and pol.may_speculate() is (not always)
+    assert pol.dense(1)  # dense wins at batch 1 under either bound
+    if always:
+        assert all(pol.dense(b) for b in (1, 5, 8, 32, 100))
+        assert [pol.delta(b) for b in (1, 8, 32)] == [0.0, 0.0, 0.0]
+        assert pol.describe() == {"1": "dense", "8": "dense", "32": "dense"}
+        why = pol.reasons()
+        assert f"not reached: this server decodes at most {max_batch} requests" in why["8"]
+        assert "not reached" not in why["1"]
+    else:  # control: the unbounded choices
+        assert [pol.dense(b) for b in (1, 8, 32)] == [True, False, False]
+        assert [pol.delta(b) for b in (1, 8, 32)] == [0.0, 1.5, 0.0]
+        assert ("not reached" in pol.reasons()["32"]) is (32 not in reached)
+
+
+def test_a_bound_where_no_reached_batch_speculates_turns_speculation_off(tmp_path):
+    """PRR wins only at batch 32: a server of at most 4 requests never speculates (delta 0 for
+    every batch size, calibration off); control: at most 32 requests speculates at 32."""
+    prof = _profile({1: {1.0: 1.05}, 8: {1.0: 1.03}, 32: {1.5: 0.9}})
+    path = _write(tmp_path, prof)
+    small = BudgetPolicy(_cfg(path), SHAPE, 4)
+    assert not small.may_speculate() and not small.always_dense()
+    assert [small.delta(b) for b in (1, 8, 32, 64)] == [0.0] * 4
+    large = BudgetPolicy(_cfg(path), SHAPE, 32)
+    assert large.may_speculate() and large.delta(32) == 1.5 and large.delta(8) == 0.0
+
+
+@pytest.mark.parametrize("bad", [0, -3, True, 2.5, "8"])
+def test_a_bad_batch_bound_is_named(tmp_path, bad):
+    path = _dense_small_prr_large(tmp_path)
+    BudgetPolicy(_cfg(path), SHAPE, 1)  # control
+    with pytest.raises(ValueError, match=f"max_batch must be >= 1 or None, got {bad!r}"):
+        BudgetPolicy(_cfg(path), SHAPE, bad)
+
+
+def test_the_decode_batch_bound_of_a_runner(monkeypatch):
+    """The request pool's rows, aligned as SGLang's graph runner aligns its buckets; unknown (no
+    bound) without a pool or when the alignment cannot be read."""
+    from types import SimpleNamespace
+
+    import sglang.srt.utils.common as common
+    from sglang_prr.serving.server_args_patch import max_decode_batch_of
+
+    runner = SimpleNamespace(req_to_token_pool=SimpleNamespace(size=5), server_args=object())
+    monkeypatch.setattr(common, "get_cuda_graph_max_batch_size", lambda sa, n: -(-n // 4) * 4)
+    assert max_decode_batch_of(runner) == 8
+    monkeypatch.setattr(common, "get_cuda_graph_max_batch_size", lambda sa, n: n)
+    assert max_decode_batch_of(runner) == 5
+    for pool in (None, SimpleNamespace(size=0), SimpleNamespace(size=True), SimpleNamespace()):
+        assert max_decode_batch_of(SimpleNamespace(req_to_token_pool=pool, server_args=None)) \
+            is None
+
+    def unknown(sa, n):
+        raise RuntimeError("no parallel context")
+    monkeypatch.setattr(common, "get_cuda_graph_max_batch_size", unknown)
+    assert max_decode_batch_of(runner) is None
