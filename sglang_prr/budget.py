@@ -263,6 +263,11 @@ def _span(xs) -> str:
     return f"{lo}x" if lo == hi else f"{lo}-{hi}x"
 
 
+def _what(dense: bool, delta: float) -> str:
+    """What a batch size runs, in words."""
+    return DENSE if dense else (f"PRR delta {delta:g}" if delta > 0 else "serial DSA")
+
+
 class BudgetPolicy:
     """What each decode batch size runs: ``dense(batch)`` (dense attention) or the speculation
     budget ``delta(batch)`` (0.0 = serial DSA).
@@ -388,12 +393,13 @@ class BudgetPolicy:
                 best = chosen if chosen > 0 else min(stat, key=lambda dl: (*stat[dl], dl))
                 why = (f"the best delta {best:g} costs {stat[best][1]:.3f}x serial DSA per layer, "
                        f"up to {stat[best][0]:.3f}x")
-            what = DENSE if dense else (f"PRR delta {chosen:g}" if chosen > 0 else "serial DSA")
-            out[str(b)] = (f"{what}: {why}{dense_says} (over {over}; margin "
-                           f"{SPECULATE_MARGIN:g} at every context)")
-            if b not in reached:
-                out[str(b)] += (f"; not reached: this server decodes at most {self.max_batch} "
-                                f"requests a step")
+            said = (f"{_what(dense, chosen)}: {why}{dense_says} (over {over}; margin "
+                    f"{SPECULATE_MARGIN:g} at every context)")
+            if b not in reached:  # what runs follows the reached sizes (``describe``)
+                said = (f"{_what(self.dense(b), self.delta(b))}: not reached, this server "
+                        f"decodes at most {self.max_batch} requests a step; the profile alone: "
+                        f"{said}")
+            out[str(b)] = said
         return out
 
     def describe(self) -> Dict[str, object]:

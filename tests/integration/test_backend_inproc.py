@@ -711,7 +711,9 @@ def test_budget_auto_decided_by_the_batch_sizes_the_server_decodes(tmp_path, mon
     one = backs["one"]
     assert one.budget.max_batch == 1 and one.passthrough and not one.calibrates
     assert one.stats.budget == {"1": "dense", "4": "dense"}
-    assert "not reached: this server decodes at most 1 requests" in one.stats.budget_reason["4"]
+    assert one.stats.budget_reason["4"].startswith(
+        "dense: not reached, this server decodes at most 1 requests a step; the profile alone: "
+        "PRR delta 1.5: "), one.stats.budget_reason["4"]
     four = backs["four"]  # control
     assert four.budget.max_batch == 4 and four.keeps_summaries and four.calibrates
     assert four.stats.budget == {"1": "dense", "4": 1.5}

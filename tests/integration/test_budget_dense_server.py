@@ -70,6 +70,6 @@ def test_auto_runs_dense_where_the_profile_says(auto_dense_server, dense_server,
     assert set(stats["budget"].values()) == {"dense"}, stats["budget"]
     why = stats["budget_reason"]
     assert why["1"].startswith("dense: ") and "not reached" not in why["1"], why
-    assert why["4"].startswith("serial DSA: ") and "not reached: this server decodes at most" \
-        in why["4"], why
+    assert why["4"].startswith("dense: not reached, this server decodes at most") and \
+        "; the profile alone: serial DSA: " in why["4"], why
     assert stats["dense_rows"] > 0 and stats["decode_steps"] == 0, stats

@@ -470,12 +470,16 @@ def test_the_batch_sizes_a_server_decodes_decide_always_dense(tmp_path, max_batc
         assert [pol.delta(b) for b in (1, 8, 32)] == [0.0, 0.0, 0.0]
         assert pol.describe() == {"1": "dense", "8": "dense", "32": "dense"}
         why = pol.reasons()
-        assert f"not reached: this server decodes at most {max_batch} requests" in why["8"]
-        assert "not reached" not in why["1"]
+        assert why["8"].startswith(f"dense: not reached, this server decodes at most "
+                                   f"{max_batch} requests a step; the profile alone: PRR delta "
+                                   f"1.5: "), why["8"]
+        assert why["1"].startswith("dense: ") and "not reached" not in why["1"]
     else:  # control: the unbounded choices
         assert [pol.dense(b) for b in (1, 8, 32)] == [True, False, False]
         assert [pol.delta(b) for b in (1, 8, 32)] == [0.0, 1.5, 0.0]
-        assert ("not reached" in pol.reasons()["32"]) is (32 not in reached)
+        why = pol.reasons()["32"]
+        assert why.startswith("serial DSA: not reached" if 32 not in reached else
+                              "serial DSA: the best delta"), why
 
 
 def test_a_bound_where_no_reached_batch_speculates_turns_speculation_off(tmp_path):
