@@ -644,16 +644,22 @@ def test_budget_auto_runs_dense_where_the_profile_says(tmp_path):
     assert snap["budget"] == {"1": "dense", "4": 1.5} and snap["hit_rate"] is not None
 
 
+def _seeded_auto(tmp_path, rel, dense):
+    """A fresh seed (printed), the budget tests' base options (block PAGE, K = 2 blocks) and an
+    ``auto`` config over ``_auto_profile(rel, dense)`` for the World's shape (4 / 2 heads)."""
+    seed = random.randrange(1 << 30)
+    print(f"seed={seed}")
+    base = dict(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40, calib_queries=6)
+    path = _auto_profile(tmp_path, 4, 2, rel, dense=dense)
+    return seed, base, PRRConfig(budget="auto", profile=path, **base)
+
+
 def test_budget_auto_dense_everywhere_is_the_inner_backend(tmp_path):
     """A profile that measures dense attention faster at every batch size: every decode step
     equals the dense inner backend's output exactly, nothing of the sparse step is planned, and
     neither prefill nor decode writes a block summary (no request can decode sparse). Control: a
     server whose profile runs batch 4 sparse writes the summaries during the same steps."""
-    seed = random.randrange(1 << 30)
-    print(f"seed={seed}")
-    base = dict(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40, calib_queries=6)
-    every = _auto_profile(tmp_path, 4, 2, {1: {1.5: 1.1}, 4: {1.5: 0.9}}, dense={1: 0.5, 4: 0.6})
-    cfg = PRRConfig(budget="auto", profile=every, **base)
+    seed, base, cfg = _seeded_auto(tmp_path, {1: {1.5: 1.1}, 4: {1.5: 0.9}}, {1: 0.5, 4: 0.6})
     worlds = {m: World(2, 4, 2, cfg, seed) for m in ("auto", "mixed", "dense")}
     backs = {"auto": _backends(worlds["auto"], {"auto": cfg})["auto"],
              "dense": _backends(worlds["dense"], {})["dense"]}
@@ -699,11 +705,7 @@ def test_budget_auto_decided_by_the_batch_sizes_the_server_decodes(tmp_path, mon
     import sglang.srt.utils.common as common
 
     monkeypatch.setattr(common, "get_cuda_graph_max_batch_size", lambda server_args, n: n)
-    seed = random.randrange(1 << 30)
-    print(f"seed={seed}")
-    base = dict(block_size=PAGE, top_k=2, top_k_unit="blocks", min_context=40, calib_queries=6)
-    path = _auto_profile(tmp_path, 4, 2, {1: {1.5: 1.1}, 4: {1.5: 0.8}}, dense={1: 0.5, 4: 1.5})
-    cfg = PRRConfig(budget="auto", profile=path, **base)
+    seed, _, cfg = _seeded_auto(tmp_path, {1: {1.5: 1.1}, 4: {1.5: 0.8}}, {1: 0.5, 4: 1.5})
     worlds = {m: World(2, 4, 2, cfg, seed) for m in ("one", "four", "dense")}
     worlds["one"].req.size, worlds["four"].req.size = 1, 4
     backs = {m: _backends(worlds[m], {m: cfg})[m] for m in ("one", "four")}
