@@ -285,7 +285,7 @@ class BudgetPolicy:
                                       not isinstance(max_batch, int) or max_batch < 1):
             raise ValueError(f"BudgetPolicy: max_batch must be >= 1 or None, got {max_batch!r}")
         self.cfg = cfg
-        self.max_batch = None if max_batch is None else int(max_batch)
+        self.max_batch = max_batch
         self.profile: Optional[BudgetProfile] = None
         self.contexts: Optional[List[int]] = None
         if cfg.enabled and not cfg.serial and cfg.budget == "auto":
@@ -347,7 +347,7 @@ class BudgetPolicy:
         (``reachable_batch_sizes``: a server of at most 1 request a step is decided by batch 1
         alone). No request ever decodes sparse then, so the server updates no block summary and
         calibrates nothing, and a larger batch than ``max_batch`` would run dense too."""
-        return (not self.cfg.serial and self.cfg.enabled and self._always_dense)
+        return self._always_dense  # a profile is loaded only for auto, never with serial DSA
 
     def delta(self, batch: int) -> float:
         if self.cfg.serial or not self.cfg.enabled:
