@@ -125,8 +125,19 @@ class PRRState:
             return []
         rows = sorted(self._pending)
         self._pending.clear()
-        self._reset(torch.tensor(rows, dtype=torch.long, device=self.level.device))
+        self._reset(self._index(rows))
         return rows
+
+    def _index(self, rows: List[int]) -> torch.Tensor:
+        """``rows`` as an index tensor on the state's device, copied without waiting for it: a
+        copy from pageable host memory (``torch.tensor(rows, device=...)``) synchronises the host
+        with the stream, i.e. waits for every launch queued before it, at each prefill that brings
+        a new request (the overlap scheduler's next batch waits with it). From pinned memory the
+        copy is queued like a kernel, and the caching host allocator keeps the buffer until the
+        copy is done."""
+        cuda = self.level.device.type == "cuda"
+        host = torch.tensor(rows, dtype=torch.long, pin_memory=cuda)
+        return host.to(self.level.device, non_blocking=cuda)
 
     def _reset(self, rows) -> None:
         self.level[:, rows] = 0.0

@@ -250,7 +250,8 @@ class PRRBackend:
         self.stats.maybe_flush()
         mode = fb.forward_mode
         if mode.is_extend():
-            self.state.apply_resets()
+            if not self.passthrough:  # (no layer reads the predictor state)
+                self.state.apply_resets()
             self.stats.extend_batches += 1
             self._ext_plan = None
         elif mode.is_decode():

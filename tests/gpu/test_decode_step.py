@@ -288,3 +288,37 @@ def test_side_predictor_equals_fused_in_graphs(batch, group, page):
             assert torch.equal(a, b), f"step {t}: {name}"
     assert not torch.equal(graphs[True].state.level, start[2])  # control: the state moved
     assert not torch.equal(graphs[True].state.p_idx, start[0])
+
+
+def test_state_row_resets_do_not_wait_for_the_device():
+    """``PRRState.apply_resets`` (at a prefill that brings new requests) queues its row resets
+    without synchronising the host: under torch's sync debug mode ``error`` nothing raises, and
+    exactly the new rows are reset. Negative control: the pageable copy it replaced,
+    ``torch.tensor(rows, device=...)``, raises in the same mode."""
+    from sglang_prr.config import PRRConfig
+    from sglang_prr.state import PRRState
+
+    class Pool:  # SGLang's ReqToTokenPool as the state reads it (weakly referenced)
+        req_to_token = torch.zeros(7, 200, dtype=torch.int32, device=DEV)
+
+    pool = Pool()
+    st = PRRState(PRRConfig(top_k=3, top_k_unit="blocks", block_size=16).validate(), 3, 2, pool,
+                  DEV)
+    st.apply_resets()  # the first forward resets every row
+    st.level.fill_(1.0)
+    st.n_init.fill_(5)
+    new = random.sample(range(7), 3)
+    print(f"new rows {new}")
+    st.mark_new(new)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = st.apply_resets()
+        with pytest.raises(RuntimeError):
+            torch.tensor(new, dtype=torch.long, device=DEV)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    kept = [r for r in range(7) if r not in new]
+    assert rows == sorted(new)
+    assert float(st.level[:, new].abs().sum()) == 0 and int(st.n_init[:, new].sum()) == 0
+    assert bool((st.level[:, kept] == 1).all()) and bool((st.n_init[:, kept] == 5).all())

@@ -669,6 +669,8 @@ def test_budget_auto_dense_everywhere_is_the_inner_backend(tmp_path):
     start = [[t.clone() for t in auto.summaries.layer(i)] for i in range(2)]
     gap, planned = 0.0, set()
     steps = AUTO_STEPS
+    resets = {"auto": [], "mixed": []}  # calls of the predictor state's row resets
+    auto.state.apply_resets = lambda: resets["auto"].append(1) or []
     for rows, new in steps:
         outs, fbs = {}, {}
         for m in ("auto", "dense"):
@@ -690,10 +692,15 @@ def test_budget_auto_dense_everywhere_is_the_inner_backend(tmp_path):
                                                            **base)})["mixed"]
     assert mixed.keeps_summaries and not mixed.passthrough
     before = [t.clone() for t in mixed.summaries.layer(0)]
+    reset = mixed.state.apply_resets
+    mixed.state.apply_resets = lambda: resets["mixed"].append(1) or reset()
     for rows, new in steps[:3]:
         fb, q, k, v = worlds["mixed"].batch(rows, new)
         _forward(mixed, worlds["mixed"], fb, q, k, v)
     assert not all(torch.equal(a, b) for a, b in zip(mixed.summaries.layer(0), before))
+    # The state no layer reads is not reset at each prefill (launches, a host-to-device copy);
+    # the control's is.
+    assert resets["auto"] == [] and resets["mixed"], resets
 
 
 def test_budget_auto_decided_by_the_batch_sizes_the_server_decodes(tmp_path, monkeypatch):
