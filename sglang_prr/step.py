@@ -65,6 +65,7 @@ from .methods import NewKeys, SelectSpec
 ENV_FOLD_NEW_KEYS = "SGLANG_PRR_FOLD_NEW_KEYS"
 ENV_SUMMARY_UPDATE = "SGLANG_PRR_SUMMARY_UPDATE"
 ENV_SPEC_ORDER = "SGLANG_PRR_SPEC_ORDER"
+ENV_KV_STORE = "SGLANG_PRR_KV_STORE"
 
 
 def _env_choice(name: str, default: str, other: str) -> str:
@@ -167,6 +168,12 @@ class DecodeStep:
         # kernels in the order they were recorded, and the first one's CTAs take the SMs, so the
         # order decides which one waits for room (a measuring knob).
         self.spec_first = _env_choice(ENV_SPEC_ORDER, "after", "first") == "first"
+        # SGLANG_PRR_KV_STORE=beside: the step's KV store (``run``'s ``store``) runs beside the
+        # selection where the selection writes the new keys itself and so reads nothing of the
+        # pool: serial DSA's on the side stream, joined before the attention; PRR's on the main
+        # stream after the fork, before the speculative pass (default: first, before the step;
+        # a measuring knob).
+        self.store_beside = _env_choice(ENV_KV_STORE, "first", "beside") == "beside"
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
@@ -174,6 +181,7 @@ class DecodeStep:
             self.forked = torch.cuda.Event()
             self.selected = torch.cuda.Event()
             self.side_done = torch.cuda.Event()
+            self.stored = torch.cuda.Event()
 
     # ------------------------------------------------------------------ once per forward
     def plan(self, req_to_token: Tensor, req_pool_indices: Tensor,
@@ -208,7 +216,8 @@ class DecodeStep:
             batch: DecodeBatch, state: Optional[LayerState], stats: Optional[Tensor],
             sm_scale: float, out_dtype: torch.dtype, join: bool = True,
             new_keys: Optional[NewKeys] = None,
-            update: Optional[Callable[[], None]] = None) -> Tensor:
+            update: Optional[Callable[[], None]] = None,
+            store: Optional[Callable[[], None]] = None, keep: Sequence[Tensor] = ()) -> Tensor:
         """One layer's decode attention: ``o [B, Hq, D]`` in ``out_dtype``.
 
         q: ``[B, Hq, D]`` (rows may be strided, heads packed); k_buf/v_buf: the layer's
@@ -222,10 +231,16 @@ class DecodeStep:
         the method's selection writes the new keys itself, that selection is the update and
         ``update`` is not called; else ``update`` runs first, or, where the selection folds
         the keys into its scores, on the side stream after the selection (PRR) or the
-        attention (serial DSA), off the critical path)."""
+        attention (serial DSA), off the critical path); store / keep: the step's KV store of the
+        new tokens and the tensors it reads, run first, or (``SGLANG_PRR_KV_STORE=beside``, where
+        the selection writes the new keys) beside the selection, before anything that reads the
+        pool."""
         b, dsa = batch, self.dsa
         fold = new_keys is not None and dsa.folds_new_keys and self.fold_keys
         writes = fold and dsa.writes_new_keys and self.write_keys
+        beside = store is not None and writes and self.store_beside and self.cuda
+        if store is not None and not beside:
+            store()  # before the update, which may read the pool
         if fold and not writes:
             new_keys = new_keys._replace(loc=None)  # fold only: the update runs below
         side_update = fold and not writes and update is not None and self.cuda
@@ -240,18 +255,16 @@ class DecodeStep:
         attn = dict(table=b.table, seq_lens=b.seq_lens, page_size=self.page, sm_scale=sm_scale,
                     out_dtype=out_dtype)
         if b.n_pred == 0:
+            if beside:  # the store on the side stream, the attention joins it
+                self._beside(store, keep, self.stored)
             a = dsa.select(q, summary, **sel)
+            if beside:
+                torch.cuda.current_stream(self.device).wait_event(self.stored)
             o = ops.sparse_attn_merge(q, k_buf, v_buf, idx=a.a_idx, cnt=a.a_cnt, **attn)[0]
             if side_update:  # after the attention, beside the layer's next kernels
-                main = torch.cuda.current_stream(self.device)
-                self.forked.record(main)
-                with torch.cuda.stream(self.side):
-                    self.side.wait_event(self.forked)
-                    self._keep(new_keys)
-                    update()
-                    self.side_done.record(self.side)
+                self._beside(update, new_keys, self.side_done)
                 if join:
-                    main.wait_event(self.side_done)
+                    torch.cuda.current_stream(self.device).wait_event(self.side_done)
             return o
         st = state
         if st.p_idx.shape[0] != 2 * st.level.shape[0]:
@@ -281,6 +294,8 @@ class DecodeStep:
         if self.cuda:
             main = torch.cuda.current_stream(self.device)
             self.forked.record(main)  # the selection waits for this point, not for the pass
+            if beside:  # the pass and the repair read the new tokens' K/V, the selection not
+                store()
             if self.spec_first:
                 spec = speculate()
             with torch.cuda.stream(self.side):
@@ -313,8 +328,20 @@ class DecodeStep:
             main.wait_event(self.side_done)
         return o
 
-    def _keep(self, new_keys: NewKeys) -> None:
-        """The new keys' tensors are the main stream's; the side stream reads them too."""
-        for t in new_keys:
+    def _beside(self, fn: Callable[[], None], keep: Sequence[Optional[Tensor]],
+                done: "torch.cuda.Event") -> None:
+        """``fn`` on the side stream from this point of the main one on (``keep``: the main
+        stream's tensors it reads), then ``done`` recorded there for a later join."""
+        self.forked.record(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.side):
+            self.side.wait_event(self.forked)
+            self._keep(keep)
+            fn()
+            done.record(self.side)
+
+    def _keep(self, tensors: Sequence[Optional[Tensor]]) -> None:
+        """Tensors of the main stream (the new keys, the KV store's inputs) that the side stream
+        reads too."""
+        for t in tensors:
             if t is not None:
                 t.record_stream(self.side)

@@ -400,9 +400,9 @@ class PRRBackend:
         cfg, l = self.cfg, layer.layer_id
         Hq, D, Dv = layer.tp_q_head_num, layer.qk_head_dim, layer.v_head_dim
         B = fb.seq_lens.shape[0]
-        # 1. KV write (the inner backend's store).
-        if save_kv_cache and k is not None and v is not None:
-            self.kv_pool.set_kv_buffer(layer, fb.out_cache_loc, k, v)
+        # 1. KV write (the inner backend's store), placed by the step (``DecodeStep.run``).
+        store = (functools.partial(self.kv_pool.set_kv_buffer, layer, fb.out_cache_loc, k, v)
+                 if save_kv_cache and k is not None and v is not None else None)
         # 2. The sparse step, for every row (short rows attend every block), with the summary
         # update of the new token (the step places it: in Quest's selection, which writes it;
         # first; or beside the selection). Padded graph rows have out_cache_loc 0: page 0.
@@ -422,7 +422,7 @@ class PRRBackend:
                           summary, batch, None if cfg.serial else self.state.layer(l),
                           self.stats.counters, layer.scaling, q.dtype,
                           join=traced or self._join_layer in (None, l), new_keys=new_keys,
-                          update=update)
+                          update=update, store=store, keep=(fb.out_cache_loc, k, v))
         if traced:  # (joined above: the trace reads the updated summaries)
             scores = ops.select_blocks(cfg.method, q3, summary, batch.table, batch.seq_lens,
                                        self.page, layer.scaling)

@@ -12,6 +12,7 @@ blocks' scores differ. Conventions as in ``test_fused_kernels.py``.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -149,7 +150,10 @@ def _step_graph(seed, batch, group, page, where):
     update): ``where`` = ``select``: the selection writes the keys (no update launch); ``side``:
     the update on the side stream, the keys folded into the selection; ``first``: the update
     first (``SGLANG_PRR_FOLD_NEW_KEYS=0``); ``spec_first``: as ``select``, PRR's speculative pass
-    recorded before the selection (``SGLANG_PRR_SPEC_ORDER=first``). The last row pads the batch
+    recorded before the selection (``SGLANG_PRR_SPEC_ORDER=first``); ``kv_beside``: as ``select``,
+    the KV store handed to the steps, which run it beside the selection
+    (``SGLANG_PRR_KV_STORE=beside``); ``no_store``: as ``select`` without the KV store (a
+    control: the new keys never reach the cache). The last row pads the batch
     as SGLang's graphs do (request slot 0, length 1, KV slot 0). Returns the graph, its inputs
     (q, the new keys, the lengths), its outputs and its KV cache."""
     from sglang_prr.methods import NewKeys
@@ -165,8 +169,9 @@ def _step_graph(seed, batch, group, page, where):
         steps[serial] = DecodeStep("quest", 4, 6, 1, 1, page, min_context=8 * page + 1,
                                    exact=True, serial=serial, device=DEV)
         steps[serial].fold_keys = where != "first"
-        steps[serial].write_keys = where in ("select", "spec_first")
+        steps[serial].write_keys = where in ("select", "spec_first", "kv_beside", "no_store")
         steps[serial].spec_first = where == "spec_first"
+        steps[serial].store_beside = where == "kv_beside"
     state = new_layer_state(batch + 1, hk, kv.table.shape[1], 8, (0.6, 0.3, 0.5), DEV)
     rows = torch.cat([kv.rows.flip(0), torch.zeros(1, dtype=torch.long, device=DEV)])
     B = batch + 1
@@ -179,7 +184,9 @@ def _step_graph(seed, batch, group, page, where):
         pos = seq - 1
         loc = kv.req_to_token[rows, pos].long()
         loc[batch:] = 0  # the padding row's KV slot, as SGLang pads out_cache_loc
-        kv.k_buf.index_copy_(0, loc, knew)  # the KV store of the new keys
+        store = functools.partial(kv.k_buf.index_copy_, 0, loc, knew)  # the new keys' KV store
+        if where not in ("kv_beside", "no_store"):
+            store()
         nk = NewKeys(knew, loc, pos)
 
         def update():
@@ -190,7 +197,9 @@ def _step_graph(seed, batch, group, page, where):
             b = step.plan(kv.req_to_token, rows, seq)
             outs[name].copy_(step.run(q, kv.k_buf, kv.v_buf, [kv.kmin, kv.kmax], b,
                                       None if serial else state, None, 1 / math.sqrt(d), dt,
-                                      new_keys=nk, update=update))
+                                      new_keys=nk, update=update,
+                                      store=store if where == "kv_beside" else None,
+                                      keep=(loc, knew)))
 
     return capture(body), (q, knew, seq), outs, kv
 
@@ -199,13 +208,13 @@ def _step_graph(seed, batch, group, page, where):
 def test_decode_step_with_the_update_in_or_beside_equals_update_first(batch, group, page):
     """The selection writing the new keys, and the summary update on the side stream with the
     keys folded into the selection, and the writing selection recorded after PRR's speculative
-    pass, against the update first, all in CUDA graphs with new keys every replay: the same
-    outputs, bit for bit (PRR == serial DSA in each), and the same
-    summaries after every replay (page 0, the padding row's, aside); the summaries moved
-    (control)."""
+    pass, and the writing selection with the KV store beside it, against the update first, all
+    in CUDA graphs with new keys every replay: the same outputs, bit for bit (PRR == serial DSA
+    in each), and the same summaries after every replay (page 0, the padding row's, aside); the
+    summaries moved, and without the KV store the output differs (controls)."""
     seed = seeded(f"step fold batch={batch} group={group} page={page}")
     runs = {w: _step_graph(seed, batch, group, page, w)
-            for w in ("select", "side", "spec_first", "first")}
+            for w in ("select", "side", "spec_first", "kv_beside", "no_store", "first")}
     g = torch.Generator().manual_seed(seed + 1)
     ctx = 40 * page + 7
     start = runs["select"][3].kmin.clone()
@@ -221,8 +230,10 @@ def test_decode_step_with_the_update_in_or_beside_equals_update_first(batch, gro
         o = {w: runs[w][2] for w in runs}
         for w in runs:
             assert torch.equal(o[w]["prr"][:batch], o[w]["ser"][:batch]), (w, t)
-        for w in ("select", "side", "spec_first"):
+        for w in ("select", "side", "spec_first", "kv_beside"):
             assert torch.equal(o[w]["prr"][:batch], o["first"]["prr"][:batch]), (w, t)
             assert torch.equal(runs[w][3].kmin[1:], runs["first"][3].kmin[1:]), (w, t)
             assert torch.equal(runs[w][3].kmax[1:], runs["first"][3].kmax[1:]), (w, t)
+        # Control: without the KV store the new keys never reach the attention.
+        assert not torch.equal(o["no_store"]["prr"][:batch], o["first"]["prr"][:batch]), t
     assert not torch.equal(runs["select"][3].kmin, start)  # control: the updates ran

@@ -213,17 +213,20 @@ def test_new_key_arguments_are_checked(seed, bad, match):
 
 
 @pytest.mark.parametrize("method,fold,where,want", [
-    ("quest", True, "select", [("select", True, True)]),
-    ("quest", True, "side", [("update",), ("select", True, False)]),
-    ("quest", False, "select", [("update",), ("select", False, False)]),
-    ("infllm_v2", True, "select", [("update",), ("select", False, False)])])
+    ("quest", True, "select", [("store",), ("select", True, True)]),
+    ("quest", True, "side", [("store",), ("update",), ("select", True, False)]),
+    ("quest", False, "select", [("store",), ("update",), ("select", False, False)]),
+    ("infllm_v2", True, "select", [("store",), ("update",), ("select", False, False)])])
 def test_decode_step_places_the_update(seed, monkeypatch, method, fold, where, want):
     """``DecodeStep`` hands the new keys with their slots to a selection that writes them, and
     then runs no update; else it runs the update first on CPU (on CUDA, where the selection folds
     the keys, beside it: ``SGLANG_PRR_SUMMARY_UPDATE=side``) and hands the keys, without slots,
     to the selection only where the method folds them (and ``SGLANG_PRR_FOLD_NEW_KEYS`` is not
-    0); the output is serial DSA's either way (against the update first, no new keys)."""
+    0); the output is serial DSA's either way (against the update first, no new keys). The KV
+    store runs before all of them (on CPU also with ``SGLANG_PRR_KV_STORE=beside``, a CUDA
+    placement)."""
     monkeypatch.setenv("SGLANG_PRR_SUMMARY_UPDATE", where)
+    monkeypatch.setenv("SGLANG_PRR_KV_STORE", "beside")
     from sglang_prr.step import DecodeStep
     from sglang_prr.tools.synthetic import paged_kv
     g = torch.Generator().manual_seed(seed)
@@ -252,7 +255,8 @@ def test_decode_step_places_the_update(seed, monkeypatch, method, fold, where, w
     step.fold_keys = fold
     b = step.plan(kv.req_to_token, kv.rows, seq)
     o = step.run(q, kv.k_buf, kv.v_buf, summary, b, None, None, 0.2, torch.float32,
-                 new_keys=NewKeys(knew, loc, pos), update=lambda: calls.append(("update",)))
+                 new_keys=NewKeys(knew, loc, pos), update=lambda: calls.append(("update",)),
+                 store=lambda: calls.append(("store",)))
     assert calls == want
     calls.clear()
     o2 = step.run(q, kv.k_buf, kv.v_buf, summary, b, None, None, 0.2, torch.float32)
@@ -304,19 +308,23 @@ def test_decode_step_writing_selection_is_the_update_first(seed, monkeypatch):
                    device="cpu")
 
 
-@pytest.mark.parametrize("value,first", [("first", True), ("after", False), (None, False)])
-def test_spec_order_flag_is_read_and_checked(monkeypatch, value, first):
+@pytest.mark.parametrize("name,attr,other,default,serial", [
+    ("SGLANG_PRR_SPEC_ORDER", "spec_first", "first", "after", False),
+    ("SGLANG_PRR_KV_STORE", "store_beside", "beside", "first", True)])
+@pytest.mark.parametrize("value", ["other", "default", None])
+def test_step_knobs_are_read_and_checked(monkeypatch, name, attr, other, default, serial, value):
     """``SGLANG_PRR_SPEC_ORDER`` sets where PRR's speculative pass is recorded (default: after
-    the selection); any other value is refused with its name (control)."""
+    the selection), ``SGLANG_PRR_KV_STORE`` where the step's KV store runs (default: first); any
+    other value is refused with its name (control)."""
     from sglang_prr.step import DecodeStep
     if value is None:
-        monkeypatch.delenv("SGLANG_PRR_SPEC_ORDER", raising=False)
+        monkeypatch.delenv(name, raising=False)
     else:
-        monkeypatch.setenv("SGLANG_PRR_SPEC_ORDER", value)
-    step = DecodeStep("quest", 4, 6, 1, 1, 16, min_context=0, exact=True, serial=False,
+        monkeypatch.setenv(name, other if value == "other" else default)
+    step = DecodeStep("quest", 4, 6, 1, 1, 16, min_context=0, exact=True, serial=serial,
                       device="cpu")
-    assert step.spec_first is first
-    monkeypatch.setenv("SGLANG_PRR_SPEC_ORDER", "before")
-    with pytest.raises(ValueError, match="SGLANG_PRR_SPEC_ORDER='before'"):
-        DecodeStep("quest", 4, 6, 1, 1, 16, min_context=0, exact=True, serial=False,
+    assert getattr(step, attr) is (value == "other")
+    monkeypatch.setenv(name, "before")
+    with pytest.raises(ValueError, match=f"{name}='before'"):
+        DecodeStep("quest", 4, 6, 1, 1, 16, min_context=0, exact=True, serial=serial,
                    device="cpu")
