@@ -140,12 +140,19 @@ class PRRState:
         return host.to(self.level.device, non_blocking=cuda)
 
     def _reset(self, rows) -> None:
-        self.level[:, rows] = 0.0
-        self.trend[:, rows] = 0.0
-        self.n_init[:, rows] = 0
-        self.theta[:, rows] = self.shared_theta.unsqueeze(1)
-        both = slice(None) if isinstance(rows, slice) else torch.cat([2 * rows, 2 * rows + 1])
-        self.p_idx[:, both] = -1
-        self.p_cnt[:, both] = 0
-        self.h_sum[:, rows] = 0.0
-        self.h_cnt[:, rows] = 0.0
+        """Reset ``rows`` (a slice, or a device index tensor) of every tensor. Scalars go in by
+        ``index_fill_``: an indexed assignment of a Python number (``t[:, rows] = 0.0``) makes the
+        number a host tensor and copies it over, which synchronises like any pageable copy."""
+        if isinstance(rows, slice):
+            for t, v in ((self.level, 0.0), (self.trend, 0.0), (self.n_init, 0),
+                         (self.p_idx, -1), (self.p_cnt, 0), (self.h_sum, 0.0), (self.h_cnt, 0.0)):
+                t.fill_(v)
+            self.theta.copy_(self.shared_theta.unsqueeze(1).expand_as(self.theta))
+            return
+        both = torch.cat([2 * rows, 2 * rows + 1])
+        for t, v, r in ((self.level, 0.0, rows), (self.trend, 0.0, rows), (self.n_init, 0, rows),
+                        (self.p_idx, -1, both), (self.p_cnt, 0, both), (self.h_sum, 0.0, rows),
+                        (self.h_cnt, 0.0, rows)):
+            t.index_fill_(1, r, v)
+        L = self.theta.shape[0]
+        self.theta.index_copy_(1, rows, self.shared_theta.unsqueeze(1).expand(L, rows.numel(), 3))

@@ -293,8 +293,9 @@ def test_side_predictor_equals_fused_in_graphs(batch, group, page):
 def test_state_row_resets_do_not_wait_for_the_device():
     """``PRRState.apply_resets`` (at a prefill that brings new requests) queues its row resets
     without synchronising the host: under torch's sync debug mode ``error`` nothing raises, and
-    exactly the new rows are reset. Negative control: the pageable copy it replaced,
-    ``torch.tensor(rows, device=...)``, raises in the same mode."""
+    exactly the new rows are reset. Negative controls: the pageable copy it replaced,
+    ``torch.tensor(rows, device=...)``, and the indexed assignment of a Python number it replaced
+    (``level[:, rows] = 0.0``) raise in the same mode."""
     from sglang_prr.config import PRRConfig
     from sglang_prr.state import PRRState
 
@@ -316,6 +317,8 @@ def test_state_row_resets_do_not_wait_for_the_device():
         rows = st.apply_resets()
         with pytest.raises(RuntimeError):
             torch.tensor(new, dtype=torch.long, device=DEV)
+        with pytest.raises(RuntimeError):  # a Python number assigned through a device index
+            st.level[:, torch.zeros(1, dtype=torch.long, device=DEV)] = 0.0
     finally:
         torch.cuda.set_sync_debug_mode(0)
     kept = [r for r in range(7) if r not in new]
