@@ -30,16 +30,26 @@ cudaError_t set_smem_limit(K* kernel, size_t bytes) {
 
 // Programmatic dependent launch (PDL). With SGLANG_PRR_PDL=1 every kernel of the library is
 // launched with programmatic stream serialization: it may be scheduled while the kernel before it
-// in the stream (or graph) is still running, so its launch latency hides under that kernel's tail.
+// in the stream (or graph) is still running, once that kernel has signalled (pdl_trigger) or
+// exited in every CTA, so its launch latency hides under that kernel's tail.
 // Correctness rests on one rule: every kernel calls pdl_begin() before its first global-memory
 // access (read or write), and griddepcontrol.wait returns only once the previous grid has
 // completed and its writes are visible. Without the launch attribute both instructions are no-ops.
-// pdl_begin() also signals at once that the next kernel may be scheduled: it then waits in its own
-// pdl_begin() while this one runs (the signal fires only when every CTA of this grid has started
-// or exited, so waiting CTAs never keep this grid's CTAs from being scheduled).
+// The signal is late, where a kernel places it: a kernel that signalled at its top had the next
+// one's CTAs scheduled while its own were still running, onto the SMs freed first, where they
+// waited; the attention then ended 6 us later than launched after the selection (run 27). The
+// selection signals when only its rows' tails are left (a CTA per row), so the attention's CTAs
+// spread over SMs that are free and start the moment the selection's writes are visible.
 __device__ __forceinline__ void pdl_begin() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// The signal that the next kernel (launched with the PDL attribute) may be scheduled: called by
+// every CTA that does not exit first (an exit counts as the signal).
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }

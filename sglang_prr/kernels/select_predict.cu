@@ -355,6 +355,7 @@ quest_select_onepass_kernel(SelectArgs a) {
     else reinterpret_cast<int*>(a.n_init)[srow] = ninit_new;
   }
   if (!last) return probe_exit(a);
+  pdl_trigger();  // only the rows' tails are left: the next kernel's CTAs may be scheduled
 
   // ================================================================ the row's tail
   if (srow_out)
