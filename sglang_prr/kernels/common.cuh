@@ -46,8 +46,8 @@ __device__ __forceinline__ void pdl_begin() {
 #endif
 }
 
-// The signal that the next kernel (launched with the PDL attribute) may be scheduled: called by
-// every CTA that does not exit first (an exit counts as the signal).
+// The signal that the next kernel (launched with the PDL attribute) may be scheduled: it is
+// scheduled once every CTA of this grid has called this or exited (an exit counts as the signal).
 __device__ __forceinline__ void pdl_trigger() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
