@@ -119,7 +119,7 @@ class PRRState:
         if self._pending_all:
             self._pending_all = False
             self._pending.clear()
-            self._reset(slice(None))
+            self._reset(torch.arange(self.rows, device=self.level.device))
             return [-1]
         if not self._pending:
             return []
@@ -139,16 +139,10 @@ class PRRState:
         host = torch.tensor(rows, dtype=torch.long, pin_memory=cuda)
         return host.to(self.level.device, non_blocking=cuda)
 
-    def _reset(self, rows) -> None:
-        """Reset ``rows`` (a slice, or a device index tensor) of every tensor. Scalars go in by
+    def _reset(self, rows: torch.Tensor) -> None:
+        """Reset ``rows`` (a device index tensor) of every tensor. Scalars go in by
         ``index_fill_``: an indexed assignment of a Python number (``t[:, rows] = 0.0``) makes the
         number a host tensor and copies it over, which synchronises like any pageable copy."""
-        if isinstance(rows, slice):
-            for t, v in ((self.level, 0.0), (self.trend, 0.0), (self.n_init, 0),
-                         (self.p_idx, -1), (self.p_cnt, 0), (self.h_sum, 0.0), (self.h_cnt, 0.0)):
-                t.fill_(v)
-            self.theta.copy_(self.shared_theta.unsqueeze(1).expand_as(self.theta))
-            return
         both = torch.cat([2 * rows, 2 * rows + 1])
         for t, v, r in ((self.level, 0.0, rows), (self.trend, 0.0, rows), (self.n_init, 0, rows),
                         (self.p_idx, -1, both), (self.p_cnt, 0, both), (self.h_sum, 0.0, rows),
