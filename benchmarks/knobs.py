@@ -27,6 +27,9 @@ def attn_launch() -> str:
 
 def select_kernel() -> str:
     """The selection path this environment forces (``SGLANG_PRR_SELECT_KERNEL``, else ``auto``),
-    with ``+grid-<v>`` where ``SGLANG_PRR_SELECT_GRID`` caps the selection grids."""
+    with ``+grid-<v>`` where ``SGLANG_PRR_SELECT_GRID`` caps the selection grids and
+    ``+scores-warp`` where ``SGLANG_PRR_SCORES_KERNEL=warp`` asks for the warp-per-block scores."""
     grid = os.environ.get("SGLANG_PRR_SELECT_GRID", "")
-    return os.environ.get("SGLANG_PRR_SELECT_KERNEL", "auto") + (f"+grid-{grid}" if grid else "")
+    scores = "+scores-warp" if os.environ.get("SGLANG_PRR_SCORES_KERNEL") == "warp" else ""
+    return (os.environ.get("SGLANG_PRR_SELECT_KERNEL", "auto") + (f"+grid-{grid}" if grid else "")
+            + scores)

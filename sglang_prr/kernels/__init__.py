@@ -10,4 +10,5 @@ first decode step / graph capture. This module only re-exports the names callers
 from .dispatch import (ATTN_HEAD_DIMS, ATTN_MAX_GROUP, CALIB_MAX_BLOCKS, IMPLS,  # noqa: F401
                        MAX_GROUPS, TOPK_MAX_BLOCKS, register)
 from .loader import (FLOAT_TYPES, active, aligned, attn_spread_launches,  # noqa: F401
-                     is_sm90, launches_with_pdl, load, load_error, prepare)
+                     is_sm90, launches_with_pdl, load, load_error, prepare,
+                     scores_stream_launches)

@@ -600,6 +600,8 @@ bool launches_with_pdl() { return prr::launches_with_pdl(); }
 
 int64_t attn_spread_launches() { return prr::attn_spread_launches(); }
 
+int64_t scores_stream_launches() { return prr::scores_stream_launches(); }
+
 // The timing probe's records of the last probed launch (SGLANG_PRR_ATTN_TIMELINE=1 or
 // SGLANG_PRR_SELECT_TIMELINE=1): [ctas, kTimelineSlots] int64 on the host, and the SM clock in
 // kHz (clock64 stamps to time). Waits for the device: development only.
@@ -672,6 +674,7 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
   // No tensor argument: a catch-all kernel (dispatched without a device).
   m.def("launches_with_pdl() -> bool", &launches_with_pdl);
   m.def("attn_spread_launches() -> int", &attn_spread_launches);
+  m.def("scores_stream_launches() -> int", &scores_stream_launches);
   m.def("probe_timeline() -> (Tensor, int)", &probe_timeline);
 }
 

@@ -139,6 +139,13 @@ def attn_spread_launches() -> int:
     return int(torch.ops.sglang_prr_cuda.attn_spread_launches()) if load() else 0
 
 
+def scores_stream_launches() -> int:
+    """How many Quest scores launches of this process took the streamed kernel (the split
+    selection's first launch; counted on the host at launch or graph capture): what a test reads
+    to know which scores kernel ran. 0 when the library is not loaded."""
+    return int(torch.ops.sglang_prr_cuda.scores_stream_launches()) if load() else 0
+
+
 def load_error() -> Optional[str]:
     """Why ``load()`` failed (None when it succeeded or was not tried)."""
     return _lib_error

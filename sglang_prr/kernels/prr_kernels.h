@@ -85,6 +85,9 @@ struct QuestArgs {
   const void* new_loc; bool new_loc64; void* w_kmin; void* w_kmax;
 };
 cudaError_t launch_quest_scores(const QuestArgs& a, cudaStream_t s);
+// How many Quest scores launches of this process took the streamed kernel (counted on the host,
+// at launch or capture: the tests' evidence that it ran).
+int64_t scores_stream_launches();
 
 struct TopkArgs {
   const float* scores;              // [B, Hk, NB] (level when trend != nullptr)

@@ -586,14 +586,17 @@ inline int select_kernel_env() {
 }
 
 // Batch x table blocks from which the scores and the rows' tails in two launches beat the one-pass
-// kernel for serial DSA (H200, bf16 summaries, cold L2, bench_kernel_stages --parts selection): at
-// 128K (2048 blocks) the one-pass kernel wins at batch 1 (17.0 vs 17.3 us), the two launches from
-// batch 8 (47.6 vs 59.3) and at 32K / 16 (29.2 vs 34.9); in the server at 32K / 16 they take 32.8
-// us a layer against 36.5 (ITL 7.94 vs 8.08 ms). The one-pass kernel's per-CTA fence, ticket and
-// candidate merge cost more once a row's chunks fill waves of their own. With the predictor the
-// one-pass kernel stays: its fused update beats the two launches plus the predictor's own in the
-// server (ITL 9.18 vs 9.32 ms at 32K / 16) although isolation favours the split (39.4 vs 42.9).
-constexpr int64_t kSplitMinBlocks = 8192;
+// kernel for serial DSA and for PRR's selection beside the side predictor (H200, bf16 summaries,
+// cold L2, bench_kernel_stages --parts selection, the streamed scores kernel): at 128K (2048
+// blocks) the one-pass kernel wins at batch 1 (13.7 vs 17.3 us), the two launches from batch 2
+// (19.7 vs 20.3) and 4 (24.2 vs 29.9); with a 32K table (516 blocks) they tie at batch 4 (14.6 vs
+// 14.4) and win from 8 (17.4 vs 20.4) and 16 (21.7 vs 29.8). In the server at 32K / 8 the
+// selection takes 17.9 us a layer against the one-pass kernel's 22.0 (ITL 6.244 vs 6.365 ms). The
+// one-pass kernel's per-CTA fence, ticket and candidate merge cost more once a row's chunks fill
+// waves of their own. With the predictor in the epilogue (--prr-predictor fused) the one-pass
+// kernel stays: its fused update beat the two launches plus the predictor's own in the server
+// (ITL 9.18 vs 9.32 ms at 32K / 16, the warp-per-block scores kernel).
+constexpr int64_t kSplitMinBlocks = 4096;
 
 }  // namespace
 

@@ -8,11 +8,14 @@
 #include "common.cuh"
 #include "topk.cuh"
 
+#include <cute/arch/copy_sm80.hpp>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 #include <algorithm>
+#include <atomic>
 #include <cfloat>
 #include <cstdlib>
 #include <cstring>
@@ -134,6 +137,220 @@ quest_scores_kernel(QuestArgs a) {
     return;
   }
   for (int n = n0; n < a.NB; n += gridDim.x * kQuestWarps) quest_score_block<S>(a, s_q, b, n, lane);
+}
+
+// ============================================================================ streamed scores
+// The scores of many requests (the split selection's first launch, batch x blocks >= 8192): a
+// warp streams a run of consecutive blocks of one request through its own ring of kStreamStages
+// shared-memory stages (cp.async), kStreamStages - 1 blocks' summaries in flight while it scores
+// one, so that an SM keeps ~170 KB of reads in flight; quest_scores_kernel's warps each wait on
+// one block's loads, a round trip at a time (35% of DRAM at 8 x 128K, run 19).
+// A block's bound row (Hk * D values, kmin's and kmax's) is cut into 16-byte pieces of V values;
+// a warp takes 32 consecutive pieces (its piece group), a lane one piece of each bound. A lane
+// copies and reads only its own bytes (no barrier, nothing shared). The CTA's warps are the
+// row's piece groups for several runs: the groups of one run read each page's row together.
+//
+// The arithmetic, in fewer instructions than bytes need. A lane's q is fixed for its run, so
+// sum_g max(q_g hi, q_g lo) = max(hi, lo) * Qp + min(hi, lo) * Qn, with Qp the sum of the
+// group's q_g >= 0 (NaN included) and Qn of the q_g < 0, for each of its V dims: per value two
+// compares and two FMAs for any G, where the per-head form took 4 G instructions (the warp form
+// issued in 72% of the cycles at 8 x 128K on an H100, DRAM at 47%). It equals the reference's sum
+// of fmax up to rounding (the tests' bound on the scores; the selection is then exact on the
+// kernel's scores, as for every path). A piece whose sum is not finite (an infinite or NaN bound
+// or q: 0 * inf would else be NaN where the reference's fmax takes the other bound) is summed
+// again the reference's way, per head (exact_piece_score).
+constexpr int kStreamStages = 8;
+constexpr int kStreamThreads = 256;
+constexpr int kStreamPieceBytes = 16;
+
+// A 16-byte summary piece as floats: 8 bfloat16 values or 4 float32 ones.
+template <typename S> __device__ __forceinline__ void piece_floats(uint4 u, float* f);
+template <> __device__ __forceinline__ void piece_floats<__nv_bfloat16>(uint4 u, float* f) {
+  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 y = __bfloat1622float2(x[j]);
+    f[2 * j] = y.x;
+    f[2 * j + 1] = y.y;
+  }
+}
+template <> __device__ __forceinline__ void piece_floats<float>(uint4 u, float* f) {
+  f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
+  f[2] = __uint_as_float(u.z); f[3] = __uint_as_float(u.w);
+}
+
+// V values of q (any dtype) at element offset `off` as floats.
+template <int V>
+__device__ __forceinline__ void load_q_piece(const void* q, int64_t off, int dt, float* f) {
+  if constexpr (V == 8) {
+    load8_any(q, off, dt, f);
+  } else {
+    const float4 x = load4_any(q, off, dt);
+    f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w;
+  }
+}
+
+// The reference's sum over a piece (its head's G query heads, V dims) of fmax(q hi, q lo): the
+// rare piece whose fast sum is not finite. q is read again from global memory.
+template <int V>
+__device__ __forceinline__ float exact_piece_score(const void* q, int64_t q0, int dt, int G, int D,
+                                                const float* lo, const float* hi) {
+  float part = 0.f;
+#pragma unroll 1
+  for (int g = 0; g < G; ++g) {
+    float qv[V];
+    load_q_piece<V>(q, q0 + (int64_t)g * D, dt, qv);
+#pragma unroll
+    for (int v = 0; v < V; ++v) part += fmaxf(qv[v] * hi[v], qv[v] * lo[v]);
+  }
+  return part;
+}
+
+// PH: a head's pieces (D / V: 8, 16 or 32), a compile-time power of two (its lanes' sums).
+template <typename S, int PH>
+__global__ void __launch_bounds__(kStreamThreads, 3)
+quest_scores_stream_kernel(QuestArgs a, int groups) {
+  pdl_begin();  // before any global-memory access (PDL)
+  constexpr int V = kStreamPieceBytes / sizeof(S);
+  constexpr int R = kStreamStages;
+  extern __shared__ __align__(16) unsigned char s_ring[];  // [warp][stage][bound][lane] pieces
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int runs = blockDim.x / 32 / groups;
+  const int pg = warp % groups, b = blockIdx.y;
+  const int run = blockIdx.x * runs + warp / groups, nruns = gridDim.x * runs;
+  const int G = a.Hq / a.Hk, NB = a.NB;
+  const int pc = pg * 32 + lane;  // this lane's piece of a bound row
+  const bool mine = pc < a.Hk * PH;
+  const int h = (mine ? pc : 0) / PH, d0 = ((mine ? pc : 0) % PH) * V;
+  const int64_t q0 = b * a.q_stride + (int64_t)h * G * a.D + d0;  // q of (b, head h * G, d0)
+  // ---- one round trip: the row's block count, the new key's position and slot, q
+  const RawIndex nb_raw = ld_index_raw(a.nblk, b, a.nblk64);
+  const void* pos_p = a.new_k ? a.new_pos : a.nblk;
+  const RawIndex pos_raw = ld_index_raw(pos_p, b, a.new_k ? a.new_pos64 : a.nblk64);
+  const RawIndex loc_raw =
+      ld_index_raw(a.new_loc ? a.new_loc : a.nblk, b, a.new_loc ? a.new_loc64 : a.nblk64);
+  float qp[V], qn[V];  // per dim: the sums of the group's q >= 0 (and NaN), and of its q < 0
+#pragma unroll
+  for (int v = 0; v < V; ++v) qp[v] = qn[v] = 0.f;
+#pragma unroll
+  for (int g = 0; g < kMaxGroup; ++g) {
+    if (g < G) {
+      float qv[V];
+      load_q_piece<V>(a.q, q0 + (int64_t)g * a.D, a.q_dtype, qv);
+#pragma unroll
+      for (int v = 0; v < V; ++v) {
+        if (qv[v] < 0.f) qn[v] += qv[v];
+        else qp[v] += qv[v];
+      }
+    }
+  }
+  const int nb = clamp_count(index_of(nb_raw, a.nblk64), NB);
+  bool first_tok = false;
+  const int newest =
+      a.new_k ? new_key_block_at(index_of(pos_raw, a.new_pos64), a.page_size, first_tok) : -1;
+  const int64_t wpage =
+      a.new_loc ? slot_page(index_of(loc_raw, a.new_loc64), a.page_size, a.num_pages) : -1;
+  // ---- the run: blocks [n0, n0 + cnt) of the row, and the first 64 of their pages
+  const int len = (nb + nruns - 1) / nruns;
+  const int n0 = min(run * len, nb), cnt = min(len, nb - n0);
+  const int64_t trow = (int64_t)b * a.table_stride;
+  const auto page_raw = [&](int i) {  // the page of the run's block i (a lane's load)
+    return ld_index_raw(a.table, trow + (i < cnt ? n0 + i : 0), a.table64);
+  };
+  RawIndex cur_raw = page_raw(lane), next_raw = page_raw(32 + lane);
+  const bool run_has_new = newest >= n0 && newest < n0 + cnt;
+  // Page ids fit 32 bits (the launcher takes pools of fewer than 2^31 pages): one shuffle each.
+  int page_cur = (int)in_pool(index_of(cur_raw, a.table64), a.num_pages);
+  int batch = 0;
+  unsigned char* ring = s_ring + (size_t)warp * R * 2 * 32 * kStreamPieceBytes;
+  const S* kmin = reinterpret_cast<const S*>(a.kmin);
+  const S* kmax = reinterpret_cast<const S*>(a.kmax);
+  const int64_t row_elems = (int64_t)a.Hk * a.D;  // a page's bound row
+  const char* lo_src = reinterpret_cast<const char*>(kmin + (int64_t)pc * V);
+  const char* hi_src = reinterpret_cast<const char*>(kmax + (int64_t)pc * V);
+  // Issues block i's copies into stage i % R (every lane commits a group, empty past the run, so
+  // that the group count stays the iteration's).
+  const auto issue = [&](int i) {
+    if (i < cnt) {
+      if ((i >> 5) != batch) {  // the next 32 pages: loaded 32 blocks ago
+        batch = i >> 5;
+        page_cur = (int)in_pool(index_of(next_raw, a.table64), a.num_pages);
+        next_raw = page_raw(32 * (batch + 1) + lane);
+      }
+      const int page = __shfl_sync(0xffffffffu, page_cur, i & 31);
+      if (mine) {
+        const int64_t off = (int64_t)page * row_elems * (int64_t)sizeof(S);
+        unsigned char* st = ring + (i % R) * 2 * 32 * kStreamPieceBytes;
+        cute::SM80_CP_ASYNC_CACHEGLOBAL<uint4>::copy(
+            *reinterpret_cast<const uint4*>(lo_src + off),
+            *reinterpret_cast<uint4*>(st + lane * kStreamPieceBytes));
+        cute::SM80_CP_ASYNC_CACHEGLOBAL<uint4>::copy(
+            *reinterpret_cast<const uint4*>(hi_src + off),
+            *reinterpret_cast<uint4*>(st + (32 + lane) * kStreamPieceBytes));
+      }
+    }
+    cute::cp_async_fence();
+  };
+#pragma unroll 1
+  for (int i = 0; i < R - 1; ++i) issue(i);
+  // This lane's share of a block's score (the sum above), or the reference's where not finite.
+  const auto score = [&](const float* lo, const float* hi) {
+    float part = 0.f;
+#pragma unroll
+    for (int v = 0; v < V; ++v)
+      part = fmaf(fminf(hi[v], lo[v]), qn[v], fmaf(fmaxf(hi[v], lo[v]), qp[v], part));
+    if (!isfinite(part)) part = exact_piece_score<V>(a.q, q0, a.q_dtype, G, a.D, lo, hi);
+    return part;
+  };
+  // The run that holds the step's new key scores its block here, before the stream: the block's
+  // pieces and the key loaded directly, the key folded in (fold_key, as the decode update) and,
+  // with its slot given, the folded bounds stored (the decode update itself). The stream's copy
+  // of that block is not read.
+  float part_new = 0.f;
+  if (run_has_new && mine) {
+    const int64_t page = in_pool(ld_index(a.table, trow + newest, a.table64), a.num_pages);
+    const int64_t off = page * a.Hk * a.D + (int64_t)pc * V;
+    float lo[V], hi[V];
+    piece_floats<S>(__ldcg(reinterpret_cast<const uint4*>(kmin + off)), lo);
+    piece_floats<S>(__ldcg(reinterpret_cast<const uint4*>(kmax + off)), hi);
+    const int64_t koff = b * a.new_k_stride + (int64_t)h * a.D + d0;
+#pragma unroll
+    for (int v = 0; v < V; v += 4) {
+      const float4 x = load4_any(a.new_k, koff + v, a.new_k_dtype);
+      fold_key<S>(x.x, first_tok, lo[v], hi[v]);
+      fold_key<S>(x.y, first_tok, lo[v + 1], hi[v + 1]);
+      fold_key<S>(x.z, first_tok, lo[v + 2], hi[v + 2]);
+      fold_key<S>(x.w, first_tok, lo[v + 3], hi[v + 3]);
+      if (wpage >= 0)
+        store_bounds4<S>(a.w_kmin, a.w_kmax, (wpage * a.Hk + h) * a.D + d0 + v,
+                         make_float4(lo[v], lo[v + 1], lo[v + 2], lo[v + 3]),
+                         make_float4(hi[v], hi[v + 1], hi[v + 2], hi[v + 3]));
+    }
+    part_new = score(lo, hi);
+  }
+  float* out = a.out + ((int64_t)b * a.Hk + h) * NB;
+#pragma unroll 1
+  for (int i = 0; i < cnt; ++i) {
+    issue(i + R - 1);
+    cute::cp_async_wait<R - 1>();  // block i's group (this lane's own copies)
+    float part = 0.f;
+    if (mine) {
+      const unsigned char* st = ring + (i % R) * 2 * 32 * kStreamPieceBytes;
+      float lo[V], hi[V];
+      piece_floats<S>(*reinterpret_cast<const uint4*>(st + lane * kStreamPieceBytes), lo);
+      piece_floats<S>(*reinterpret_cast<const uint4*>(st + (32 + lane) * kStreamPieceBytes), hi);
+      part = run_has_new && n0 + i == newest ? part_new : score(lo, hi);
+    }
+    // The head's pieces are PH consecutive lanes (PH divides 32).
+#pragma unroll
+    for (int off = PH / 2; off > 0; off >>= 1) part += __shfl_xor_sync(0xffffffffu, part, off);
+    if (mine && pc % PH == 0) out[n0 + i] = part;
+  }
+  cute::cp_async_wait<0>();  // no copy outlives the CTA's shared memory
+  // Blocks past the request's: -inf, spread over the runs (the first piece group's lanes).
+  if (pg == 0)
+    for (int n = nb + run; n < NB; n += nruns)
+      for (int hh = lane; hh < a.Hk; hh += 32) a.out[((int64_t)b * a.Hk + hh) * NB + n] = -INFINITY;
 }
 
 // ============================================================================ top-K selection
@@ -423,9 +640,69 @@ cudaError_t scores_launch(const QuestArgs& a, dim3 grid, size_t smem, cudaStream
   return cudaGetLastError();
 }
 
+// The streamed scores kernel's launch where it takes the shape (else false: the caller launches
+// quest_scores_kernel): 16-byte pieces with a head's pieces a power of two dividing 32, a bound
+// row of at most 8 piece groups, G <= 8, 16-byte aligned summaries; not where
+// SGLANG_PRR_SCORES_KERNEL=warp asks for the warp-per-block kernel (a measuring knob, read at
+// each launch; a captured graph keeps its kernel). One wave: as many CTAs as fit the SMs, shared
+// by the requests; SGLANG_PRR_SELECT_GRID=N (a test knob) caps a request's CTAs at N.
+std::atomic<int64_t> g_stream_scores_launches{0};
+
+template <typename S, int PH>
+bool stream_scores_launch(const QuestArgs& a, int groups, cudaStream_t s, cudaError_t* err) {
+  auto* kernel = quest_scores_stream_kernel<S, PH>;
+  const int runs = kStreamThreads / 32 / groups, threads = runs * groups * 32;
+  const size_t smem = (size_t)threads / 32 * kStreamStages * 2 * 32 * kStreamPieceBytes;
+  cudaError_t e = set_smem_limit(kernel, smem);
+  int per_sm = 0;
+  if (e == cudaSuccess)
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  const int sms = device_shape().sms;
+  if (e != cudaSuccess || per_sm <= 0 || sms <= 0) {
+    *err = e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
+    return true;
+  }
+  int64_t gx = (int64_t)sms * per_sm / a.B;  // rounded down: a CTA past the wave would run alone
+  gx = std::min<int64_t>(gx, (a.NB + runs - 1) / runs);
+  const char* cap = getenv("SGLANG_PRR_SELECT_GRID");
+  if (cap && atoi(cap) > 0) gx = std::min<int64_t>(gx, atoi(cap));
+  launch_kernel(kernel, dim3((unsigned)std::max<int64_t>(gx, 1), a.B), threads, smem, s, a,
+                groups);
+  *err = cudaGetLastError();
+  g_stream_scores_launches += *err == cudaSuccess;
+  return true;
+}
+
+template <typename S>
+bool try_stream_scores(const QuestArgs& a, cudaStream_t s, cudaError_t* err) {
+  const char* k = getenv("SGLANG_PRR_SCORES_KERNEL");
+  if (k && !strcmp(k, "warp")) return false;
+  constexpr int V = kStreamPieceBytes / sizeof(S);
+  if (a.D % V != 0) return false;
+  const int PH = a.D / V, G = a.Hq / a.Hk;
+  if (PH > 32 || 32 % PH != 0 || G > kMaxGroup) return false;
+  const int groups = (a.Hk * PH + 31) / 32;
+  if (groups > kStreamThreads / 32) return false;
+  if (reinterpret_cast<uintptr_t>(a.kmin) % 16 || reinterpret_cast<uintptr_t>(a.kmax) % 16)
+    return false;
+  if (a.num_pages >= INT_MAX) return false;
+  switch (PH) {
+    case 8: return stream_scores_launch<S, 8>(a, groups, s, err);
+    case 16: return stream_scores_launch<S, 16>(a, groups, s, err);
+    case 32: return stream_scores_launch<S, 32>(a, groups, s, err);
+    default: return false;
+  }
+}
+
+int64_t scores_stream_launches() { return g_stream_scores_launches.load(); }
+
 cudaError_t launch_quest_scores(const QuestArgs& a, cudaStream_t s) {
   if (a.D % 8 != 0 || a.Hq % a.Hk != 0) return cudaErrorInvalidValue;
   if (a.B == 0 || a.NB == 0) return cudaSuccess;
+  cudaError_t err = cudaSuccess;
+  if (a.s_dtype == kBF16 ? try_stream_scores<__nv_bfloat16>(a, s, &err)
+                         : try_stream_scores<float>(a, s, &err))
+    return err;
   const size_t smem = (size_t)a.Hq * a.D * sizeof(float);
   // 256-thread CTAs: 8 an SM by threads.
   const int units = (a.NB + kQuestWarps - 1) / kQuestWarps;

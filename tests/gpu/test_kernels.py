@@ -208,20 +208,39 @@ def test_sparse_attn_through_ops_and_strided_kv():
 
 
 # ----------------------------------------------------------------------------- selection
-@pytest.mark.parametrize("B,Hq,Hk,D,NB", [(1, 32, 8, 128, 2048), (3, 8, 8, 64, 77),
-                                          (17, 32, 4, 128, 300)])
-def test_quest_scores(B, Hq, Hk, D, NB):
-    seeded(f"quest_scores B={B} NB={NB}")
+# The streamed kernel's shapes: Llama-3-8B's (8 KV heads, four piece groups), G = 8, SmolLM2's
+# (3 KV heads of 64 dims: one piece group, 24 of its lanes), one head of 256 dims; "cap" caps a
+# request's CTAs (SGLANG_PRR_SELECT_GRID) so that each warp streams hundreds of blocks (the ring
+# wraps, the pages come in many batches of 32). Float32 summaries of 256 dims take the warp kernel.
+@pytest.mark.parametrize("B,Hq,Hk,D,NB,sdt,cap", [
+    (1, 32, 8, 128, 2048, "f32", ""), (3, 8, 8, 64, 77, "f32", ""),
+    (17, 32, 4, 128, 300, "f32", ""), (8, 32, 8, 128, 2051, "bf16", ""),
+    (5, 64, 8, 128, 700, "bf16", "1"), (2, 9, 3, 64, 1000, "bf16", "2"),
+    (3, 16, 2, 256, 333, "bf16", ""), (2, 8, 2, 256, 90, "f32", "")])
+@pytest.mark.parametrize("scores_kernel", ["stream", "warp"])
+def test_quest_scores(B, Hq, Hk, D, NB, sdt, cap, scores_kernel, monkeypatch):
+    seeded(f"quest_scores B={B} NB={NB} {sdt} cap={cap} {scores_kernel}")
+    monkeypatch.delenv("SGLANG_PRR_SELECT_GRID", raising=False)
+    if cap:
+        monkeypatch.setenv("SGLANG_PRR_SELECT_GRID", cap)
+    monkeypatch.setenv("SGLANG_PRR_SCORES_KERNEL", scores_kernel)
     P = NB * B + 5
     kmin = torch.randn(P, Hk, D)
     kmax = kmin + torch.rand(P, Hk, D)
+    if sdt == "bf16":
+        kmin, kmax = ref.round_bf16(kmin, down=True), ref.round_bf16(kmax, down=False)
     table = torch.randint(1, P, (B, NB))
     nblk = torch.randint(1, NB + 1, (B,))
+    nblk[0] = NB
     q = torch.randn(B, Hq, D, dtype=torch.bfloat16)
     s_ref = ref.quest_scores(q, kmin, kmax, table, nblk)
     poison(((B, Hk, NB), torch.float32))
+    n0 = kernels.scores_stream_launches()
     s = torch.ops.sglang_prr_cuda.quest_scores(q.to(DEV), kmin.to(DEV), kmax.to(DEV),
                                                table.to(DEV), nblk.to(DEV)).cpu()
+    streamed = kernels.scores_stream_launches() - n0
+    # The kernel that ran: the streamed one wherever it takes the shape and is not declined.
+    assert streamed == (scores_kernel == "stream" and not (sdt == "f32" and D == 256)), streamed
     assert not torch.isnan(s).any()
     fin = torch.isfinite(s_ref)
     assert torch.equal(torch.isfinite(s), fin)
