@@ -345,6 +345,31 @@ __device__ __forceinline__ void store_bounds4(void* kmin, void* kmax, int64_t of
   store4_any(kmax, off, dt, hi);
 }
 
+// Quest's bound with the GQA group folded first. A lane's q is fixed for a launch, so
+//   sum_g fmax(q_g hi, q_g lo) = max(hi, lo) * Qp + min(hi, lo) * Qn   (per dim)
+// with Qp the sum of the group's q_g >= 0 (NaN counted there) and Qn that of its q_g < 0: two
+// compares and two FMAs a value for any G, where the per-head form takes 4 G instructions. It
+// equals the reference's sum of fmax up to rounding (the kernels' sums were never the reference's
+// order; the tests bound the scores and check the selection on the kernel's own scores). Where a
+// piece's sum is not finite (an infinite or NaN bound or q: 0 * inf is NaN where fmax takes the
+// other bound) the caller sums that piece again the reference's way, per head.
+template <int V>
+__device__ __forceinline__ void quest_fold_q(const float* qv, float* qp, float* qn) {
+#pragma unroll
+  for (int v = 0; v < V; ++v) {
+    if (qv[v] < 0.f) qn[v] += qv[v];
+    else qp[v] += qv[v];
+  }
+}
+template <int V>
+__device__ __forceinline__ float quest_piece_sum(const float* lo, const float* hi, const float* qp,
+                                                 const float* qn, float part) {
+#pragma unroll
+  for (int v = 0; v < V; ++v)
+    part = fmaf(fminf(hi[v], lo[v]), qn[v], fmaf(fmaxf(hi[v], lo[v]), qp[v], part));
+  return part;
+}
+
 // Whether x is one of list[0, n) (shared memory): independent compares, several loads in flight.
 __device__ __forceinline__ bool occurs_in(const int* list, int n, int x) {
   // Eight compares in flight a step; the loops themselves not unrolled further (the merge and

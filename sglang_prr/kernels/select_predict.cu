@@ -116,6 +116,15 @@ __device__ int write_kept_list(const int* ids, int nid, int lo, int hi, int n, i
   return c;
 }
 
+// A lane's 8 dims [8 ln, 8 ln + 8) of one query head's row in s_q (stored in halves: dims
+// [8 ln, 8 ln + 4) at 4 ln, [8 ln + 4, 8 ln + 8) at D / 2 + 4 ln).
+__device__ __forceinline__ void group_q8(const float* row, int D, int ln, float* qv) {
+  const float4 qa = *reinterpret_cast<const float4*>(row + ln * 4);
+  const float4 qb = *reinterpret_cast<const float4*>(row + D / 2 + ln * 4);
+  qv[0] = qa.x; qv[1] = qa.y; qv[2] = qa.z; qv[3] = qa.w;
+  qv[4] = qb.x; qv[5] = qb.y; qv[6] = qb.z; qv[7] = qb.w;
+}
+
 // Three CTAs per SM (<= 85 registers): more requests in flight for the latency-bound chain.
 // Loop: the grid's x may be narrower than the row's chunks (select_grid_x), and a CTA loops over
 // chunks blockIdx.x, + gridDim.x, ...; without it a CTA takes one chunk (the loop's state stays
@@ -136,6 +145,10 @@ quest_select_onepass_kernel(SelectArgs a) {
   // at 4 ln, [8 ln + 4, 8 ln + 8) at D / 2 + 4 ln, so that the float4 reads of a quarter-warp's
   // eight lanes are 128 contiguous bytes (no bank conflict).
   __shared__ __align__(16) float s_q[kMaxGroup * D];
+  // Lane ln's q sums, [qp 8 | qn 8] in a row of kQpnRow floats (padded: a quarter-warp's eight
+  // rows fall in distinct banks).
+  constexpr int kQpnRow = 20;
+  __shared__ __align__(16) float s_qpn[D / 8 * kQpnRow];
   int ch = blockIdx.x;
   const int hk = blockIdx.y, b = blockIdx.z;
   const int tid = threadIdx.x, grp = tid / L, ln = tid % L;
@@ -246,7 +259,28 @@ quest_select_onepass_kernel(SelectArgs a) {
           make_float4(qf8[4], qf8[5], qf8[6], qf8[7]);
     }
     __syncthreads();  // s_q (the first chunk); the previous chunk's s_ck reads (the others)
-    if (first) stamp(a, kSlLoaded);
+    if (first) {
+      stamp(a, kSlLoaded);
+      // Lane ln's dims [8 ln, 8 ln + 8) of the group's q as two sums (quest_fold_q), in shared
+      // memory (registers over the passes would spill), while the summaries are in flight.
+      if (tid < L) {
+        float qp[8] = {}, qn[8] = {};
+#pragma unroll 1
+        for (int g = 0; g < G; ++g) {
+          float qv[8];
+          group_q8(s_q + g * D, D, tid, qv);
+          quest_fold_q<8>(qv, qp, qn);
+        }
+#pragma unroll
+        for (int i = 0; i < 8; i += 4) {
+          *reinterpret_cast<float4*>(s_qpn + tid * kQpnRow + i) =
+              make_float4(qp[i], qp[i + 1], qp[i + 2], qp[i + 3]);
+          *reinterpret_cast<float4*>(s_qpn + tid * kQpnRow + 8 + i) =
+              make_float4(qn[i], qn[i + 1], qn[i + 2], qn[i + 3]);
+        }
+      }
+      __syncthreads();
+    }
 #pragma unroll
     for (int p = 0; p < PASSES; ++p) {
       const int blk = ch * kOpChunk + p * BPP + grp;
@@ -266,14 +300,24 @@ quest_select_onepass_kernel(SelectArgs a) {
                              make_float4(hi[4], hi[5], hi[6], hi[7]));
           }
         }
-        // One copy of a head's sums (the launch's first instructions run cold in the server).
+        // The group's bound from q's two sums (quest_piece_sum), or the reference's per-head sum
+        // where that is not finite.
+        {
+          const float4* r = reinterpret_cast<const float4*>(s_qpn + ln * kQpnRow);
+          const float4 p0 = r[0], p1 = r[1], n0 = r[2], n1 = r[3];
+          const float qp[8] = {p0.x, p0.y, p0.z, p0.w, p1.x, p1.y, p1.z, p1.w};
+          const float qn[8] = {n0.x, n0.y, n0.z, n0.w, n1.x, n1.y, n1.z, n1.w};
+          part = quest_piece_sum<8>(lo, hi, qp, qn, 0.f);
+        }
+        if (!isfinite(part)) {
+          part = 0.f;
 #pragma unroll 1
-        for (int g = 0; g < G; ++g) {
-          const float4 qa = *reinterpret_cast<const float4*>(s_q + g * D + ln * 4);
-          const float4 qb = *reinterpret_cast<const float4*>(s_q + g * D + D / 2 + ln * 4);
-          const float qv[8] = {qa.x, qa.y, qa.z, qa.w, qb.x, qb.y, qb.z, qb.w};
+          for (int g = 0; g < G; ++g) {
+            float qv[8];
+            group_q8(s_q + g * D, D, ln, qv);
 #pragma unroll
-          for (int i = 0; i < 8; ++i) part += fmaxf(qv[i] * hi[i], qv[i] * lo[i]);
+            for (int i = 0; i < 8; ++i) part += fmaxf(qv[i] * hi[i], qv[i] * lo[i]);
+          }
         }
       }
 #pragma unroll

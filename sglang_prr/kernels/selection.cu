@@ -149,16 +149,9 @@ quest_scores_kernel(QuestArgs a) {
 // a warp takes 32 consecutive pieces (its piece group), a lane one piece of each bound. A lane
 // copies and reads only its own bytes (no barrier, nothing shared). The CTA's warps are the
 // row's piece groups for several runs: the groups of one run read each page's row together.
-//
-// The arithmetic, in fewer instructions than bytes need. A lane's q is fixed for its run, so
-// sum_g max(q_g hi, q_g lo) = max(hi, lo) * Qp + min(hi, lo) * Qn, with Qp the sum of the
-// group's q_g >= 0 (NaN included) and Qn of the q_g < 0, for each of its V dims: per value two
-// compares and two FMAs for any G, where the per-head form took 4 G instructions (the warp form
-// issued in 72% of the cycles at 8 x 128K on an H100, DRAM at 47%). It equals the reference's sum
-// of fmax up to rounding (the tests' bound on the scores; the selection is then exact on the
-// kernel's scores, as for every path). A piece whose sum is not finite (an infinite or NaN bound
-// or q: 0 * inf would else be NaN where the reference's fmax takes the other bound) is summed
-// again the reference's way, per head (exact_piece_score).
+// The group's q is folded into two sums a dim (quest_fold_q, quest_piece_sum in common.cuh; with
+// the per-head form the warps issued in 72% of the cycles at 8 x 128K on an H100, DRAM at 47%),
+// and a piece whose sum is not finite is summed again per head (exact_piece_score).
 constexpr int kStreamStages = 8;
 constexpr int kStreamThreads = 256;
 constexpr int kStreamPieceBytes = 16;
@@ -237,11 +230,7 @@ quest_scores_stream_kernel(QuestArgs a, int groups) {
     if (g < G) {
       float qv[V];
       load_q_piece<V>(a.q, q0 + (int64_t)g * a.D, a.q_dtype, qv);
-#pragma unroll
-      for (int v = 0; v < V; ++v) {
-        if (qv[v] < 0.f) qn[v] += qv[v];
-        else qp[v] += qv[v];
-      }
+      quest_fold_q<V>(qv, qp, qn);
     }
   }
   const int nb = clamp_count(index_of(nb_raw, a.nblk64), NB);
@@ -295,10 +284,7 @@ quest_scores_stream_kernel(QuestArgs a, int groups) {
   for (int i = 0; i < R - 1; ++i) issue(i);
   // This lane's share of a block's score (the sum above), or the reference's where not finite.
   const auto score = [&](const float* lo, const float* hi) {
-    float part = 0.f;
-#pragma unroll
-    for (int v = 0; v < V; ++v)
-      part = fmaf(fminf(hi[v], lo[v]), qn[v], fmaf(fmaxf(hi[v], lo[v]), qp[v], part));
+    float part = quest_piece_sum<V>(lo, hi, qp, qn, 0.f);
     if (!isfinite(part)) part = exact_piece_score<V>(a.q, q0, a.q_dtype, G, a.D, lo, hi);
     return part;
   };
