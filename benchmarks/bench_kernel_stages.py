@@ -14,10 +14,12 @@ as in the server (``bench_neighbours``, CUPTI's durations).
 * ``attention``: serial DSA's attention over A with its merge (``sparse_attn_merge``), the
   per-block partials alone (PRR's speculative pass, ``sparse_attn_partials``), and PRR's repair
   over |M| = 1, 2, 4, 8 blocks merged with the speculative partials of P n A (batch 1).
-* ``selection``: Quest's selection for serial DSA (scores and A: ``quest_select`` without P)
-  and for PRR (scores, A, M: ``quest_select``), PRR's selection with the predictor's step in
-  its epilogue (``quest_select_predict``), bf16 summaries, and the predictor's step as its own
-  launch (``predict_update_rows``: ``--prr-predictor side``); serial DSA's selection with the
+* ``selection``: the Quest scores alone (``quest_scores``: the two-launch selection's first
+  launch, streamed, or the warp-per-block kernel with ``SGLANG_PRR_SCORES_KERNEL=warp``), Quest's
+  selection for serial DSA (scores and A: ``quest_select`` without P) and for PRR (scores, A,
+  M: ``quest_select``), PRR's selection with the predictor's step in its epilogue
+  (``quest_select_predict``), bf16 summaries, and the predictor's step as its own launch
+  (``predict_update_rows``: ``--prr-predictor side``); serial DSA's selection with the
   step's new keys folded in (``new_k``), alone and with the decode update (``quest_update``)
   running beside it on a second stream (CUDA only: in the server that placement made the selection
   7 µs a layer longer; the row asks whether it does so in isolation). The kernel the launcher picks is
@@ -306,7 +308,11 @@ def bench_selection(a, dev, g, bw, rows):
             main.wait_event(joined)
             return out
 
-        cases = [("select (scores, A), serial", select_serial),
+        def scores(s):  # the split selection's first launch alone (SGLANG_PRR_SCORES_KERNEL)
+            return ops.quest_scores(s["q"], s["kmin"], s["kmax"], s["table"], s["nblk"])
+
+        cases = [("scores alone", scores),
+                 ("select (scores, A), serial", select_serial),
                  ("select (scores, A, M)", select),
                  ("select + predictor", select_predict),
                  ("select + fold, serial", select_fold),

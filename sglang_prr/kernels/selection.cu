@@ -140,7 +140,7 @@ quest_scores_kernel(QuestArgs a) {
 }
 
 // ============================================================================ streamed scores
-// The scores of many requests (the split selection's first launch, batch x blocks >= 8192): a
+// The scores of many requests (the split selection's first launch, batch x blocks >= 4096): a
 // warp streams a run of consecutive blocks of one request through its own ring of kStreamStages
 // shared-memory stages (cp.async), kStreamStages - 1 blocks' summaries in flight while it scores
 // one, so that an SM keeps ~170 KB of reads in flight; quest_scores_kernel's warps each wait on

@@ -25,6 +25,7 @@ def test_rows_bytes_and_append(tmp_path):
     assert ("attention", "partials") in cases and ("selection", "select + predictor") in cases
     assert ("selection", "predictor (side)") in cases
     assert ("selection", "select (scores, A), serial") in cases
+    assert ("selection", "scores alone") in cases
     assert ("selection", "select + fold, serial") in cases  # (the concurrent row: CUDA only)
     assert ("selection", "select + fold + write, serial") in cases
     assert {int(r["m_blocks"]) for r in got if r["case"].startswith("repair")} == {1, 2}
@@ -40,9 +41,9 @@ def test_rows_bytes_and_append(tmp_path):
     # --append keeps the earlier rows (control: without it they are replaced).
     bks.main(["--device", "cpu", "--quick", "--parts", "selection", "--append", "--csv",
               str(out)])
-    assert len(_read(out)) == len(got) + 12  # 2 batch sizes x 6 selection cases
+    assert len(_read(out)) == len(got) + 14  # 2 batch sizes x 7 selection cases
     bks.main(["--device", "cpu", "--quick", "--parts", "selection", "--csv", str(out)])
-    assert len(_read(out)) == 12
+    assert len(_read(out)) == 14
 
 
 def test_attn_launch_names_forced_settings_only(monkeypatch):
