@@ -159,13 +159,7 @@ constexpr int kStreamPieceBytes = 16;
 // A 16-byte summary piece as floats: 8 bfloat16 values or 4 float32 ones.
 template <typename S> __device__ __forceinline__ void piece_floats(uint4 u, float* f);
 template <> __device__ __forceinline__ void piece_floats<__nv_bfloat16>(uint4 u, float* f) {
-  const __nv_bfloat162* x = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const float2 y = __bfloat1622float2(x[j]);
-    f[2 * j] = y.x;
-    f[2 * j + 1] = y.y;
-  }
+  raw8_floats(Raw8Any{u, make_uint4(0u, 0u, 0u, 0u)}, kBF16, f);
 }
 template <> __device__ __forceinline__ void piece_floats<float>(uint4 u, float* f) {
   f[0] = __uint_as_float(u.x); f[1] = __uint_as_float(u.y);
@@ -252,11 +246,10 @@ quest_scores_stream_kernel(QuestArgs a, int groups) {
   int page_cur = (int)in_pool(index_of(cur_raw, a.table64), a.num_pages);
   int batch = 0;
   unsigned char* ring = s_ring + (size_t)warp * R * 2 * 32 * kStreamPieceBytes;
-  const S* kmin = reinterpret_cast<const S*>(a.kmin);
-  const S* kmax = reinterpret_cast<const S*>(a.kmax);
   const int64_t row_elems = (int64_t)a.Hk * a.D;  // a page's bound row
-  const char* lo_src = reinterpret_cast<const char*>(kmin + (int64_t)pc * V);
-  const char* hi_src = reinterpret_cast<const char*>(kmax + (int64_t)pc * V);
+  // This lane's piece of page 0's bound rows (a page's are row_elems * sizeof(S) bytes further).
+  const char* lo_src = reinterpret_cast<const char*>(a.kmin) + (int64_t)pc * kStreamPieceBytes;
+  const char* hi_src = reinterpret_cast<const char*>(a.kmax) + (int64_t)pc * kStreamPieceBytes;
   // Issues block i's copies into stage i % R (every lane commits a group, empty past the run, so
   // that the group count stays the iteration's).
   const auto issue = [&](int i) {
@@ -295,10 +288,10 @@ quest_scores_stream_kernel(QuestArgs a, int groups) {
   float part_new = 0.f;
   if (run_has_new && mine) {
     const int64_t page = in_pool(ld_index(a.table, trow + newest, a.table64), a.num_pages);
-    const int64_t off = page * a.Hk * a.D + (int64_t)pc * V;
+    const int64_t off = page * row_elems * (int64_t)sizeof(S);
     float lo[V], hi[V];
-    piece_floats<S>(__ldcg(reinterpret_cast<const uint4*>(kmin + off)), lo);
-    piece_floats<S>(__ldcg(reinterpret_cast<const uint4*>(kmax + off)), hi);
+    piece_floats<S>(__ldcg(reinterpret_cast<const uint4*>(lo_src + off)), lo);
+    piece_floats<S>(__ldcg(reinterpret_cast<const uint4*>(hi_src + off)), hi);
     const int64_t koff = b * a.new_k_stride + (int64_t)h * a.D + d0;
 #pragma unroll
     for (int v = 0; v < V; v += 4) {
@@ -635,7 +628,7 @@ cudaError_t scores_launch(const QuestArgs& a, dim3 grid, size_t smem, cudaStream
 std::atomic<int64_t> g_stream_scores_launches{0};
 
 template <typename S, int PH>
-bool stream_scores_launch(const QuestArgs& a, int groups, cudaStream_t s, cudaError_t* err) {
+cudaError_t stream_scores_launch(const QuestArgs& a, int groups, cudaStream_t s) {
   auto* kernel = quest_scores_stream_kernel<S, PH>;
   const int runs = kStreamThreads / 32 / groups, threads = runs * groups * 32;
   const size_t smem = (size_t)threads / 32 * kStreamStages * 2 * 32 * kStreamPieceBytes;
@@ -644,19 +637,17 @@ bool stream_scores_launch(const QuestArgs& a, int groups, cudaStream_t s, cudaEr
   if (e == cudaSuccess)
     e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
   const int sms = device_shape().sms;
-  if (e != cudaSuccess || per_sm <= 0 || sms <= 0) {
-    *err = e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
-    return true;
-  }
+  if (e != cudaSuccess || per_sm <= 0 || sms <= 0)
+    return e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
   int64_t gx = (int64_t)sms * per_sm / a.B;  // rounded down: a CTA past the wave would run alone
   gx = std::min<int64_t>(gx, (a.NB + runs - 1) / runs);
   const char* cap = getenv("SGLANG_PRR_SELECT_GRID");
   if (cap && atoi(cap) > 0) gx = std::min<int64_t>(gx, atoi(cap));
   launch_kernel(kernel, dim3((unsigned)std::max<int64_t>(gx, 1), a.B), threads, smem, s, a,
                 groups);
-  *err = cudaGetLastError();
-  g_stream_scores_launches += *err == cudaSuccess;
-  return true;
+  e = cudaGetLastError();
+  g_stream_scores_launches += e == cudaSuccess;
+  return e;
 }
 
 template <typename S>
@@ -672,12 +663,10 @@ bool try_stream_scores(const QuestArgs& a, cudaStream_t s, cudaError_t* err) {
   if (reinterpret_cast<uintptr_t>(a.kmin) % 16 || reinterpret_cast<uintptr_t>(a.kmax) % 16)
     return false;
   if (a.num_pages >= INT_MAX) return false;
-  switch (PH) {
-    case 8: return stream_scores_launch<S, 8>(a, groups, s, err);
-    case 16: return stream_scores_launch<S, 16>(a, groups, s, err);
-    case 32: return stream_scores_launch<S, 32>(a, groups, s, err);
-    default: return false;
-  }
+  *err = PH == 8    ? stream_scores_launch<S, 8>(a, groups, s)
+         : PH == 16 ? stream_scores_launch<S, 16>(a, groups, s)
+                    : stream_scores_launch<S, 32>(a, groups, s);  // PH is 8, 16 or 32 here
+  return true;
 }
 
 int64_t scores_stream_launches() { return g_stream_scores_launches.load(); }
