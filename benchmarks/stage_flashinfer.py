@@ -142,11 +142,14 @@ def build(head_dims: List[int]) -> List[str]:
 
 
 def default_cuda_lib() -> Path:
-    """The folder of nvcc's ``libcudart.so`` (``lib`` or ``lib64`` beside its ``bin``)."""
+    """The folder of nvcc's ``libcudart.so``: ``lib64`` or ``lib`` beside nvcc's ``bin``, else
+    under ``$CUDA_HOME`` or ``/usr/local/cuda`` (an ``nvcc`` on the PATH may be a wrapper script
+    outside the toolkit)."""
     nvcc = shutil.which("nvcc")
-    home = Path(nvcc).resolve().parents[1] if nvcc else Path("/usr/local/cuda")
-    return next((home / d for d in ("lib64", "lib") if (home / d / "libcudart.so").exists()),
-                home / "lib64")
+    homes = [Path(nvcc).resolve().parents[1]] if nvcc else []
+    homes += [Path(p) for p in (os.environ.get("CUDA_HOME"), "/usr/local/cuda") if p]
+    found = [h / d for h in homes for d in ("lib64", "lib") if (h / d / "libcudart.so").exists()]
+    return found[0] if found else homes[0] / "lib64"
 
 
 def default_curand_include() -> Path:

@@ -391,16 +391,40 @@ __device__ void select_row_tail(const SelectArgs& a, int b, int hk, int nb, uint
   const int64_t row = (int64_t)b * a.Hk + hk;
   const float* srow = a.scores + row * NB;
   const int keep_lo = a.sink, keep_hi = nb - a.local;
-  for (int i = tid; i < nb; i += kSelThreads)
-    s_key[i] = is_middle(i, nb, keep_lo, keep_hi) ? order_key(__ldcg(srow + i)) : 0u;
-  const bool dense = a.dense_row && a.dense_row[b];
+  // Every load before any is used: the dense flag, P(t)'s count and first entries (after its
+  // slot's round trip) and the row's scores, kRowLoads a thread in flight (a loop of
+  // load-convert-store waits for each: four L2 round trips a thread at 2048 blocks).
+  const bool dense_raw = a.dense_row ? a.dense_row[b] : false;
+  int64_t prow = 0;
+  int pc_raw = 0, p_first = -1;
+  if (a.p_idx) {
+    prow = slot_of(a.p_rows, a.p_rows64, a.p_rows_n, b) * a.Hk + hk;
+    pc_raw = a.p_cnt[prow];
+    if (tid < a.Np) p_first = a.p_idx[prow * a.Np + tid];
+  }
+  constexpr int kRowLoads = 8;
+#pragma unroll 1
+  for (int i0 = tid; i0 < nb; i0 += kRowLoads * kSelThreads) {
+    float x[kRowLoads];
+#pragma unroll
+    for (int u = 0; u < kRowLoads; ++u) {
+      const int i = i0 + u * kSelThreads;
+      x[u] = i < nb ? __ldcg(srow + i) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kRowLoads; ++u) {
+      const int i = i0 + u * kSelThreads;
+      if (i < nb) s_key[i] = is_middle(i, nb, keep_lo, keep_hi) ? order_key(x[u]) : 0u;
+    }
+  }
+  const bool dense = dense_raw;
   topk_mask<kSelThreads>(s_key, nb, nb, dense ? NB : a.k, keep_lo, keep_hi);
   // Mark the selected blocks that P holds (bit 1): M = selected without that bit.
   int pc = 0;
   if (a.p_idx) {
-    const int64_t prow = slot_of(a.p_rows, a.p_rows64, a.p_rows_n, b) * a.Hk + hk;
-    pc = min(max(a.p_cnt[prow], 0), a.Np);
-    for (int i = tid; i < pc; i += kSelThreads) {
+    pc = min(max(pc_raw, 0), a.Np);
+    if (tid < pc && p_first >= 0 && p_first < nb && s_key[p_first]) s_key[p_first] = 3u;
+    for (int i = tid + kSelThreads; i < pc; i += kSelThreads) {
       const int x = a.p_idx[prow * a.Np + i];
       if (x >= 0 && x < nb && s_key[x]) s_key[x] = 3u;
     }

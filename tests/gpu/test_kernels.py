@@ -281,6 +281,48 @@ def test_select_topk(B, Hk, NB, k, sink, local):
         assert not torch.equal(i.cpu(), i_bad)
 
 
+def _scores_shaped(shape: str, B, Hk, NB, k):
+    """Rows that steer the top-K's threshold search down each of its paths: one key value for
+    every block (no histogram), consecutive floats (a bin two keys wide, the k-th key's bin
+    ranked by one warp), a narrow cluster beside keys of the far ends of the float range (the
+    first round's bins hold the whole cluster: a second round), and 40 exact ties at the k-th
+    key (a bin of more than a warp's candidates, narrowed to one key value)."""
+    if shape == "equal":
+        return torch.full((B, Hk, NB), 2.5)
+    if shape == "ulps":
+        base = torch.full((B, Hk, NB), 1.0).view(torch.int32)
+        steps = torch.stack([torch.randperm(NB) for _ in range(B * Hk)]).view(B, Hk, NB)
+        return (base + steps.int()).view(torch.float32)
+    if shape == "cluster":
+        s = 100.0 + torch.rand(B, Hk, NB) * 1e-3
+        s[torch.rand(B, Hk, NB) < 0.1] = -3e38 * torch.rand(())
+        s[..., 5:8] = 1e38 * (1 + torch.rand(B, Hk, 3))  # three far above the cluster
+        return s
+    s = torch.randn(B, Hk, NB)  # "ties": the 40 values around the k-th best are one value
+    order = s.sort(dim=-1, descending=True).indices
+    tied = order[..., k - 20:k + 20]
+    return s.scatter(-1, tied, torch.full(tied.shape, 0.125))
+
+
+@pytest.mark.parametrize("shape", ["equal", "ulps", "cluster", "ties"])
+@pytest.mark.parametrize("NB,k", [(2048, 32), (997, 40), (5000, 333)])
+def test_select_topk_threshold_paths(shape, NB, k):
+    seeded(f"topk paths {shape} NB={NB} k={k}")
+    B, Hk, sink, local = 2, 4, 1, 2
+    s = _scores_shaped(shape, B, Hk, NB, k)
+    nblk = torch.tensor([NB, NB - 7])
+    n_out = k + sink + local + 3
+    i_ref, c_ref = ref.select_topk(s, nblk, k, sink, local, n_out)
+    poison(((B, Hk, n_out), torch.int32), ((B, Hk), torch.int32))
+    i, c = torch.ops.sglang_prr_cuda.select_topk(s.to(DEV), nblk.to(DEV).int(), k, sink, local,
+                                                 n_out)
+    assert torch.equal(c.cpu(), c_ref)
+    assert torch.equal(i.cpu(), i_ref)
+    # negative control: one fewer block selected differs (every row has more than k blocks)
+    i_bad, _ = ref.select_topk(s, nblk, k - 1, sink, local, n_out)
+    assert not torch.equal(i.cpu(), i_bad)
+
+
 @pytest.mark.parametrize("B,Hk,NB,n_pred,sink,local", [(1, 8, 2048, 48, 1, 2),
                                                         (3, 4, 61, 7, 1, 1), (17, 2, 500, 40, 0, 2)])
 def test_holt_update_and_predict_set(B, Hk, NB, n_pred, sink, local):
