@@ -192,3 +192,25 @@ def test_a_part_size_of_zero_is_refused_before_any_work(action, monkeypatch, cap
         sf.main([action, "--part-mib", "0"])
     assert e.value.code == 2 and "--part-mib 0" in capsys.readouterr().err
     sf.main(["status"])  # control: another action does not read --part-mib
+
+
+def test_the_cuda_runtime_is_found_beside_a_wrapper_nvcc(tmp_path, monkeypatch):
+    """An ``nvcc`` on the PATH that is a wrapper script outside the toolkit (no runtime beside
+    its ``bin``) falls back to ``$CUDA_HOME``'s ``lib`` or ``lib64``; the folder beside a real
+    nvcc's ``bin`` is taken first. Negative control: ``$CUDA_HOME`` without a runtime gives
+    another folder."""
+    wrapper = tmp_path / "usr" / "bin" / "nvcc"
+    wrapper.parent.mkdir(parents=True)
+    wrapper.write_text("#!/bin/sh\n")
+    toolkit = tmp_path / "cuda-13.0"
+    (toolkit / "lib").mkdir(parents=True)
+    (toolkit / "lib" / "libcudart.so").write_bytes(b"")
+    monkeypatch.setattr(sf.shutil, "which", lambda name: str(wrapper))
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))
+    assert sf.default_cuda_lib() == toolkit / "lib"
+    monkeypatch.setenv("CUDA_HOME", str(tmp_path / "none"))
+    assert sf.default_cuda_lib() != toolkit / "lib"
+    monkeypatch.setenv("CUDA_HOME", str(toolkit))
+    (tmp_path / "usr" / "lib64").mkdir()
+    (tmp_path / "usr" / "lib64" / "libcudart.so").write_bytes(b"")
+    assert sf.default_cuda_lib() == tmp_path / "usr" / "lib64"
