@@ -27,9 +27,11 @@ def attn_launch() -> str:
 
 def select_kernel() -> str:
     """The selection path this environment forces (``SGLANG_PRR_SELECT_KERNEL``, else ``auto``),
-    with ``+grid-<v>`` where ``SGLANG_PRR_SELECT_GRID`` caps the selection grids and
-    ``+scores-warp`` where ``SGLANG_PRR_SCORES_KERNEL=warp`` asks for the warp-per-block scores."""
+    with ``+grid-<v>`` where ``SGLANG_PRR_SELECT_GRID`` caps the selection grids,
+    ``+scores-warp`` where ``SGLANG_PRR_SCORES_KERNEL=warp`` asks for the warp-per-block scores
+    and ``+topk-walks`` where ``SGLANG_PRR_TOPK=walks`` writes the rows' lists in warp walks."""
     grid = os.environ.get("SGLANG_PRR_SELECT_GRID", "")
     scores = "+scores-warp" if os.environ.get("SGLANG_PRR_SCORES_KERNEL") == "warp" else ""
+    topk = "+topk-walks" if os.environ.get("SGLANG_PRR_TOPK") == "walks" else ""
     return (os.environ.get("SGLANG_PRR_SELECT_KERNEL", "auto") + (f"+grid-{grid}" if grid else "")
-            + scores)
+            + scores + topk)

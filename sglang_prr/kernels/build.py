@@ -33,7 +33,7 @@ from typing import List, Optional
 
 HERE = Path(__file__).resolve().parent
 CUDA_SOURCES = ["attention.cu", "selection.cu", "select_predict.cu", "predictor.cu", "merge.cu",
-                "summaries.cu", "calib_kernels.cu", "infllm_kernels.cu", "probe.cu"]
+                "sets.cu", "summaries.cu", "calib_kernels.cu", "infllm_kernels.cu", "probe.cu"]
 HOST_SOURCES = ["binding.cpp", "select_binding.cpp", "infllm_binding.cpp"]
 HEADERS = ["kernel_limits.h", "prr_kernels.h", "binding_common.h", "infllm_kernels.h", "common.cuh",
            "topk.cuh", "attn_block.cuh", "attn_merge.cuh", "probe.cuh"]

@@ -1,6 +1,7 @@
 // Block selection on SM90: Quest scores, top-K (A), the row-tail Quest selection (scores, A,
-// M = A \ P and the statistics in one launch, the top-K by the last CTA of a row) and the set
-// difference M = A \ P. The one-pass selection with the predictor is in select_predict.cu.
+// M = A \ P and the statistics in one launch, the top-K by the last CTA of a row) and the
+// two-launch one (the scores, then a CTA a row). The one-pass selection with the predictor is in
+// select_predict.cu.
 // Plain CUDA: these kernels are memory- and latency-bound, so they are written around wide loads
 // and many independent requests in flight rather than tensor cores. Every kernel is graph-safe:
 // static launch shapes, device-side counts, no host reads.
@@ -383,18 +384,24 @@ constexpr int kSelPerWarp = 4;
 constexpr int kSelChunk = kSelWarps * kSelPerWarp;
 
 // The row's top-K (A), M = A \ P and the counters from its scores (a.scores, complete for every
-// block < nb; written by other CTAs, so read through L2), into s_key [nb] of shared memory.
-// Called by every thread of one CTA per (request, KV head) row.
+// block < nb; written by other CTAs, so read through L2). s_key: shared memory of
+// row_tail_words(nb) words (the keys [nb], then P(t)'s bits for kWalks). Called by every thread
+// of one CTA per (request, KV head) row. kWalks: the lists in warp-ordered walks (topk_walk; a
+// measuring knob, SGLANG_PRR_TOPK=walks, for the two-launch selection's rows), else by CTA scans.
+__host__ __device__ constexpr int row_tail_words(int nb) { return nb + (nb + 31) / 32; }
+
+template <bool kWalks>
 __device__ void select_row_tail(const SelectArgs& a, int b, int hk, int nb, uint32_t* s_key) {
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int NB = a.NB;
   const int64_t row = (int64_t)b * a.Hk + hk;
   const float* srow = a.scores + row * NB;
   const int keep_lo = a.sink, keep_hi = nb - a.local;
+  uint32_t* s_pbits = s_key + nb;
   // Every load before any is used: the dense flag, P(t)'s count and first entries (after its
   // slot's round trip) and the row's scores, kRowLoads a thread in flight (a loop of
   // load-convert-store waits for each: four L2 round trips a thread at 2048 blocks).
-  const bool dense_raw = a.dense_row ? a.dense_row[b] : false;
+  const bool dense = a.dense_row ? a.dense_row[b] : false;
   int64_t prow = 0;
   int pc_raw = 0, p_first = -1;
   if (a.p_idx) {
@@ -402,6 +409,8 @@ __device__ void select_row_tail(const SelectArgs& a, int b, int hk, int nb, uint
     pc_raw = a.p_cnt[prow];
     if (tid < a.Np) p_first = a.p_idx[prow * a.Np + tid];
   }
+  if (kWalks)
+    for (int w = tid; w < (nb + 31) / 32; w += kSelThreads) s_pbits[w] = 0u;
   constexpr int kRowLoads = 8;
 #pragma unroll 1
   for (int i0 = tid; i0 < nb; i0 += kRowLoads * kSelThreads) {
@@ -413,32 +422,65 @@ __device__ void select_row_tail(const SelectArgs& a, int b, int hk, int nb, uint
     }
 #pragma unroll
     for (int u = 0; u < kRowLoads; ++u) {
-      const int i = i0 + u * kSelThreads;
+      const int i = i0 + u * kSelThreads;  // key i in thread i % kSelThreads (topk_threshold)
       if (i < nb) s_key[i] = is_middle(i, nb, keep_lo, keep_hi) ? order_key(x[u]) : 0u;
     }
   }
-  const bool dense = dense_raw;
-  topk_mask<kSelThreads>(s_key, nb, nb, dense ? NB : a.k, keep_lo, keep_hi);
-  // Mark the selected blocks that P holds (bit 1): M = selected without that bit.
-  int pc = 0;
-  if (a.p_idx) {
-    pc = min(max(pc_raw, 0), a.Np);
-    if (tid < pc && p_first >= 0 && p_first < nb && s_key[p_first]) s_key[p_first] = 3u;
-    for (int i = tid + kSelThreads; i < pc; i += kSelThreads) {
-      const int x = a.p_idx[prow * a.Np + i];
-      if (x >= 0 && x < nb && s_key[x]) s_key[x] = 3u;
+  const int pc = a.p_idx ? min(max(pc_raw, 0), a.Np) : 0;
+  int na, nm;
+  int32_t* a_out = a.a_idx + row * a.n_out;
+  int32_t* m_out = a.m_idx + row * a.n_out;
+  if constexpr (!kWalks) {
+    topk_mask<kSelThreads>(s_key, nb, nb, dense ? NB : a.k, keep_lo, keep_hi);
+    // Mark the selected blocks that P holds (bit 1): M = selected without that bit.
+    if (a.p_idx) {
+      if (tid < pc && p_first >= 0 && p_first < nb && s_key[p_first]) s_key[p_first] = 3u;
+      for (int i = tid + kSelThreads; i < pc; i += kSelThreads) {
+        const int x = a.p_idx[prow * a.Np + i];
+        if (x >= 0 && x < nb && s_key[x]) s_key[x] = 3u;
+      }
+      __syncthreads();
     }
+    write_list<kSelThreads>(s_key, nb, 1u, a_out, a.n_out, a.a_cnt + row);
+    // M: selected (bit 0) and not in P (bit 1 clear).
+    for (int i = tid; i < nb; i += kSelThreads) s_key[i] = s_key[i] == 1u ? 1u : 0u;
     __syncthreads();
+    write_list<kSelThreads>(s_key, nb, 1u, m_out, a.n_out, a.m_cnt + row);
+    // write_list's last barrier makes both counts visible to thread 0, which wrote them.
+    na = a.a_cnt[row];
+    nm = a.m_cnt[row];
+  } else {
+    const TopkCut cut = topk_threshold<kSelThreads>(s_key, nb, dense ? NB : a.k);
+    if (a.p_idx) {  // P(t)'s blocks as bits (zeroed before the threshold's barriers)
+      if (tid < pc && p_first >= 0 && p_first < nb)
+        atomicOr(&s_pbits[p_first >> 5], 1u << (p_first & 31));
+      for (int i = tid + kSelThreads; i < pc; i += kSelThreads) {
+        const int x = a.p_idx[prow * a.Np + i];
+        if (x >= 0 && x < nb) atomicOr(&s_pbits[x >> 5], 1u << (x & 31));
+      }
+    }
+    const TopkWalk wk = topk_walk_counts<kSelThreads>(s_key, nb, nb, cut, keep_lo, keep_hi);
+    // A written at its places with each warp's count of M (chosen, not in P), then M.
+    __shared__ int s_m[kSelWarps];
+    const auto not_p = [&](int i) { return ((s_pbits[i >> 5] >> (i & 31)) & 1u) == 0u; };
+    const int mc = topk_walk<kSelThreads>(s_key, nb, nb, cut, keep_lo, keep_hi, wk.eq_before,
+                                          wk.chosen_before, a_out, a.n_out,
+                                          [](int) { return true; }, not_p);
+    if (lane == 0) s_m[warp] = mc;
+    __syncthreads();
+    int m_total;
+    const int mpos = warps_prefix<kSelThreads>(lane < kSelWarps ? s_m[lane] : 0, warp, &m_total);
+    topk_walk<kSelThreads>(s_key, nb, nb, cut, keep_lo, keep_hi, wk.eq_before, mpos, m_out,
+                           a.n_out, not_p, [](int) { return false; });
+    for (int j = wk.total + tid; j < a.n_out; j += kSelThreads) a_out[j] = -1;
+    for (int j = m_total + tid; j < a.n_out; j += kSelThreads) m_out[j] = -1;
+    na = min(wk.total, a.n_out);
+    nm = min(m_total, a.n_out);
+    if (tid == 0) { a.a_cnt[row] = na; a.m_cnt[row] = nm; }
   }
-  write_list<kSelThreads>(s_key, nb, 1u, a.a_idx + row * a.n_out, a.n_out, a.a_cnt + row);
-  // M: selected (bit 0) and not in P (bit 1 clear).
-  for (int i = tid; i < nb; i += kSelThreads) s_key[i] = s_key[i] == 1u ? 1u : 0u;
-  __syncthreads();
-  write_list<kSelThreads>(s_key, nb, 1u, a.m_idx + row * a.n_out, a.n_out, a.m_cnt + row);
-  // write_list's last barrier makes both counts visible to thread 0, which wrote them.
   if (a.stats && !dense && tid == 0) {
-    atomicAdd(a.stats + kStatSelected, (unsigned long long)a.a_cnt[row]);
-    atomicAdd(a.stats + kStatRepair, (unsigned long long)a.m_cnt[row]);
+    atomicAdd(a.stats + kStatSelected, (unsigned long long)na);
+    atomicAdd(a.stats + kStatRepair, (unsigned long long)nm);
     atomicAdd(a.stats + kStatPredicted, (unsigned long long)pc);
     atomicAdd(a.stats + kStatRows, 1ull);
   }
@@ -524,116 +566,24 @@ quest_select_kernel(SelectArgs a) {
   if (!last_of_group(a.sem + row, nch)) return;
   for (int i = nch * kSelChunk + tid; i < NB; i += kSelThreads) srow[i] = -INFINITY;
   // The q group is no longer needed: its shared memory holds the keys.
-  select_row_tail(a, b, hk, nb, s_sel);
+  select_row_tail<false>(a, b, hk, nb, s_sel);
 }
 
 // Scores by quest_scores_kernel (a warp per (request, block), all KV heads), then the rows' tails
 // in a launch of their own: a CTA per (request, KV head) row. No fence, ticket or candidate
 // workspace, which the one-pass kernel pays per CTA; the launcher takes this path where asked
 // (SGLANG_PRR_SELECT_KERNEL=split).
+template <bool kWalks>
 __global__ void __launch_bounds__(kSelThreads)
 quest_select_rows_kernel(SelectArgs a) {
   pdl_begin();  // before any global-memory access (PDL)
-  extern __shared__ __align__(16) uint32_t s_key[];  // [NB]
+  extern __shared__ __align__(16) uint32_t s_key[];  // [row_tail_words(NB)]
   const int hk = blockIdx.x, b = blockIdx.y;
   const int nb = clamp_count(ld_index(a.nblk, b, a.nblk64), a.NB);
-  select_row_tail(a, b, hk, nb, s_key);
-}
-
-// ============================================================================ set difference
-// One CTA per row: bitmask A \ P in shared memory (robust to any list order), then an ascending
-// compaction by a block scan over the mask words.
-constexpr int kSetThreads = 256;
-
-__global__ void __launch_bounds__(kSetThreads)
-set_difference_kernel(SetDiffArgs a) {
-  pdl_begin();  // before any global-memory access (PDL)
-  extern __shared__ uint32_t s_bits[];
-  using Scan = cub::BlockScan<int, kSetThreads>;
-  __shared__ typename Scan::TempStorage s_scan;
-  __shared__ int s_total;
-  const int row = blockIdx.x, tid = threadIdx.x;
-  const int W = (a.nb + 31) / 32;
-  for (int w = tid; w < W; w += kSetThreads) s_bits[w] = 0;
-  __syncthreads();
-  const int b = row / a.Hk;
-  const int64_t prow =
-      a.p_rows ? slot_of(a.p_rows, a.p_rows64, a.p_rows_n, b) * a.Hk + row % a.Hk : row;
-  const int ca = a.a_cnt[row], cp = a.p_cnt[prow];
-  for (int i = tid; i < a.Na && i < ca; i += kSetThreads) {
-    const int x = a.a_idx[(int64_t)row * a.Na + i];
-    if (x >= 0 && x < a.nb) atomicOr(&s_bits[x >> 5], 1u << (x & 31));
-  }
-  __syncthreads();
-  for (int i = tid; i < a.Np && i < cp; i += kSetThreads) {
-    const int x = a.p_idx[prow * a.Np + i];
-    if (x >= 0 && x < a.nb) atomicAnd(&s_bits[x >> 5], ~(1u << (x & 31)));
-  }
-  __syncthreads();
-  const int C = (W + kSetThreads - 1) / kSetThreads;
-  const int w0 = tid * C, w1 = min(W, w0 + C);
-  int c = 0;
-  for (int w = w0; w < w1; ++w) c += __popc(s_bits[w]);
-  int pos;
-  Scan(s_scan).ExclusiveSum(c, pos);
-  if (tid == kSetThreads - 1) s_total = pos + c;
-  __syncthreads();
-  int32_t* out = a.m_idx + (int64_t)row * a.n_out;
-  for (int w = w0; w < w1 && pos < a.n_out; ++w) {
-    uint32_t bits = s_bits[w];
-    while (bits && pos < a.n_out) {
-      const int j = __ffs(bits) - 1;
-      bits &= bits - 1;
-      out[pos++] = w * 32 + j;
-    }
-  }
-  const int total = s_total;
-  for (int j = total + tid; j < a.n_out; j += kSetThreads) out[j] = -1;
-  if (tid == 0) {
-    const int mc = total < a.n_out ? total : a.n_out;
-    a.m_cnt[row] = mc;
-    if (a.stats && !(a.dense_row && a.dense_row[b])) {  // accumulate_stats' sums, this row's part
-      atomicAdd(a.stats + kStatSelected, (unsigned long long)(long long)ca);
-      atomicAdd(a.stats + kStatRepair, (unsigned long long)mc);
-      atomicAdd(a.stats + kStatPredicted, (unsigned long long)(cp > 0 ? cp : 0));
-      atomicAdd(a.stats + kStatRows, 1ull);
-    }
-  }
-}
-
-// ============================================================================ counters
-// One CTA over every (request, KV head) row: the four sums of reference.accumulate_stats (|A|,
-// |M|, |P| clamped at 0, rows; dense rows left out) reduced in the CTA, then one atomic per slot.
-constexpr int kStatsThreads = 256;
-
-__global__ void __launch_bounds__(kStatsThreads)
-accumulate_stats_kernel(StatsArgs a) {
-  pdl_begin();  // before any global-memory access (PDL)
-  using Reduce = cub::BlockReduce<long long, kStatsThreads>;
-  __shared__ typename Reduce::TempStorage s_red;
-  long long sum[kNumStatSlots] = {0, 0, 0, 0};
-  const int rows = a.B * a.Hk;
-  for (int r = threadIdx.x; r < rows; r += kStatsThreads) {
-    if (a.dense_row && a.dense_row[r / a.Hk]) continue;
-    sum[kStatSelected] += a.a_cnt[r];
-    sum[kStatRepair] += a.m_cnt[r];
-    if (a.p_cnt) sum[kStatPredicted] += max(a.p_cnt[r], 0);
-    sum[kStatRows] += 1;
-  }
-  for (int slot = 0; slot < kNumStatSlots; ++slot) {
-    const long long total = Reduce(s_red).Sum(sum[slot]);
-    if (threadIdx.x == 0) atomicAdd(a.stats + slot, (unsigned long long)total);
-    __syncthreads();  // s_red is reused by the next slot's reduction
-  }
+  select_row_tail<kWalks>(a, b, hk, nb, s_key);
 }
 
 }  // namespace
-
-cudaError_t launch_accumulate_stats(const StatsArgs& a, cudaStream_t s) {
-  if (a.B == 0 || a.Hk == 0) return cudaSuccess;
-  launch_kernel(accumulate_stats_kernel, 1, kStatsThreads, 0, s, a);
-  return cudaGetLastError();
-}
 
 template <typename S, bool Loop>
 cudaError_t scores_launch(const QuestArgs& a, dim3 grid, size_t smem, cudaStream_t s) {
@@ -759,19 +709,13 @@ cudaError_t launch_quest_select_split(const SelectArgs& a, cudaStream_t s) {
   q.new_loc = a.new_loc; q.new_loc64 = a.new_loc64; q.w_kmin = a.w_kmin; q.w_kmax = a.w_kmax;
   cudaError_t e = launch_quest_scores(q, s);
   if (e != cudaSuccess) return e;
-  const size_t smem = (size_t)std::max(a.NB, 1) * sizeof(uint32_t);
-  e = set_smem_limit(quest_select_rows_kernel, smem);
+  const size_t smem = (size_t)std::max(row_tail_words(a.NB), 1) * sizeof(uint32_t);
+  const char* topk = getenv("SGLANG_PRR_TOPK");  // a measuring knob, read at each launch
+  auto* rows = topk && !strcmp(topk, "walks") ? quest_select_rows_kernel<true>
+                                              : quest_select_rows_kernel<false>;
+  e = set_smem_limit(rows, smem);
   if (e != cudaSuccess) return e;
-  launch_kernel(quest_select_rows_kernel, dim3(a.Hk, a.B), kSelThreads, smem, s, a);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_set_difference(const SetDiffArgs& a, cudaStream_t s) {
-  if (a.rows == 0) return cudaSuccess;
-  const size_t smem = (size_t)((a.nb + 31) / 32 + 1) * sizeof(uint32_t);
-  cudaError_t e = set_smem_limit(set_difference_kernel, smem);
-  if (e != cudaSuccess) return e;
-  launch_kernel(set_difference_kernel, a.rows, kSetThreads, smem, s, a);
+  launch_kernel(rows, dim3(a.Hk, a.B), kSelThreads, smem, s, a);
   return cudaGetLastError();
 }
 

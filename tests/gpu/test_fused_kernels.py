@@ -36,7 +36,7 @@ from test_kernels import (ATTN_CASES, DEV, capture, make_pool, poison, random_li
 CUDA = torch.ops.sglang_prr_cuda
 
 
-@pytest.fixture(params=["auto", "onepass", "rowtail", "split", "onepass-grid2",
+@pytest.fixture(params=["auto", "onepass", "rowtail", "split", "split-walks", "onepass-grid2",
                         "split-grid3", "auto-gridrows", "auto-gridtable"])
 def select_kernel(request, monkeypatch):
     """The selection kernel the launcher is asked for (read at each launch; sizes the one-pass
@@ -46,7 +46,8 @@ def select_kernel(request, monkeypatch):
     (3) CTAs a row that loop over the row's chunks (blocks), ``auto-gridrows`` /
     ``auto-gridtable``: the shape rule with every grid at two waves / at the table's width
     (``SGLANG_PRR_SELECT_GRID``; by default the scores kernel takes two waves, the one-pass
-    kernel the table; ``set_select_path``)."""
+    kernel the table; ``set_select_path``); ``split-walks``: the two launches with the rows'
+    lists in warp-ordered walks (``SGLANG_PRR_TOPK=walks``)."""
     set_select_path(monkeypatch, request.param)
     return request.param
 
@@ -372,6 +373,38 @@ def test_quest_select(B, Hq, Hk, D, NB, k, sink, local, with_p, sdt, select_kern
     if 1 < k < NB - sink - local - 1:
         ai2, _ = ref.select_topk(s, nblk, k - 1, sink, local, n_out)
         assert not torch.equal(a_idx, ai2)
+
+
+@pytest.mark.parametrize("B,NB,k", [(2, 2048, 32), (3, 300, 17), (1, 5000, 200)])
+def test_quest_select_messy_prediction(B, NB, k, select_kernel):
+    """P(t) as a row may hold it after a bad write or a shorter table: repeats, -1 entries, ids
+    past the row's blocks or negative, out of order, a count past the list's width or negative.
+    M = A \\ P treats it as the set of its valid ids (the reference's list_to_mask), on every
+    selection path (the row tails mark P in their keys, or as bits with the walks; the one-pass
+    kernel compares entries)."""
+    seeded(f"messy P B={B} NB={NB} k={k} {select_kernel}")
+    Hq, Hk, D, sink, local = 32, 8, 128, 1, 2
+    P = NB * B + 5
+    kmin = torch.randn(P, Hk, D)
+    kmin, kmax = _bf16_bounds(kmin, kmin + torch.rand(P, Hk, D))
+    table = torch.randint(1, P, (B, NB))
+    nblk = torch.randint(NB // 2, NB + 1, (B,))
+    nblk[0] = NB
+    q = torch.randn(B, Hq, D, dtype=torch.bfloat16)
+    n_out = k + sink + local
+    Np = n_out + 6
+    p_idx = torch.randint(-3, NB + 40, (B, Hk, Np), dtype=torch.int32)
+    p_idx[..., 1::4] = p_idx[..., 0::4][..., : p_idx[..., 1::4].shape[-1]]  # repeats
+    p_idx[..., 2] = -1
+    p_cnt = torch.randint(-2, Np + 3, (B, Hk), dtype=torch.int32)
+    s, a_idx, a_cnt, m_idx, m_cnt = [x.cpu() for x in CUDA.quest_select(
+        *_dev(q, kmin, kmax, table, nblk.int(), p_idx, p_cnt), k, sink, local, n_out)]
+    ai, ac = ref.select_topk(s, nblk, k, sink, local, n_out)
+    assert torch.equal(a_cnt, ac) and torch.equal(a_idx, ai)
+    mi, mc = ref.set_difference(ai, ac, p_idx, p_cnt.clamp(0, Np), NB)
+    assert torch.equal(m_cnt, mc) and torch.equal(m_idx, mi)
+    # Negative control: the prediction hits A somewhere, so M = A would differ.
+    assert (mc < ac).any() and not torch.equal(m_idx, ai)
 
 
 @pytest.mark.parametrize("B,Hk,NB,n_pred,sink,local,idt", [

@@ -43,14 +43,16 @@ def set_select_path(monkeypatch, param: str) -> None:
     launcher's shape rule) or the path SGLANG_PRR_SELECT_KERNEL forces (``onepass``, ``rowtail``,
     ``split``); ``grid<v>`` sets SGLANG_PRR_SELECT_GRID=v (``rows``: every grid about two waves,
     its CTAs looping over a row's chunks; ``table``: the table's width; N: at most N CTAs a
-    row)."""
-    for k in ("SGLANG_PRR_SELECT_KERNEL", "SGLANG_PRR_SELECT_GRID"):
+    row); ``walks`` sets SGLANG_PRR_TOPK=walks (the rows' lists in warp-ordered walks)."""
+    for k in ("SGLANG_PRR_SELECT_KERNEL", "SGLANG_PRR_SELECT_GRID", "SGLANG_PRR_TOPK"):
         monkeypatch.delenv(k, raising=False)
     kernel, _, knob = param.partition("-")
     if kernel != "auto":
         monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", kernel)
     if knob.startswith("grid"):
         monkeypatch.setenv("SGLANG_PRR_SELECT_GRID", knob[4:])
+    if knob == "walks":
+        monkeypatch.setenv("SGLANG_PRR_TOPK", "walks")
 
 
 def poison(*shapes_dtypes) -> None:
@@ -268,6 +270,17 @@ def test_select_topk(B, Hk, NB, k, sink, local):
     s = _scores_with_ties(B, Hk, NB)
     nblk = torch.randint(0, NB + 1, (B,))
     nblk[0] = NB
+    i = _check_select_topk(s, nblk, k, sink, local)
+    # negative control: a different k gives a different set whenever it can
+    if 0 < k < NB - sink - local - 1:
+        i_bad, _ = ref.select_topk(s, nblk, k + 1, sink, local, k + sink + local + 3)
+        assert not torch.equal(i, i_bad)
+
+
+def _check_select_topk(s, nblk, k, sink, local):
+    """select_topk's lists (n_out = k + sink + local + 3, outputs poisoned first) equal the
+    reference's bit for bit; returns the kernel's ids (CPU)."""
+    B, Hk, _ = s.shape
     n_out = k + sink + local + 3
     i_ref, c_ref = ref.select_topk(s, nblk, k, sink, local, n_out)
     poison(((B, Hk, n_out), torch.int32), ((B, Hk), torch.int32))
@@ -275,10 +288,7 @@ def test_select_topk(B, Hk, NB, k, sink, local):
                                                  n_out)
     assert torch.equal(c.cpu(), c_ref)
     assert torch.equal(i.cpu(), i_ref)
-    # negative control: a different k gives a different set whenever it can
-    if 0 < k < NB - sink - local - 1:
-        i_bad, _ = ref.select_topk(s, nblk, k + 1, sink, local, n_out)
-        assert not torch.equal(i.cpu(), i_bad)
+    return i.cpu()
 
 
 def _scores_shaped(shape: str, B, Hk, NB, k):
@@ -311,16 +321,10 @@ def test_select_topk_threshold_paths(shape, NB, k):
     B, Hk, sink, local = 2, 4, 1, 2
     s = _scores_shaped(shape, B, Hk, NB, k)
     nblk = torch.tensor([NB, NB - 7])
-    n_out = k + sink + local + 3
-    i_ref, c_ref = ref.select_topk(s, nblk, k, sink, local, n_out)
-    poison(((B, Hk, n_out), torch.int32), ((B, Hk), torch.int32))
-    i, c = torch.ops.sglang_prr_cuda.select_topk(s.to(DEV), nblk.to(DEV).int(), k, sink, local,
-                                                 n_out)
-    assert torch.equal(c.cpu(), c_ref)
-    assert torch.equal(i.cpu(), i_ref)
+    i = _check_select_topk(s, nblk, k, sink, local)
     # negative control: one fewer block selected differs (every row has more than k blocks)
-    i_bad, _ = ref.select_topk(s, nblk, k - 1, sink, local, n_out)
-    assert not torch.equal(i.cpu(), i_bad)
+    i_bad, _ = ref.select_topk(s, nblk, k - 1, sink, local, k + sink + local + 3)
+    assert not torch.equal(i, i_bad)
 
 
 @pytest.mark.parametrize("B,Hk,NB,n_pred,sink,local", [(1, 8, 2048, 48, 1, 2),

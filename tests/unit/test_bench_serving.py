@@ -125,6 +125,7 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     ({"SGLANG_PRR_SELECT_KERNEL": "bogus"}, ""),  # the launcher ignores it too
     ({"SGLANG_PRR_SCORES_KERNEL": "warp"}, "scores-warp"),
     ({"SGLANG_PRR_SCORES_KERNEL": "stream"}, ""),  # the default
+    ({"SGLANG_PRR_TOPK": "walks"}, "topk-walks"), ({"SGLANG_PRR_TOPK": "scan"}, ""),
     ({"SGLANG_PRR_ATTN_GRID": "heads"}, "grid-heads"), ({"SGLANG_PRR_ATTN_GRID": "blocks"}, ""),
     ({"SGLANG_PRR_ATTN_GRID": "entries"}, "grid-entries"),
     ({"SGLANG_PRR_ATTN_MERGE": "split"}, "merge-split"),
@@ -143,7 +144,8 @@ def test_launch_column_names_the_knobs(bench, monkeypatch, env, want):
     sit beside the default ones instead of replacing them."""
     for k in ("SGLANG_PRR_PDL", "SGLANG_PRR_FOLD_NEW_KEYS", "SGLANG_PRR_SELECT_KERNEL",
               "SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_SELECT_GRID",
-              "SGLANG_PRR_SMEM_CARVEOUT", "SGLANG_PRR_ATTN_SPREAD", "SGLANG_PRR_SCORES_KERNEL"):
+              "SGLANG_PRR_SMEM_CARVEOUT", "SGLANG_PRR_ATTN_SPREAD", "SGLANG_PRR_SCORES_KERNEL",
+              "SGLANG_PRR_TOPK"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)

@@ -41,7 +41,7 @@ def test_every_kernel_waits_first_and_launches_through_launch_kernel():
 
 
 def test_the_checks_catch_a_kernel_without_the_wait_and_a_chevron_launch():
-    src = KERNELS / "selection.cu"
+    src = KERNELS / "sets.cu"
     text = src.read_text()
     assert "pdl_begin();" in text and "launch_kernel(" in text
     no_wait = text.replace("pdl_begin();", "int unused_ = 0;", 1)
