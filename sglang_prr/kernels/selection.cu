@@ -427,20 +427,23 @@ __device__ void select_row_tail(const SelectArgs& a, int b, int hk, int nb, uint
     }
   }
   const int pc = a.p_idx ? min(max(pc_raw, 0), a.Np) : 0;
+  // f(x) for each of P(t)'s ids x in [0, nb) (the first entries loaded above, the rest here).
+  const auto each_p = [&](auto f) {
+    if (!a.p_idx) return;
+    if (tid < pc && p_first >= 0 && p_first < nb) f(p_first);
+    for (int i = tid + kSelThreads; i < pc; i += kSelThreads) {
+      const int x = a.p_idx[prow * a.Np + i];
+      if (x >= 0 && x < nb) f(x);
+    }
+  };
   int na, nm;
   int32_t* a_out = a.a_idx + row * a.n_out;
   int32_t* m_out = a.m_idx + row * a.n_out;
   if constexpr (!kWalks) {
     topk_mask<kSelThreads>(s_key, nb, nb, dense ? NB : a.k, keep_lo, keep_hi);
     // Mark the selected blocks that P holds (bit 1): M = selected without that bit.
-    if (a.p_idx) {
-      if (tid < pc && p_first >= 0 && p_first < nb && s_key[p_first]) s_key[p_first] = 3u;
-      for (int i = tid + kSelThreads; i < pc; i += kSelThreads) {
-        const int x = a.p_idx[prow * a.Np + i];
-        if (x >= 0 && x < nb && s_key[x]) s_key[x] = 3u;
-      }
-      __syncthreads();
-    }
+    each_p([&](int x) { if (s_key[x]) s_key[x] = 3u; });
+    if (a.p_idx) __syncthreads();
     write_list<kSelThreads>(s_key, nb, 1u, a_out, a.n_out, a.a_cnt + row);
     // M: selected (bit 0) and not in P (bit 1 clear).
     for (int i = tid; i < nb; i += kSelThreads) s_key[i] = s_key[i] == 1u ? 1u : 0u;
@@ -451,14 +454,8 @@ __device__ void select_row_tail(const SelectArgs& a, int b, int hk, int nb, uint
     nm = a.m_cnt[row];
   } else {
     const TopkCut cut = topk_threshold<kSelThreads>(s_key, nb, dense ? NB : a.k);
-    if (a.p_idx) {  // P(t)'s blocks as bits (zeroed before the threshold's barriers)
-      if (tid < pc && p_first >= 0 && p_first < nb)
-        atomicOr(&s_pbits[p_first >> 5], 1u << (p_first & 31));
-      for (int i = tid + kSelThreads; i < pc; i += kSelThreads) {
-        const int x = a.p_idx[prow * a.Np + i];
-        if (x >= 0 && x < nb) atomicOr(&s_pbits[x >> 5], 1u << (x & 31));
-      }
-    }
+    // P(t)'s blocks as bits (zeroed before the threshold's barriers; read after the next one)
+    each_p([&](int x) { atomicOr(&s_pbits[x >> 5], 1u << (x & 31)); });
     const TopkWalk wk = topk_walk_counts<kSelThreads>(s_key, nb, nb, cut, keep_lo, keep_hi);
     // A written at its places with each warp's count of M (chosen, not in P), then M.
     __shared__ int s_m[kSelWarps];

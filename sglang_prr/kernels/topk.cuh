@@ -163,10 +163,10 @@ __device__ __forceinline__ int warp_seg(int NB) {
   return (NB + 32 * kWarps - 1) / (32 * kWarps) * 32;
 }
 
-// The exclusive prefix over the warps (lane v holds warp v's count x) and the total: every lane
-// of every warp calls it with the same per-warp counts read from shared memory.
+// The exclusive prefix over the warps (lane v holds warp v's count x) at warp w, and the total
+// (when asked): every lane of every warp calls it with the same per-warp counts.
 template <int THREADS>
-__device__ __forceinline__ int warps_prefix(int x, int w, int* total) {
+__device__ __forceinline__ int warps_prefix(int x, int w, int* total = nullptr) {
   const int lane = threadIdx.x & 31;
   int incl = x;
 #pragma unroll
@@ -174,7 +174,8 @@ __device__ __forceinline__ int warps_prefix(int x, int w, int* total) {
     const int t = __shfl_up_sync(0xffffffffu, incl, off);
     if (lane >= off) incl += t;
   }
-  *total = __shfl_sync(0xffffffffu, incl, 31);
+  const int all = __shfl_sync(0xffffffffu, incl, 31);
+  if (total) *total = all;
   return __shfl_sync(0xffffffffu, incl - x, w);
 }
 
@@ -213,8 +214,7 @@ __device__ TopkWalk topk_walk_counts(const uint32_t* s_key, int NB, int nb, Topk
   if (lane == 0) { s_eq[warp] = eq; s_sure[warp] = sure; }
   __syncthreads();
   const int ev = lane < kWarps ? s_eq[lane] : 0, sv = lane < kWarps ? s_sure[lane] : 0;
-  int eq_total;
-  const int ebefore_lane = warps_prefix<THREADS>(ev, lane, &eq_total);  // lane v: warp v's
+  const int ebefore_lane = warps_prefix<THREADS>(ev, lane);  // lane v: warp v's
   // warp v takes min(max(rem - ties before it, 0), its ties) of its ties
   const int taken = min(max(cut.rem - ebefore_lane, 0), ev);
   int total;
