@@ -679,8 +679,8 @@ def _launch() -> str:
     when they run the summary update before the selection instead of folding the new keys into
     it (``SGLANG_PRR_FOLD_NEW_KEYS=0``), ``select-<kernel>`` when they force a selection kernel
     (``SGLANG_PRR_SELECT_KERNEL``: ``onepass``, ``rowtail`` or ``split``), ``scores-warp`` when
-    they score with the warp-per-block kernel (``SGLANG_PRR_SCORES_KERNEL=warp``), ``topk-walks``
-    when the rows write their lists in warp walks (``SGLANG_PRR_TOPK=walks``), ``select-rows`` /
+    they score with the warp-per-block kernel (``SGLANG_PRR_SCORES_KERNEL=warp``), ``topk-scan``
+    when the rows write their lists by CTA scans, not warp walks (``SGLANG_PRR_TOPK=scan``), ``select-rows`` /
     ``select-table`` when they force every selection grid to two waves or to the block table's
     width (``SGLANG_PRR_SELECT_GRID``), ``grid-heads`` /
     ``grid-entries`` when they force the attention grid's order (``SGLANG_PRR_ATTN_GRID``),
@@ -698,8 +698,8 @@ def _launch() -> str:
         parts.append(f"select-{kernel}")
     if os.environ.get("SGLANG_PRR_SCORES_KERNEL") == "warp":
         parts.append("scores-warp")
-    if os.environ.get("SGLANG_PRR_TOPK") == "walks":
-        parts.append("topk-walks")
+    if os.environ.get("SGLANG_PRR_TOPK") == "scan":
+        parts.append("topk-scan")
     grid = os.environ.get("SGLANG_PRR_SELECT_GRID", "")
     if grid in ("rows", "table"):
         parts.append(f"select-{grid}")

@@ -29,9 +29,10 @@ def select_kernel() -> str:
     """The selection path this environment forces (``SGLANG_PRR_SELECT_KERNEL``, else ``auto``),
     with ``+grid-<v>`` where ``SGLANG_PRR_SELECT_GRID`` caps the selection grids,
     ``+scores-warp`` where ``SGLANG_PRR_SCORES_KERNEL=warp`` asks for the warp-per-block scores
-    and ``+topk-walks`` where ``SGLANG_PRR_TOPK=walks`` writes the rows' lists in warp walks."""
+    and ``+topk-scan`` where ``SGLANG_PRR_TOPK=scan`` writes the rows' lists by CTA scans (the
+    default: warp walks)."""
     grid = os.environ.get("SGLANG_PRR_SELECT_GRID", "")
     scores = "+scores-warp" if os.environ.get("SGLANG_PRR_SCORES_KERNEL") == "warp" else ""
-    topk = "+topk-walks" if os.environ.get("SGLANG_PRR_TOPK") == "walks" else ""
+    topk = "+topk-scan" if os.environ.get("SGLANG_PRR_TOPK") == "scan" else ""
     return (os.environ.get("SGLANG_PRR_SELECT_KERNEL", "auto") + (f"+grid-{grid}" if grid else "")
             + scores + topk)

@@ -386,8 +386,9 @@ constexpr int kSelChunk = kSelWarps * kSelPerWarp;
 // The row's top-K (A), M = A \ P and the counters from its scores (a.scores, complete for every
 // block < nb; written by other CTAs, so read through L2). s_key: shared memory of
 // row_tail_words(nb) words (the keys [nb], then P(t)'s bits for kWalks). Called by every thread
-// of one CTA per (request, KV head) row. kWalks: the lists in warp-ordered walks (topk_walk; a
-// measuring knob, SGLANG_PRR_TOPK=walks, for the two-launch selection's rows), else by CTA scans.
+// of one CTA per (request, KV head) row. kWalks: the lists in warp-ordered walks (topk_walk: the
+// row-tail and rows kernels), else by CTA scans (the rows kernel where SGLANG_PRR_TOPK=scan asks, a
+// measuring knob: the walks took 0.1-0.5 us off the rows' launch, level at 32 x 128K, run 46).
 __host__ __device__ constexpr int row_tail_words(int nb) { return nb + (nb + 31) / 32; }
 
 template <bool kWalks>
@@ -487,7 +488,8 @@ template <typename S>
 __global__ void __launch_bounds__(kSelThreads)
 quest_select_kernel(SelectArgs a) {
   pdl_begin();  // before any global-memory access (PDL)
-  extern __shared__ __align__(16) uint32_t s_sel[];  // q group [G, D] floats, then keys [NB]
+  // q group [G, D] floats, then the row tail's keys and P(t)'s bits [row_tail_words(NB)]
+  extern __shared__ __align__(16) uint32_t s_sel[];
   const int hk = blockIdx.x, b = blockIdx.z;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int G = a.Hq / a.Hk, D4 = a.D / 4;
@@ -562,8 +564,8 @@ quest_select_kernel(SelectArgs a) {
   }
   if (!last_of_group(a.sem + row, nch)) return;
   for (int i = nch * kSelChunk + tid; i < NB; i += kSelThreads) srow[i] = -INFINITY;
-  // The q group is no longer needed: its shared memory holds the keys.
-  select_row_tail<false>(a, b, hk, nb, s_sel);
+  // The q group is no longer needed: its shared memory holds the keys and P(t)'s bits.
+  select_row_tail<true>(a, b, hk, nb, s_sel);
 }
 
 // Scores by quest_scores_kernel (a warp per (request, block), all KV heads), then the rows' tails
@@ -677,7 +679,7 @@ int max_select_group_dim() { return 48 * 1024 / 4; }
 
 cudaError_t launch_quest_select_rowtail(const SelectArgs& a, cudaStream_t s) {
   if ((a.Hq / a.Hk) * a.D > max_select_group_dim()) return cudaErrorInvalidValue;
-  const size_t smem = std::max((size_t)a.NB, (size_t)(a.Hq / a.Hk) * a.D) * 4;
+  const size_t smem = std::max((size_t)row_tail_words(a.NB), (size_t)(a.Hq / a.Hk) * a.D) * 4;
   dim3 grid(a.Hk, (a.NB + kSelChunk - 1) / kSelChunk, a.B);
   cudaError_t e;
   if (a.s_dtype == kBF16) {
@@ -708,8 +710,8 @@ cudaError_t launch_quest_select_split(const SelectArgs& a, cudaStream_t s) {
   if (e != cudaSuccess) return e;
   const size_t smem = (size_t)std::max(row_tail_words(a.NB), 1) * sizeof(uint32_t);
   const char* topk = getenv("SGLANG_PRR_TOPK");  // a measuring knob, read at each launch
-  auto* rows = topk && !strcmp(topk, "walks") ? quest_select_rows_kernel<true>
-                                              : quest_select_rows_kernel<false>;
+  auto* rows = topk && !strcmp(topk, "scan") ? quest_select_rows_kernel<false>
+                                             : quest_select_rows_kernel<true>;
   e = set_smem_limit(rows, smem);
   if (e != cudaSuccess) return e;
   launch_kernel(rows, dim3(a.Hk, a.B), kSelThreads, smem, s, a);

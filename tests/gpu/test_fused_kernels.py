@@ -36,7 +36,7 @@ from test_kernels import (ATTN_CASES, DEV, capture, make_pool, poison, random_li
 CUDA = torch.ops.sglang_prr_cuda
 
 
-@pytest.fixture(params=["auto", "onepass", "rowtail", "split", "split-walks", "onepass-grid2",
+@pytest.fixture(params=["auto", "onepass", "rowtail", "split", "split-scan", "onepass-grid2",
                         "split-grid3", "auto-gridrows", "auto-gridtable"])
 def select_kernel(request, monkeypatch):
     """The selection kernel the launcher is asked for (read at each launch; sizes the one-pass
@@ -46,8 +46,8 @@ def select_kernel(request, monkeypatch):
     (3) CTAs a row that loop over the row's chunks (blocks), ``auto-gridrows`` /
     ``auto-gridtable``: the shape rule with every grid at two waves / at the table's width
     (``SGLANG_PRR_SELECT_GRID``; by default the scores kernel takes two waves, the one-pass
-    kernel the table; ``set_select_path``); ``split-walks``: the two launches with the rows'
-    lists in warp-ordered walks (``SGLANG_PRR_TOPK=walks``)."""
+    kernel the table; ``set_select_path``); ``split-scan``: the two launches with the rows'
+    lists by CTA scans instead of warp walks (``SGLANG_PRR_TOPK=scan``)."""
     set_select_path(monkeypatch, request.param)
     return request.param
 

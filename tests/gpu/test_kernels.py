@@ -43,7 +43,7 @@ def set_select_path(monkeypatch, param: str) -> None:
     launcher's shape rule) or the path SGLANG_PRR_SELECT_KERNEL forces (``onepass``, ``rowtail``,
     ``split``); ``grid<v>`` sets SGLANG_PRR_SELECT_GRID=v (``rows``: every grid about two waves,
     its CTAs looping over a row's chunks; ``table``: the table's width; N: at most N CTAs a
-    row); ``walks`` sets SGLANG_PRR_TOPK=walks (the rows' lists in warp-ordered walks)."""
+    row); ``scan`` sets SGLANG_PRR_TOPK=scan (the rows' lists by CTA scans, not warp walks)."""
     for k in ("SGLANG_PRR_SELECT_KERNEL", "SGLANG_PRR_SELECT_GRID", "SGLANG_PRR_TOPK"):
         monkeypatch.delenv(k, raising=False)
     kernel, _, knob = param.partition("-")
@@ -51,8 +51,8 @@ def set_select_path(monkeypatch, param: str) -> None:
         monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", kernel)
     if knob.startswith("grid"):
         monkeypatch.setenv("SGLANG_PRR_SELECT_GRID", knob[4:])
-    if knob == "walks":
-        monkeypatch.setenv("SGLANG_PRR_TOPK", "walks")
+    if knob == "scan":
+        monkeypatch.setenv("SGLANG_PRR_TOPK", "scan")
 
 
 def poison(*shapes_dtypes) -> None:

@@ -94,17 +94,17 @@ def test_table_ctx_column(tmp_path):
 
 def test_the_select_kernel_column_names_the_selection_knobs(monkeypatch):
     """The rows' ``select_kernel`` column: the forced path, then ``+grid-<v>``, ``+scores-warp``
-    and ``+topk-walks`` for the knobs set; values the launchers ignore add nothing."""
+    and ``+topk-scan`` for the knobs set; values the launchers ignore add nothing."""
     import knobs
 
     for k in ("SGLANG_PRR_SELECT_KERNEL", "SGLANG_PRR_SELECT_GRID", "SGLANG_PRR_SCORES_KERNEL",
               "SGLANG_PRR_TOPK"):
         monkeypatch.delenv(k, raising=False)
     assert knobs.select_kernel() == "auto"
-    monkeypatch.setenv("SGLANG_PRR_TOPK", "scan")
+    monkeypatch.setenv("SGLANG_PRR_TOPK", "walks")
     assert knobs.select_kernel() == "auto"
     monkeypatch.setenv("SGLANG_PRR_SELECT_KERNEL", "split")
-    monkeypatch.setenv("SGLANG_PRR_TOPK", "walks")
+    monkeypatch.setenv("SGLANG_PRR_TOPK", "scan")
     monkeypatch.setenv("SGLANG_PRR_SCORES_KERNEL", "warp")
     monkeypatch.setenv("SGLANG_PRR_SELECT_GRID", "3")
-    assert knobs.select_kernel() == "split+grid-3+scores-warp+topk-walks"
+    assert knobs.select_kernel() == "split+grid-3+scores-warp+topk-scan"

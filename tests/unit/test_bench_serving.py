@@ -125,7 +125,7 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     ({"SGLANG_PRR_SELECT_KERNEL": "bogus"}, ""),  # the launcher ignores it too
     ({"SGLANG_PRR_SCORES_KERNEL": "warp"}, "scores-warp"),
     ({"SGLANG_PRR_SCORES_KERNEL": "stream"}, ""),  # the default
-    ({"SGLANG_PRR_TOPK": "walks"}, "topk-walks"), ({"SGLANG_PRR_TOPK": "scan"}, ""),
+    ({"SGLANG_PRR_TOPK": "scan"}, "topk-scan"), ({"SGLANG_PRR_TOPK": "walks"}, ""),
     ({"SGLANG_PRR_ATTN_GRID": "heads"}, "grid-heads"), ({"SGLANG_PRR_ATTN_GRID": "blocks"}, ""),
     ({"SGLANG_PRR_ATTN_GRID": "entries"}, "grid-entries"),
     ({"SGLANG_PRR_ATTN_MERGE": "split"}, "merge-split"),
