@@ -82,6 +82,8 @@ into a launch after the partials or into their tail, or the tail by the group's 
 one-wave grid would spread it: ``merge-split`` / ``merge-fused`` / ``merge-ticket``;
 ``SGLANG_PRR_ATTN_SPREAD=row`` shares a spread merge among every CTA of the row (those of
 entries past the list's count included): ``spread-row``;
+``SGLANG_PRR_ATTN_MERGE_SPLITS=auto|<n>`` spreads the merge kernel over CTAs a group:
+``merge-splits-auto`` / ``merge-splits-<n>``;
 ``SGLANG_PRR_SELECT_GRID=rows|table`` forces every selection grid to two waves or to the table's
 width: ``select-rows`` / ``select-table``.
 ``--predictor side|fused`` (default ``side``, the server's default) is the PRR and auto servers'
@@ -680,13 +682,15 @@ def _launch() -> str:
     it (``SGLANG_PRR_FOLD_NEW_KEYS=0``), ``select-<kernel>`` when they force a selection kernel
     (``SGLANG_PRR_SELECT_KERNEL``: ``onepass``, ``rowtail`` or ``split``), ``scores-warp`` when
     they score with the warp-per-block kernel (``SGLANG_PRR_SCORES_KERNEL=warp``), ``topk-scan``
-    when the rows write their lists by CTA scans, not warp walks (``SGLANG_PRR_TOPK=scan``), ``select-rows`` /
-    ``select-table`` when they force every selection grid to two waves or to the block table's
-    width (``SGLANG_PRR_SELECT_GRID``), ``grid-heads`` /
+    when the rows write their lists by CTA scans, not warp walks (``SGLANG_PRR_TOPK=scan``),
+    ``select-rows`` / ``select-table`` when they force every selection grid to two waves or to
+    the block table's width (``SGLANG_PRR_SELECT_GRID``), ``grid-heads`` /
     ``grid-entries`` when they force the attention grid's order (``SGLANG_PRR_ATTN_GRID``),
     ``merge-split`` / ``merge-fused`` / ``merge-ticket`` when they force its merge
     (``SGLANG_PRR_ATTN_MERGE``), ``spread-row`` when every CTA of a row shares a spread merge
-    (``SGLANG_PRR_ATTN_SPREAD=row``),
+    (``SGLANG_PRR_ATTN_SPREAD=row``), ``merge-splits-<n>`` / ``merge-splits-auto`` when the
+    merge kernel takes n CTAs a group or as many as its shape asks
+    (``SGLANG_PRR_ATTN_MERGE_SPLITS``),
     ``carveout-max`` when every kernel asks for the SM's largest shared-memory carveout
     (``SGLANG_PRR_SMEM_CARVEOUT=max``), ``carveout-select`` when PRR's one-pass selection alone
     does (``=select``), joined by ``+``, else ``""``."""

@@ -10,9 +10,10 @@ def attn_launch() -> str:
     """The attention launch's forced settings: ``grid-heads`` / ``grid-entries``
     (``SGLANG_PRR_ATTN_GRID``), ``merge-split`` / ``merge-fused`` / ``merge-ticket``
     (``SGLANG_PRR_ATTN_MERGE``), ``spread-row`` (``SGLANG_PRR_ATTN_SPREAD=row``: a spread merge
-    shared by every CTA of the row), joined by ``+``, else ``""`` (the launch's shape rule).
-    Other values force nothing, as in
-    the launcher."""
+    shared by every CTA of the row), ``merge-splits-<n>`` / ``merge-splits-auto``
+    (``SGLANG_PRR_ATTN_MERGE_SPLITS``: the merge kernel's CTAs a group, n or by shape), joined by
+    ``+``, else ``""`` (the launch's shape rule).
+    Other values force nothing, as in the launcher."""
     parts = []
     grid = os.environ.get("SGLANG_PRR_ATTN_GRID", "")
     if grid in ("heads", "entries"):
@@ -22,6 +23,9 @@ def attn_launch() -> str:
         parts.append(f"merge-{merge}")
     if os.environ.get("SGLANG_PRR_ATTN_SPREAD", "") == "row":
         parts.append("spread-row")
+    splits = os.environ.get("SGLANG_PRR_ATTN_MERGE_SPLITS", "")
+    if splits == "auto" or (splits.isdigit() and int(splits) > 1):
+        parts.append(f"merge-splits-{splits if splits == 'auto' else int(splits)}")
     return "+".join(parts)
 
 

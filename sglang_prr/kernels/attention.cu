@@ -14,8 +14,9 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
-#include <cstring>
 #include <cmath>
+#include <cstdlib>
+#include <cstring>
 
 namespace prr {
 namespace {
@@ -83,21 +84,45 @@ block_attn_kernel(AttnArgs a, int nq) {
   probe_exit(a);
 }
 
-// The merge alone, a CTA per (request, KV head) group: the fused tail's code (merge_loads,
-// merge_entries, merge_rows) on the partials a block_attn_kernel launch without counters wrote,
-// so its output bits are the fused launch's. Launched after that kernel where the merge is split
-// off (attn_launch).
+// The merge alone: the fused tail's code (merge_loads, merge_entries, merge_rows) on the partials
+// a block_attn_kernel launch without counters wrote, so its output bits are the fused launch's.
+// Launched after that kernel where the merge is split off (attn_launch). Grid (Hk, B, S): CTA z of
+// a (request, KV head) group merges the z-th of S ranges of the group's G * D / 4 output items
+// (each sorts the entries and weighs them itself; a range has the bits of the whole), so that a
+// group's row copies are issued by S CTAs, not by one CTA's 128 threads.
 __global__ void __launch_bounds__(kAttnThreads)
 attn_merge_kernel(AttnArgs a) {
   pdl_begin();  // before any global-memory access (PDL)
   extern __shared__ __align__(128) unsigned char s_dyn[];  // merge arrays, then the row stage
   const int hk = blockIdx.x, b = blockIdx.y;
+  const MergeShape m(a);
+  const int items = m.G * (a.D / 4);
+  const int lo = (int)((int64_t)items * blockIdx.z / gridDim.z);
+  const int hi = (int)((int64_t)items * (blockIdx.z + 1) / gridDim.z);
   const MergeLoads l = merge_loads(a, b, hk);
   const int nk = merge_entries(a, b, hk, l, s_dyn);
-  const MergeShape m(a);
   merge_rows(a, b, hk, s_dyn,
              reinterpret_cast<float4*>(s_dyn + merge_arrays_bytes(m.N, m.N1, m.Na, m.G)), nk,
-             a.D, 0, m.G * (a.D / 4));
+             a.D, lo, hi);
+}
+
+// The merge kernel's CTAs a group (its grid's z): one, unless SGLANG_PRR_ATTN_MERGE_SPLITS asks
+// for n (at most a CTA a warp's worth, 32, of the group's items) or `auto`: about two CTAs an SM
+// over the launch, within the same bounds. A measuring knob (read at each launch; a captured
+// graph keeps its value), off until the server's profile has measured it.
+int merge_splits(int64_t groups, int items) {
+  const int most = std::max(items / 32, 1);
+  const char* k = getenv("SGLANG_PRR_ATTN_MERGE_SPLITS");
+  if (!k || !*k) return 1;
+  if (strcmp(k, "auto") != 0) {
+    char* end = nullptr;
+    const long n = strtol(k, &end, 10);
+    return *end == '\0' && n > 0 ? (int)std::min<long>(n, most) : 1;
+  }
+  const DeviceShape sm = device_shape();
+  if (sm.sms <= 0 || groups <= 0) return 1;
+  const int64_t want = (2 * (int64_t)sm.sms + groups - 1) / groups;
+  return (int)std::min<int64_t>(std::max<int64_t>(want, 1), most);
 }
 
 // Dynamic shared memory a fused-merge launch may take for the merge tail's row stage: 4 CTAs of
@@ -200,7 +225,8 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
   if (a.sem) {
     // The merge tail's row stage: as many entries a round as fit beside its arrays in the larger
     // of the attention's shared memory and merge_smem_budget, at least one, at most every entry
-    // (split off: as many as the merge kernel's shared memory takes, at most every entry).
+    // (split off: as many as the merge kernel's shared memory takes, at most every entry of a
+    // CTA's share of the items).
     const int N1 = a.o1 ? a.N1 : 0, G = a.Hq / a.Hk, E = a.N + N1;
     const size_t arrays = merge_arrays_bytes(a.N, N1, a.Na, G);
     const size_t per = (size_t)G * D * sizeof(float);  // one entry's rows of the group
@@ -208,14 +234,18 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
         split_merge ? kMergeKernelSmem
                     : std::max(smem, merge_smem_budget((int64_t)a.B * a.Hk * a.N));
     const size_t fit = budget > arrays ? (budget - arrays) / per : 0;
-    c.merge_rows = (int)std::min<size_t>(std::max<size_t>(fit, 1), (size_t)std::max(E, 1));
+    // The merge kernel's CTAs each take 1 / S of the items: the entries of a round are counted
+    // in whole rows, so ceil(E / S) of them hold every entry of a CTA's range.
+    const int splits = split_merge ? merge_splits((int64_t)a.B * a.Hk, G * (D / 4)) : 1;
+    const int want = (std::max(E, 1) + splits - 1) / splits;
+    c.merge_rows = (int)std::min<size_t>(std::max<size_t>(fit, 1), (size_t)want);
     const size_t merge_bytes = arrays + (size_t)c.merge_rows * per;
     if (split_merge) {
       cudaError_t e = set_smem_limit(attn_merge_kernel, merge_bytes);
       if (e != cudaSuccess) return e;
       e = launch_partials<T, D>(c, nq, smem, false, s);
       if (e != cudaSuccess) return e;
-      launch_kernel(attn_merge_kernel, dim3(a.Hk, a.B), kAttnThreads, merge_bytes, s, c);
+      launch_kernel(attn_merge_kernel, dim3(a.Hk, a.B, splits), kAttnThreads, merge_bytes, s, c);
       return cudaGetLastError();
     }
     smem = std::max(smem, merge_bytes);

@@ -164,6 +164,10 @@ def test_repair_merge_with_arbitrary_prediction(B, Hq, Hk, D, page, dtype, pages
 # setting is the launch before the shape rule.
 LAUNCH_KNOBS = {"default": {}, "grid entries": {"SGLANG_PRR_ATTN_GRID": "entries"},
                 "merge split": {"SGLANG_PRR_ATTN_MERGE": "split"},
+                "merge split, CTAs by shape": {"SGLANG_PRR_ATTN_MERGE": "split",
+                                               "SGLANG_PRR_ATTN_MERGE_SPLITS": "auto"},
+                "merge split, 3 CTAs a group": {"SGLANG_PRR_ATTN_MERGE": "split",
+                                                "SGLANG_PRR_ATTN_MERGE_SPLITS": "3"},
                 "merge fused": {"SGLANG_PRR_ATTN_MERGE": "fused"},
                 "merge ticket": {"SGLANG_PRR_ATTN_MERGE": "ticket"},
                 "spread withdraw": {"SGLANG_PRR_ATTN_SPREAD_WAIT": "0"},
@@ -177,8 +181,9 @@ LAUNCH_KNOBS = {"default": {}, "grid entries": {"SGLANG_PRR_ATTN_GRID": "entries
     (5, 8, 2, 256, 128, torch.bfloat16, 12), (2, 16, 4, 128, 16, torch.bfloat16, 600)])
 def test_launch_knobs_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatch):
     """Every setting of the attention's launch knobs (SGLANG_PRR_ATTN_GRID=entries,
-    SGLANG_PRR_ATTN_MERGE=split|fused) gives the default launch's bits (the cases' grids fall on
-    both sides of the split merge's shape rule): the partials, serial DSA's
+    SGLANG_PRR_ATTN_MERGE=split|fused, the split merge's CTAs a group: one, by shape, three, whose
+    item ranges are uneven) gives the default launch's bits (the cases' grids fall on both sides
+    of the split merge's shape rule): the partials, serial DSA's
     attention + merge, PRR's repair + exact merge (which also equals serial DSA bit for bit) and
     the union merge."""
     seeded(f"launch knobs B={B} D={D} page={page} pages={pages}")
@@ -195,7 +200,7 @@ def test_launch_knobs_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatc
     outs = {}
     for name, env in LAUNCH_KNOBS.items():
         for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_ATTN_SPREAD_WAIT",
-                  "SGLANG_PRR_ATTN_SPREAD"):
+                  "SGLANG_PRR_ATTN_SPREAD", "SGLANG_PRR_ATTN_MERGE_SPLITS"):
             monkeypatch.delenv(k, raising=False)
         for k, v in env.items():
             monkeypatch.setenv(k, v)

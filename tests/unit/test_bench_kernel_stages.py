@@ -49,7 +49,8 @@ def test_rows_bytes_and_append(tmp_path):
 def test_attn_launch_names_forced_settings_only(monkeypatch):
     """The attn_launch column names what the environment forces (the launch's shape rule runs
     unnamed); unknown values force nothing, as in the launcher."""
-    for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_ATTN_SPREAD"):
+    for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_ATTN_SPREAD",
+              "SGLANG_PRR_ATTN_MERGE_SPLITS"):
         monkeypatch.delenv(k, raising=False)
     assert bks.attn_launch() == ""
     monkeypatch.setenv("SGLANG_PRR_ATTN_SPREAD", "1")  # only "row" forces anything
@@ -68,6 +69,13 @@ def test_attn_launch_names_forced_settings_only(monkeypatch):
     assert bks.attn_launch() == "grid-heads+merge-ticket"
     monkeypatch.setenv("SGLANG_PRR_ATTN_SPREAD", "row")
     assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row"
+    for same in ("0", "1", "-2", "x", "2x", ""):  # the launcher's one CTA a group
+        monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE_SPLITS", same)
+        assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row"
+    monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE_SPLITS", "3")
+    assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row+merge-splits-3"
+    monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE_SPLITS", "auto")
+    assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row+merge-splits-auto"
 
 
 def test_selection_tables_wider_than_the_context():
