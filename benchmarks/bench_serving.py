@@ -145,7 +145,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import profile_trace  # noqa: E402
-from knobs import attn_launch  # noqa: E402
+from knobs import attn_launch, selection_forms  # noqa: E402
 
 from sglang_prr.serving import harness  # noqa: E402  (start, readiness, stop, log)
 
@@ -700,10 +700,7 @@ def _launch() -> str:
     kernel = os.environ.get("SGLANG_PRR_SELECT_KERNEL", "")
     if kernel in ("onepass", "rowtail", "split"):
         parts.append(f"select-{kernel}")
-    if os.environ.get("SGLANG_PRR_SCORES_KERNEL") == "warp":
-        parts.append("scores-warp")
-    if os.environ.get("SGLANG_PRR_TOPK") == "scan":
-        parts.append("topk-scan")
+    parts += selection_forms()
     grid = os.environ.get("SGLANG_PRR_SELECT_GRID", "")
     if grid in ("rows", "table"):
         parts.append(f"select-{grid}")

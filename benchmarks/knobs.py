@@ -4,6 +4,7 @@ forces (the servers a benchmark starts inherit it), as the labels of the rows' l
 from __future__ import annotations
 
 import os
+from typing import List
 
 
 def attn_launch() -> str:
@@ -29,6 +30,18 @@ def attn_launch() -> str:
     return "+".join(parts)
 
 
+def selection_forms() -> List[str]:
+    """The selection kernels' forced forms, in this order: ``scores-warp``
+    (``SGLANG_PRR_SCORES_KERNEL=warp``: the warp-per-block scores) and ``topk-scan``
+    (``SGLANG_PRR_TOPK=scan``: the rows' lists by CTA scans, not warp walks)."""
+    parts = []
+    if os.environ.get("SGLANG_PRR_SCORES_KERNEL") == "warp":
+        parts.append("scores-warp")
+    if os.environ.get("SGLANG_PRR_TOPK") == "scan":
+        parts.append("topk-scan")
+    return parts
+
+
 def select_kernel() -> str:
     """The selection path this environment forces (``SGLANG_PRR_SELECT_KERNEL``, else ``auto``),
     with ``+grid-<v>`` where ``SGLANG_PRR_SELECT_GRID`` caps the selection grids,
@@ -36,7 +49,5 @@ def select_kernel() -> str:
     and ``+topk-scan`` where ``SGLANG_PRR_TOPK=scan`` writes the rows' lists by CTA scans (the
     default: warp walks)."""
     grid = os.environ.get("SGLANG_PRR_SELECT_GRID", "")
-    scores = "+scores-warp" if os.environ.get("SGLANG_PRR_SCORES_KERNEL") == "warp" else ""
-    topk = "+topk-scan" if os.environ.get("SGLANG_PRR_TOPK") == "scan" else ""
     return (os.environ.get("SGLANG_PRR_SELECT_KERNEL", "auto") + (f"+grid-{grid}" if grid else "")
-            + scores + topk)
+            + "".join("+" + p for p in selection_forms()))
