@@ -82,8 +82,8 @@ into a launch after the partials or into their tail, or the tail by the group's 
 one-wave grid would spread it: ``merge-split`` / ``merge-fused`` / ``merge-ticket``;
 ``SGLANG_PRR_ATTN_SPREAD=row`` shares a spread merge among every CTA of the row (those of
 entries past the list's count included): ``spread-row``;
-``SGLANG_PRR_ATTN_MERGE_SPLITS=auto|<n>`` spreads the merge kernel over CTAs a group:
-``merge-splits-auto`` / ``merge-splits-<n>``;
+``SGLANG_PRR_ATTN_MERGE_SPLITS=<n>`` gives the merge kernel n CTAs a group instead of its
+shape rule: ``merge-splits-<n>``;
 ``SGLANG_PRR_SELECT_GRID=rows|table`` forces every selection grid to two waves or to the table's
 width: ``select-rows`` / ``select-table``.
 ``--predictor side|fused`` (default ``side``, the server's default) is the PRR and auto servers'
@@ -688,9 +688,8 @@ def _launch() -> str:
     ``grid-entries`` when they force the attention grid's order (``SGLANG_PRR_ATTN_GRID``),
     ``merge-split`` / ``merge-fused`` / ``merge-ticket`` when they force its merge
     (``SGLANG_PRR_ATTN_MERGE``), ``spread-row`` when every CTA of a row shares a spread merge
-    (``SGLANG_PRR_ATTN_SPREAD=row``), ``merge-splits-<n>`` / ``merge-splits-auto`` when the
-    merge kernel takes n CTAs a group or as many as its shape asks
-    (``SGLANG_PRR_ATTN_MERGE_SPLITS``),
+    (``SGLANG_PRR_ATTN_SPREAD=row``), ``merge-splits-<n>`` when the merge kernel takes n CTAs
+    a group instead of its shape rule (``SGLANG_PRR_ATTN_MERGE_SPLITS=<n>``),
     ``carveout-max`` when every kernel asks for the SM's largest shared-memory carveout
     (``SGLANG_PRR_SMEM_CARVEOUT=max``), ``carveout-select`` when PRR's one-pass selection alone
     does (``=select``), joined by ``+``, else ``""``."""

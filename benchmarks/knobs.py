@@ -4,6 +4,7 @@ forces (the servers a benchmark starts inherit it), as the labels of the rows' l
 from __future__ import annotations
 
 import os
+import re
 from typing import List
 
 
@@ -11,9 +12,9 @@ def attn_launch() -> str:
     """The attention launch's forced settings: ``grid-heads`` / ``grid-entries``
     (``SGLANG_PRR_ATTN_GRID``), ``merge-split`` / ``merge-fused`` / ``merge-ticket``
     (``SGLANG_PRR_ATTN_MERGE``), ``spread-row`` (``SGLANG_PRR_ATTN_SPREAD=row``: a spread merge
-    shared by every CTA of the row), ``merge-splits-<n>`` / ``merge-splits-auto``
-    (``SGLANG_PRR_ATTN_MERGE_SPLITS``: the merge kernel's CTAs a group, n or by shape), joined by
-    ``+``, else ``""`` (the launch's shape rule).
+    shared by every CTA of the row), ``merge-splits-<n>`` (``SGLANG_PRR_ATTN_MERGE_SPLITS=<n>``:
+    the merge kernel's CTAs a group, n instead of its shape rule), joined by ``+``, else ``""``
+    (the launch's shape rules).
     Other values force nothing, as in the launcher."""
     parts = []
     grid = os.environ.get("SGLANG_PRR_ATTN_GRID", "")
@@ -25,8 +26,8 @@ def attn_launch() -> str:
     if os.environ.get("SGLANG_PRR_ATTN_SPREAD", "") == "row":
         parts.append("spread-row")
     splits = os.environ.get("SGLANG_PRR_ATTN_MERGE_SPLITS", "")
-    if splits == "auto" or (splits.isdigit() and int(splits) > 1):
-        parts.append(f"merge-splits-{splits if splits == 'auto' else int(splits)}")
+    if re.fullmatch(r"\s*\+?[0-9]+", splits) and int(splits) > 0:  # what strtol takes
+        parts.append(f"merge-splits-{int(splits)}")
     return "+".join(parts)
 
 

@@ -164,8 +164,8 @@ def test_repair_merge_with_arbitrary_prediction(B, Hq, Hk, D, page, dtype, pages
 # setting is the launch before the shape rule.
 LAUNCH_KNOBS = {"default": {}, "grid entries": {"SGLANG_PRR_ATTN_GRID": "entries"},
                 "merge split": {"SGLANG_PRR_ATTN_MERGE": "split"},
-                "merge split, CTAs by shape": {"SGLANG_PRR_ATTN_MERGE": "split",
-                                               "SGLANG_PRR_ATTN_MERGE_SPLITS": "auto"},
+                "merge split, one CTA a group": {"SGLANG_PRR_ATTN_MERGE": "split",
+                                                 "SGLANG_PRR_ATTN_MERGE_SPLITS": "1"},
                 "merge split, 3 CTAs a group": {"SGLANG_PRR_ATTN_MERGE": "split",
                                                 "SGLANG_PRR_ATTN_MERGE_SPLITS": "3"},
                 "merge fused": {"SGLANG_PRR_ATTN_MERGE": "fused"},
@@ -181,7 +181,7 @@ LAUNCH_KNOBS = {"default": {}, "grid entries": {"SGLANG_PRR_ATTN_GRID": "entries
     (5, 8, 2, 256, 128, torch.bfloat16, 12), (2, 16, 4, 128, 16, torch.bfloat16, 600)])
 def test_launch_knobs_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatch):
     """Every setting of the attention's launch knobs (SGLANG_PRR_ATTN_GRID=entries,
-    SGLANG_PRR_ATTN_MERGE=split|fused, the split merge's CTAs a group: one, by shape, three, whose
+    SGLANG_PRR_ATTN_MERGE=split|fused, the split merge's CTAs a group: by shape, one, three, whose
     item ranges are uneven) gives the default launch's bits (the cases' grids fall on both sides
     of the split merge's shape rule): the partials, serial DSA's
     attention + merge, PRR's repair + exact merge (which also equals serial DSA bit for bit) and

@@ -69,13 +69,12 @@ def test_attn_launch_names_forced_settings_only(monkeypatch):
     assert bks.attn_launch() == "grid-heads+merge-ticket"
     monkeypatch.setenv("SGLANG_PRR_ATTN_SPREAD", "row")
     assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row"
-    for same in ("0", "1", "-2", "x", "2x", ""):  # the launcher's one CTA a group
+    for same in ("0", "-2", "x", "2x", "", "auto", "3 "):  # the launcher's shape rule
         monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE_SPLITS", same)
         assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row"
-    monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE_SPLITS", "3")
-    assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row+merge-splits-3"
-    monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE_SPLITS", "auto")
-    assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row+merge-splits-auto"
+    for n, label in (("3", "3"), ("1", "1"), ("+2", "2"), (" 04", "4")):
+        monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE_SPLITS", n)
+        assert bks.attn_launch() == f"grid-heads+merge-ticket+spread-row+merge-splits-{label}"
 
 
 def test_selection_tables_wider_than_the_context():

@@ -133,8 +133,8 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     ({"SGLANG_PRR_ATTN_MERGE": "ticket"}, "merge-ticket"),
     ({"SGLANG_PRR_ATTN_SPREAD": "row"}, "spread-row"), ({"SGLANG_PRR_ATTN_SPREAD": "all"}, ""),
     ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "2"}, "merge-splits-2"),
-    ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "auto"}, "merge-splits-auto"),
-    ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "1"}, ""), ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "0"}, ""),
+    ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "1"}, "merge-splits-1"),  # one CTA a group, asked for
+    ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "auto"}, ""), ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "0"}, ""),
     ({"SGLANG_PRR_SELECT_GRID": "rows"}, "select-rows"), ({"SGLANG_PRR_SELECT_GRID": "2"}, ""),
     ({"SGLANG_PRR_SELECT_GRID": "table"}, "select-table"),
     ({"SGLANG_PRR_SMEM_CARVEOUT": "max"}, "carveout-max"),
