@@ -83,7 +83,8 @@ one-wave grid would spread it: ``merge-split`` / ``merge-fused`` / ``merge-ticke
 ``SGLANG_PRR_ATTN_SPREAD=row`` shares a spread merge among every CTA of the row (those of
 entries past the list's count included): ``spread-row``;
 ``SGLANG_PRR_ATTN_MERGE_SPLITS=<n>`` gives the merge kernel n CTAs a group instead of its
-shape rule: ``merge-splits-<n>``;
+shape rule: ``merge-splits-<n>``; ``SGLANG_PRR_ATTN_PACK=1`` packs pages of 16 or 32 tokens 64 /
+page list entries a CTA: ``pages-packed``;
 ``SGLANG_PRR_SELECT_GRID=rows|table`` forces every selection grid to two waves or to the table's
 width: ``select-rows`` / ``select-table``.
 ``--predictor side|fused`` (default ``side``, the server's default) is the PRR and auto servers'
@@ -689,7 +690,8 @@ def _launch() -> str:
     ``merge-split`` / ``merge-fused`` / ``merge-ticket`` when they force its merge
     (``SGLANG_PRR_ATTN_MERGE``), ``spread-row`` when every CTA of a row shares a spread merge
     (``SGLANG_PRR_ATTN_SPREAD=row``), ``merge-splits-<n>`` when the merge kernel takes n CTAs
-    a group instead of its shape rule (``SGLANG_PRR_ATTN_MERGE_SPLITS=<n>``),
+    a group instead of its shape rule (``SGLANG_PRR_ATTN_MERGE_SPLITS=<n>``), ``pages-packed``
+    when pages of 16 or 32 tokens go 64 / page list entries a CTA (``SGLANG_PRR_ATTN_PACK=1``),
     ``carveout-max`` when every kernel asks for the SM's largest shared-memory carveout
     (``SGLANG_PRR_SMEM_CARVEOUT=max``), ``carveout-select`` when PRR's one-pass selection alone
     does (``=select``), joined by ``+``, else ``""``."""

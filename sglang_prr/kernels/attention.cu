@@ -30,6 +30,66 @@ __device__ __forceinline__ bool repeats_earlier(const int32_t* list, int n, int 
 }
 
 
+// A CTA of packed entries (a.pack > 1: pages of 16 or 32 tokens), block_attn_kernel's form for
+// entries [cta P, cta P + P): the same lists, repeat checks, empty states and merge tail as one
+// entry's CTA, counted in CTAs (a group of G entries is ceil(G / P) CTAs). Called by every thread.
+template <typename T, int D>
+__device__ void block_attn_packed(const AttnArgs& a, int cta, int hk, int b, int nq,
+                                  unsigned char* s_dyn) {
+  const int P = a.pack, G = a.Hq / a.Hk, tid = threadIdx.x, n0 = cta * P;
+  const int64_t row0 = (int64_t)b * a.Hq + (int64_t)hk * G;
+  const int64_t lrow = slot_of(a.idx_rows, a.idx_rows64, a.idx_rows_n, b) * a.Hk + hk;
+  // The list's loads in one round trip, as block_attn_kernel's (the grid covers the list).
+  const int32_t* list = a.idx + lrow * a.N;
+  const int c = a.cnt[lrow];
+  int blk[kMaxPack];
+#pragma unroll
+  for (int j = 0; j < kMaxPack; ++j) blk[j] = j < P && n0 + j < a.N ? list[n0 + j] : -1;
+  const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
+  const int last = min(n0 + P, a.N) - 1;
+  const int earlier = tid < last ? list[tid] : 0;
+  const int parts = max(min(c, a.N), 1);
+  const int group = ((a.spread == 2 ? a.N : parts) + P - 1) / P;  // CTAs
+  if (a.sem && cta >= group) return;
+  // The entries' page ids go out before the repeat checks' barriers (every load in flight at
+  // once, a repeat's discarded; an entry without a page reads its row's first), so that their
+  // round trips overlap instead of following one another.
+  bool has_page[kMaxPack];
+  RawIndex raw[kMaxPack];
+#pragma unroll
+  for (int j = 0; j < kMaxPack; ++j) {
+    has_page[j] = j < P && n0 + j < min(c, a.N) && blk[j] >= 0 && blk[j] < a.NB;
+    raw[j] = ld_index_raw(a.table, (int64_t)b * a.table_stride + (has_page[j] ? blk[j] : 0),
+                          a.table64);
+  }
+  int64_t slot0[kMaxPack];
+  int ntok[kMaxPack];
+  bool any = false;
+#pragma unroll
+  for (int j = 0; j < kMaxPack; ++j) {
+    slot0[j] = 0;
+    ntok[j] = 0;
+    const int n = n0 + j;
+    if (j >= P || n >= a.N) continue;  // uniform: the barrier below is reached by all or none
+    int dup = tid < n && earlier == blk[j];
+    for (int i = tid + blockDim.x; i < n; i += blockDim.x) dup |= list[i] == blk[j];
+    const bool repeat = __syncthreads_or(dup) != 0;
+    if (has_page[j] && !repeat) {
+      slot0[j] = in_pool(index_of(raw[j], a.table64), a.num_pages) * a.page_size;
+      ntok[j] = clamp_count(sl - (int64_t)blk[j] * a.page_size, a.page_size);
+    }
+    any |= ntok[j] > 0;
+    if (ntok[j] == 0 && !(a.sem && n >= parts)) {  // the empty state (0, -inf)
+      for (int e = tid; e < G * D; e += kAttnThreads)
+        a.o[((row0 + e / D) * a.N + n) * D + e % D] = 0.f;
+      if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
+    }
+  }
+  stamp(a, kTlLists);
+  if (any) packed_partials<T, D>(a, b, hk, n0, P, row0, slot0, ntok, nq, s_dyn);
+  if (a.sem) merge_tail(a, b, hk, cta, s_dyn, group, D);
+}
+
 // HeadsX: the grid's x runs over KV heads and its y over list entries (launch_partials), else the
 // other way round; a template argument, not a branch, so that D = 256 keeps its registers.
 template <typename T, int D, bool HeadsX>
@@ -81,6 +141,20 @@ block_attn_kernel(AttnArgs a, int nq) {
   // One call site: the merge's code is in the kernel once (its instructions run cold). Its
   // first barrier orders the combine's s_o reads before the merge's arrays reuse s_dyn.
   if (a.sem) merge_tail(a, b, hk, n, s_dyn, group, D);
+  probe_exit(a);
+}
+
+// Sparse attention over pages of 16 or 32 tokens, 64 / page list entries a CTA
+// (block_attn_packed; a.pack > 1): block_attn_kernel's launch, its grid's y counting CTAs of
+// packed entries. A kernel of its own, so that its registers are not the one-entry kernel's.
+template <typename T, int D>
+__global__ void __launch_bounds__(kAttnThreads)
+block_attn_packed_kernel(AttnArgs a, int nq) {
+  pdl_begin();  // before any global-memory access (PDL)
+  extern __shared__ __align__(128) unsigned char s_dyn[];  // K/V stage; combine; merge tail
+  const int cta = blockIdx.y, hk = blockIdx.x, b = blockIdx.z;
+  probe_entry(a, ((unsigned long long)b << 40) | ((unsigned long long)hk << 20) | cta);
+  block_attn_packed<T, D>(a, cta, hk, b, nq, s_dyn);
   probe_exit(a);
 }
 
@@ -169,6 +243,7 @@ std::atomic<int64_t> g_spread_launches{0};
 
 template <typename T, int D>
 cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, bool spread, cudaStream_t s) {
+  const int ctas = (c.N + c.pack - 1) / c.pack;  // a (request, KV head) row's CTAs
   auto launch = [&](auto* kernel, dim3 grid) {
     cudaError_t e = set_smem_limit(kernel, smem);
     if (e != cudaSuccess) return e;
@@ -176,25 +251,37 @@ cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, bool spread, cudaSt
                     &c.timeline, &c.timeline_ctas);
     if (e != cudaSuccess) return e;
     c.spread = c.sem && spread && c.N <= kGroupArrivals &&
-               fits_one_wave(kernel, (int64_t)c.B * c.Hk * c.N, smem);
+               fits_one_wave(kernel, (int64_t)c.B * c.Hk * ctas, smem);
     g_spread_launches += c.spread;
     const char* row = getenv("SGLANG_PRR_ATTN_SPREAD");
     if (c.spread && row && !strcmp(row, "row")) c.spread = 2;
     launch_kernel(kernel, grid, kAttnThreads, smem, s, c, nq);
     return cudaGetLastError();
   };
+  if (c.pack > 1) return launch(block_attn_packed_kernel<T, D>, dim3(c.Hk, ctas, c.B));
   const char* order = getenv("SGLANG_PRR_ATTN_GRID");
-  if (c.N <= 65535 && !(order && !strcmp(order, "entries")))
-    return launch(block_attn_kernel<T, D, true>, dim3(c.Hk, c.N, c.B));
-  return launch(block_attn_kernel<T, D, false>, dim3(c.N, c.Hk, c.B));
+  if (ctas <= 65535 && !(order && !strcmp(order, "entries")))
+    return launch(block_attn_kernel<T, D, true>, dim3(c.Hk, ctas, c.B));
+  return launch(block_attn_kernel<T, D, false>, dim3(ctas, c.Hk, c.B));
+}
+
+// List entries a CTA computes: one, or 64 / page for pages of 16 or 32 tokens where
+// SGLANG_PRR_ATTN_PACK=1 asks (block_attn_packed: the same bits; a measuring knob read at each
+// launch, a captured graph keeps its value). A 16-token page alone in a CTA leaves three of its
+// four warps on zero rows, and the grid four times as many CTAs as the tokens need.
+int attn_pack(int page_size, int N) {
+  const char* k = getenv("SGLANG_PRR_ATTN_PACK");
+  if (!k || strcmp(k, "1") != 0 || page_size >= kChunk || page_size % kSlice != 0 ||
+      kChunk % page_size != 0)
+    return 1;
+  const int P = kChunk / page_size;  // pages of 16 or 32 tokens (powers of two below the chunk)
+  return (N + P - 1) / P <= 65535 ? P : 1;  // the packed grid's y
 }
 
 // The split merge's shape rule: a partials grid of at least kSplitMergeMinCtas CTAs (about two
 // waves of 4 CTAs an SM on 132 SMs; batch 1 at 2048 tokens is 272).
 constexpr int64_t kSplitMergeMinCtas = 1024;
-bool attn_takes_split_merge(int64_t B, int64_t Hk, int64_t N) {
-  return B * Hk * N >= kSplitMergeMinCtas;
-}
+bool attn_takes_split_merge(int64_t ctas) { return ctas >= kSplitMergeMinCtas; }
 
 // The merge kernel's shared memory for its row stage (one CTA per group and few groups, so it
 // may take most of an SM: every entry of a K = 2048-token list in one round trip).
@@ -207,6 +294,8 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
                 (size_t)nq * kHeadsN * AttnSmem<T, D>::kQRow * sizeof(T);
   AttnArgs c = a;
   c.spread = 0;
+  c.pack = attn_pack(a.page_size, a.N);
+  const int64_t ctas = (int64_t)a.B * a.Hk * ((a.N + c.pack - 1) / c.pack);
   // Where the grid is several waves, the partials in one launch without counters, tickets or
   // merge tail (the attention's own shared memory, so 5 CTAs an SM instead of 4), then
   // attn_merge_kernel; else the group's last CTA merges (the fused tail, a launch fewer). Cold L2
@@ -220,7 +309,7 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
   const bool ticket = mk && !strcmp(mk, "ticket");
   const bool force_split = mk && !strcmp(mk, "split"), force_fused = mk && !strcmp(mk, "fused");
   const bool split_merge =
-      a.sem && (force_split || (!force_fused && attn_takes_split_merge(a.B, a.Hk, a.N)));
+      a.sem && (force_split || (!force_fused && attn_takes_split_merge(ctas)));
   if (split_merge) c.sem = nullptr;
   if (a.sem) {
     // The merge tail's row stage: as many entries a round as fit beside its arrays in the larger
@@ -232,7 +321,7 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
     const size_t per = (size_t)G * D * sizeof(float);  // one entry's rows of the group
     const size_t budget =
         split_merge ? kMergeKernelSmem
-                    : std::max(smem, merge_smem_budget((int64_t)a.B * a.Hk * a.N));
+                    : std::max(smem, merge_smem_budget(ctas));
     const size_t fit = budget > arrays ? (budget - arrays) / per : 0;
     // The merge kernel's CTAs each take 1 / S of the items: the entries of a round are counted
     // in whole rows, so ceil(E / S) of them hold every entry of a CTA's range.

@@ -255,13 +255,15 @@ __device__ __forceinline__ void chunk_step(const AttnArgs& a, const unsigned cha
 // heads: head h's D values at dst_o + h * o_head, its natural-log lse at dst_lse[h * lse_head]
 // (global memory or shared). `s_o` ([warps][8][D] floats) is scratch; the caller's barrier
 // orders its last reads of what s_o aliases before this. Called by every thread of the CTA.
+// Every warp's state to shared memory for a combine: (m, l) of query head g at m[warp][g] /
+// l[warp][g] (the returned arrays) and its O^T fragments at s_o ([warps][8][D] floats). Ends with
+// a barrier. Called by every thread of the CTA.
+struct WarpSums { float (*m)[kHeadsN]; float (*l)[kHeadsN]; };
 template <int D>
-__device__ __forceinline__ void block_combine(const WarpState<D>& w, int G, float* s_o,
-                                              float* dst_o, int64_t o_head, float* dst_lse,
-                                              int64_t lse_head) {
+__device__ __forceinline__ WarpSums stage_warp_states(const WarpState<D>& w, float* s_o) {
   constexpr int kMT = D / 16;
   __shared__ float s_m[kAttnWarps][kHeadsN], s_l[kAttnWarps][kHeadsN];
-  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t4 = lane % 4;
   if (t4 == 0) { s_m[warp][g] = w.m_run; s_l[warp][g] = w.l_run; }
 #pragma unroll
@@ -273,6 +275,17 @@ __device__ __forceinline__ void block_combine(const WarpState<D>& w, int G, floa
     s_o[(warp * kHeadsN + 2 * t4 + 1) * D + d + 8] = w.o[mt][3];
   }
   __syncthreads();
+  return {s_m, s_l};
+}
+
+template <int D>
+__device__ __forceinline__ void block_combine(const WarpState<D>& w, int G, float* s_o,
+                                              float* dst_o, int64_t o_head, float* dst_lse,
+                                              int64_t lse_head) {
+  const WarpSums ws = stage_warp_states<D>(w, s_o);
+  const auto s_m = ws.m;
+  const auto s_l = ws.l;
+  const int tid = threadIdx.x;
   for (int e = tid; e < G * D; e += kAttnThreads) {
     const int h = e / D, d = e % D;
     float M = -INFINITY;
@@ -325,6 +338,109 @@ __device__ __forceinline__ void block_partial(const AttnArgs& a, int b, int hk, 
   // The combine's scratch aliases the K/V stages (read up to the barrier above).
   block_combine<D>(w, a.Hq / a.Hk, reinterpret_cast<float*>(s_dyn),
                    a.o + (row0 * a.N + n) * D, (int64_t)a.N * D, a.lse + row0 * a.N + n, a.N);
+  stamp(a, kTlPartial);
+}
+
+// ============================================================================ packed small pages
+// Pages of 16 or 32 tokens (SGLANG_PRR_ATTN_PACK=1): a CTA computes P = 64 / page list entries,
+// entry j taking rows [j * page, (j + 1) * page) of the one chunk, so the warps whose 16-token
+// slices fall there compute its partial and block_combine_packed combines those warps alone.
+// The bits are the one-entry CTA's: there the other warps hold no tokens (m = -inf, l = 0, o = 0),
+// whose terms in block_combine's fixed-order sums add exact zeros (the sums start at +0 and never
+// become -0; a max of -inf changes nothing; a NaN or -inf max leaves no positive sum either way,
+// so both write the empty state), and a warp's own state sees the same values in the same order.
+constexpr int kMaxPack = kChunk / kSlice;  // entries a CTA at most: one a warp
+
+// Entry j's value of a register array indexed by a runtime j, by compares (no local memory).
+template <typename V>
+__device__ __forceinline__ V pick(const V (&x)[kMaxPack], int j) {
+  V r = x[0];
+#pragma unroll
+  for (int i = 1; i < kMaxPack; ++i) r = i == j ? x[i] : r;
+  return r;
+}
+
+// The one chunk of P packed entries (entry j: ntok[j] tokens from slot slot0[j]; 0 tokens: zero
+// rows) into the stage at `kst`, as issue_chunk does for one entry. The caller fences.
+template <typename T, int D>
+__device__ __forceinline__ void issue_packed_chunk(const AttnArgs& a, int hk,
+                                                   const int64_t (&slot0)[kMaxPack],
+                                                   const int (&ntok)[kMaxPack],
+                                                   unsigned char* kst) {
+  using Sw = RowSwizzle<D>;
+  constexpr int kPieces = D / 8;
+  const T* kg = reinterpret_cast<const T*>(a.k) + hk * a.k_stride_head;
+  const T* vg = reinterpret_cast<const T*>(a.v) + hk * a.v_stride_head;
+  unsigned char* vst = kst + kChunk * D * 2;
+  const int sh = __ffs(a.page_size) - 1;  // pages of 16 or 32 tokens: a power of two
+#pragma unroll 1
+  for (int p = threadIdx.x; p < kChunk * kPieces; p += kAttnThreads) {
+    const int r = p / kPieces, pc = p % kPieces;
+    const int j = r >> sh, t = r & (a.page_size - 1);
+    const bool ok = t < pick(ntok, j);
+    const int64_t slot = pick(slot0, j) + (ok ? t : 0);
+    const uint32_t so = Sw::off(r, pc);
+    cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
+        *reinterpret_cast<const uint4*>(kg + slot * a.k_stride_slot + pc * 8),
+        *reinterpret_cast<uint4*>(kst + so), ok);
+    cute::SM80_CP_ASYNC_CACHEGLOBAL_ZFILL<uint4>::copy(
+        *reinterpret_cast<const uint4*>(vg + slot * a.v_stride_slot + pc * 8),
+        *reinterpret_cast<uint4*>(vst + so), ok);
+  }
+}
+
+// The warps' states combined per packed entry (entry j: warps [j W, j W + W), W = 4 / P, in
+// warp order) into the partials of entries n0 + j that hold tokens (ntok[j] > 0), as
+// block_combine writes one entry's. Called by every thread of the CTA.
+template <int D>
+__device__ __forceinline__ void block_combine_packed(const AttnArgs& a, const WarpState<D>& w,
+                                                     int P, int64_t row0, int n0,
+                                                     const int (&ntok)[kMaxPack], float* s_o) {
+  const WarpSums ws = stage_warp_states<D>(w, s_o);
+  const auto s_m = ws.m;
+  const auto s_l = ws.l;
+  const int tid = threadIdx.x, G = a.Hq / a.Hk, W = kAttnWarps / P;
+  for (int e = tid; e < P * G * D; e += kAttnThreads) {
+    const int j = e / (G * D), h = (e / D) % G, d = e % D;
+    if (pick(ntok, j) == 0) continue;
+    float M = -INFINITY;
+    for (int v = j * W; v < j * W + W; ++v) M = fmaxf(M, s_m[v][h]);
+    float lsum = 0.f, acc = 0.f;
+    for (int v = j * W; v < j * W + W; ++v) {
+      const float sc = exp2f(s_m[v][h] - M);
+      lsum = fmaf(s_l[v][h], sc, lsum);
+      acc = fmaf(s_o[(v * kHeadsN + h) * D + d], sc, acc);
+    }
+    const bool any = lsum > 0.f;
+    const int64_t r = (row0 + h) * a.N + n0 + j;
+    a.o[r * D + d] = any ? acc / lsum : 0.f;
+    if (d == 0) a.lse[r] = any ? (M + log2f(lsum)) * kLn2 : -INFINITY;
+  }
+}
+
+// The partials of a CTA's packed entries (entry j: ntok[j] tokens from slot slot0[j]; none where
+// 0) into a.o / a.lse at entries n0 + j. Called by every thread of the CTA.
+template <typename T, int D>
+__device__ __forceinline__ void packed_partials(const AttnArgs& a, int b, int hk, int n0, int P,
+                                                int64_t row0, const int64_t (&slot0)[kMaxPack],
+                                                const int (&ntok)[kMaxPack], int nq,
+                                                unsigned char* s_dyn) {
+  issue_packed_chunk<T, D>(a, hk, slot0, ntok, s_dyn);
+  cute::cp_async_fence();
+  stamp(a, kTlIssued);
+  T* s_q = reinterpret_cast<T*>(s_dyn + AttnSmem<T, D>::kStageBytes);  // after the one stage
+  stage_q<T, D>(a, b, hk, nq, s_q);
+  cute::cp_async_wait<0>();
+  __syncthreads();
+  stamp(a, kTlKv);
+  // The warp's entry and its count as chunk_step reads them (tokens counted from the chunk's
+  // start: entry j's rows begin at j * page).
+  const int jw = (threadIdx.x / 32) * kSlice / a.page_size;
+  WarpState<D> w;
+  chunk_step<T, D>(a, s_dyn, 0, pick(ntok, jw) + jw * a.page_size, s_q, nq, w);
+  __syncthreads();  // the combine's scratch aliases the stage
+  stamp(a, kTlMma);
+  block_combine_packed<D>(a, w, P, row0, n0, ntok, reinterpret_cast<float*>(s_dyn));
   stamp(a, kTlPartial);
 }
 

@@ -173,7 +173,10 @@ LAUNCH_KNOBS = {"default": {}, "grid entries": {"SGLANG_PRR_ATTN_GRID": "entries
                 "spread withdraw": {"SGLANG_PRR_ATTN_SPREAD_WAIT": "0"},
                 "spread row": {"SGLANG_PRR_ATTN_SPREAD": "row"},
                 "entries, fused": {"SGLANG_PRR_ATTN_GRID": "entries",
-                                   "SGLANG_PRR_ATTN_MERGE": "fused"}}
+                                   "SGLANG_PRR_ATTN_MERGE": "fused"},
+                "pages packed": {"SGLANG_PRR_ATTN_PACK": "1"},
+                "pages packed, merge fused": {"SGLANG_PRR_ATTN_PACK": "1",
+                                              "SGLANG_PRR_ATTN_MERGE": "fused"}}
 
 
 @pytest.mark.parametrize("B,Hq,Hk,D,page,dtype,pages", [
@@ -182,10 +185,10 @@ LAUNCH_KNOBS = {"default": {}, "grid entries": {"SGLANG_PRR_ATTN_GRID": "entries
 def test_launch_knobs_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatch):
     """Every setting of the attention's launch knobs (SGLANG_PRR_ATTN_GRID=entries,
     SGLANG_PRR_ATTN_MERGE=split|fused, the split merge's CTAs a group: by shape, one, three, whose
-    item ranges are uneven) gives the default launch's bits (the cases' grids fall on both sides
-    of the split merge's shape rule): the partials, serial DSA's
-    attention + merge, PRR's repair + exact merge (which also equals serial DSA bit for bit) and
-    the union merge."""
+    item ranges are uneven, SGLANG_PRR_ATTN_PACK=1 on the 16-token pages) gives the default
+    launch's bits (the cases' grids fall on both sides of the split merge's shape rule): the
+    partials, serial DSA's attention + merge, PRR's repair + exact merge (which also equals serial
+    DSA bit for bit) and the union merge."""
     seeded(f"launch knobs B={B} D={D} page={page} pages={pages}")
     q, k_buf, v_buf, table, sl, NB, nblk = _attn_case(B, Hq, Hk, D, page, dtype, pages)
     N = min(nblk) // 2 + 5
@@ -200,7 +203,8 @@ def test_launch_knobs_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatc
     outs = {}
     for name, env in LAUNCH_KNOBS.items():
         for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_ATTN_SPREAD_WAIT",
-                  "SGLANG_PRR_ATTN_SPREAD", "SGLANG_PRR_ATTN_MERGE_SPLITS"):
+                  "SGLANG_PRR_ATTN_SPREAD", "SGLANG_PRR_ATTN_MERGE_SPLITS",
+                  "SGLANG_PRR_ATTN_PACK"):
             monkeypatch.delenv(k, raising=False)
         for k, v in env.items():
             monkeypatch.setenv(k, v)

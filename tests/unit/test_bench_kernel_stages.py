@@ -50,7 +50,7 @@ def test_attn_launch_names_forced_settings_only(monkeypatch):
     """The attn_launch column names what the environment forces (the launch's shape rule runs
     unnamed); unknown values force nothing, as in the launcher."""
     for k in ("SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_ATTN_SPREAD",
-              "SGLANG_PRR_ATTN_MERGE_SPLITS"):
+              "SGLANG_PRR_ATTN_MERGE_SPLITS", "SGLANG_PRR_ATTN_PACK"):
         monkeypatch.delenv(k, raising=False)
     assert bks.attn_launch() == ""
     monkeypatch.setenv("SGLANG_PRR_ATTN_SPREAD", "1")  # only "row" forces anything
@@ -75,6 +75,11 @@ def test_attn_launch_names_forced_settings_only(monkeypatch):
     for n, label in (("3", "3"), ("1", "1"), ("+2", "2"), (" 04", "4")):
         monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE_SPLITS", n)
         assert bks.attn_launch() == f"grid-heads+merge-ticket+spread-row+merge-splits-{label}"
+    for other in ("0", "yes", "", "11"):  # only "1" packs, as in the launcher
+        monkeypatch.setenv("SGLANG_PRR_ATTN_PACK", other)
+        assert not bks.attn_launch().endswith("pages-packed")
+    monkeypatch.setenv("SGLANG_PRR_ATTN_PACK", "1")
+    assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row+merge-splits-4+pages-packed"
 
 
 def test_selection_tables_wider_than_the_context():

@@ -135,6 +135,7 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "2"}, "merge-splits-2"),
     ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "1"}, "merge-splits-1"),  # one CTA a group, asked for
     ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "auto"}, ""), ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "0"}, ""),
+    ({"SGLANG_PRR_ATTN_PACK": "1"}, "pages-packed"), ({"SGLANG_PRR_ATTN_PACK": "0"}, ""),
     ({"SGLANG_PRR_SELECT_GRID": "rows"}, "select-rows"), ({"SGLANG_PRR_SELECT_GRID": "2"}, ""),
     ({"SGLANG_PRR_SELECT_GRID": "table"}, "select-table"),
     ({"SGLANG_PRR_SMEM_CARVEOUT": "max"}, "carveout-max"),
@@ -148,7 +149,7 @@ def test_launch_column_names_the_knobs(bench, monkeypatch, env, want):
     for k in ("SGLANG_PRR_PDL", "SGLANG_PRR_FOLD_NEW_KEYS", "SGLANG_PRR_SELECT_KERNEL",
               "SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_SELECT_GRID",
               "SGLANG_PRR_SMEM_CARVEOUT", "SGLANG_PRR_ATTN_SPREAD", "SGLANG_PRR_SCORES_KERNEL",
-              "SGLANG_PRR_TOPK", "SGLANG_PRR_ATTN_MERGE_SPLITS"):
+              "SGLANG_PRR_TOPK", "SGLANG_PRR_ATTN_MERGE_SPLITS", "SGLANG_PRR_ATTN_PACK"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
