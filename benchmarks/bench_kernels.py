@@ -35,7 +35,9 @@ GB/s counts the bytes that must move (KV of the selected tokens; the summaries o
 blocks, plus the predictor state read and written for the full steps) over the median
 (``_GBps``, ``_cold_GBps``), and ``_pct_copy`` / ``_cold_pct_copy`` put it in percent of the
 device-to-device copy bandwidth measured once at the start of the same run (``copy_GBps``: a
-1 GiB copy, read + write bytes).
+1 GiB copy, read + write bytes). ``attn_launch`` names the attention launch's knobs the
+environment forces (``knobs.attn_launch``: ``pages-packed`` for ``SGLANG_PRR_ATTN_PACK=1``, ...;
+empty: the launch's shape rules).
 
     python benchmarks/bench_kernels.py              # full grid -> benchmarks/results/kernels*.csv
     python benchmarks/bench_kernels.py --quick      # a few points
@@ -60,6 +62,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import common  # noqa: E402  (the benchmarks' one graph timer)
 from common import time_warm_cold  # noqa: E402
+from knobs import attn_launch  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
 # Bytes each timed graph should touch over its R calls: several times the 60 MB L2 of an H200.
@@ -779,7 +782,8 @@ def main(argv=None):
             "torch": torch.__version__,
             "flashinfer": getattr(fi.mod, "__version__", "?") if fi else "none",
             "attend_set": attend_set_impl(), "quest_select": op_impl("quest_select"),
-            "predict_update": op_impl("predict_update")}
+            "predict_update": op_impl("predict_update"),
+            "attn_launch": attn_launch()}  # the attention's forced knobs (knobs.attn_launch)
     bw = copy_bandwidth()
     print(f"{meta['gpu']}  copy bandwidth {bw:.0f} GB/s (read+write)  torch {torch.__version__} "
           f"flashinfer {meta['flashinfer']}  attend_set: {meta['attend_set']}  quest_select: "
