@@ -30,6 +30,9 @@ __device__ __forceinline__ bool repeats_earlier(const int32_t* list, int n, int 
 }
 
 
+// A (request, KV head) row's CTAs, or a group's: its N list entries, `pack` a CTA.
+__host__ __device__ constexpr int row_ctas(int N, int pack) { return (N + pack - 1) / pack; }
+
 // A CTA of packed entries (a.pack > 1: pages of 16 or 32 tokens), block_attn_kernel's form for
 // entries [cta P, cta P + P): the same lists, repeat checks, empty states and merge tail as one
 // entry's CTA, counted in CTAs (a group of G entries is ceil(G / P) CTAs). Called by every thread.
@@ -49,7 +52,7 @@ __device__ void block_attn_packed(const AttnArgs& a, int cta, int hk, int b, int
   const int last = min(n0 + P, a.N) - 1;
   const int earlier = tid < last ? list[tid] : 0;
   const int parts = max(min(c, a.N), 1);
-  const int group = ((a.spread == 2 ? a.N : parts) + P - 1) / P;  // CTAs
+  const int group = row_ctas(a.spread == 2 ? a.N : parts, P);  // CTAs
   if (a.sem && cta >= group) return;
   // The entries' page ids go out before the repeat checks' barriers (every load in flight at
   // once, a repeat's discarded; an entry without a page reads its row's first), so that their
@@ -243,7 +246,7 @@ std::atomic<int64_t> g_spread_launches{0};
 
 template <typename T, int D>
 cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, bool spread, cudaStream_t s) {
-  const int ctas = (c.N + c.pack - 1) / c.pack;  // a (request, KV head) row's CTAs
+  const int ctas = row_ctas(c.N, c.pack);
   auto launch = [&](auto* kernel, dim3 grid) {
     cudaError_t e = set_smem_limit(kernel, smem);
     if (e != cudaSuccess) return e;
@@ -275,7 +278,7 @@ int attn_pack(int page_size, int N) {
       kChunk % page_size != 0)
     return 1;
   const int P = kChunk / page_size;  // pages of 16 or 32 tokens (powers of two below the chunk)
-  return (N + P - 1) / P <= 65535 ? P : 1;  // the packed grid's y
+  return row_ctas(N, P) <= 65535 ? P : 1;  // the packed grid's y
 }
 
 // The split merge's shape rule: a partials grid of at least kSplitMergeMinCtas CTAs (about two
@@ -295,7 +298,7 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
   AttnArgs c = a;
   c.spread = 0;
   c.pack = attn_pack(a.page_size, a.N);
-  const int64_t ctas = (int64_t)a.B * a.Hk * ((a.N + c.pack - 1) / c.pack);
+  const int64_t ctas = (int64_t)a.B * a.Hk * row_ctas(a.N, c.pack);
   // Where the grid is several waves, the partials in one launch without counters, tickets or
   // merge tail (the attention's own shared memory, so 5 CTAs an SM instead of 4), then
   // attn_merge_kernel; else the group's last CTA merges (the fused tail, a launch fewer). Cold L2

@@ -251,10 +251,6 @@ __device__ __forceinline__ void chunk_step(const AttnArgs& a, const unsigned cha
   }
 }
 
-// The warps' states combined (warp order: a fixed order) into the block's partial of the G query
-// heads: head h's D values at dst_o + h * o_head, its natural-log lse at dst_lse[h * lse_head]
-// (global memory or shared). `s_o` ([warps][8][D] floats) is scratch; the caller's barrier
-// orders its last reads of what s_o aliases before this. Called by every thread of the CTA.
 // Every warp's state to shared memory for a combine: (m, l) of query head g at m[warp][g] /
 // l[warp][g] (the returned arrays) and its O^T fragments at s_o ([warps][8][D] floats). Ends with
 // a barrier. Called by every thread of the CTA.
@@ -278,6 +274,10 @@ __device__ __forceinline__ WarpSums stage_warp_states(const WarpState<D>& w, flo
   return {s_m, s_l};
 }
 
+// The warps' states combined (warp order: a fixed order) into the block's partial of the G query
+// heads: head h's D values at dst_o + h * o_head, its natural-log lse at dst_lse[h * lse_head]
+// (global memory or shared). `s_o` ([warps][8][D] floats) is scratch; the caller's barrier
+// orders its last reads of what s_o aliases before this. Called by every thread of the CTA.
 template <int D>
 __device__ __forceinline__ void block_combine(const WarpState<D>& w, int G, float* s_o,
                                               float* dst_o, int64_t o_head, float* dst_lse,
