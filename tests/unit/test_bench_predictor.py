@@ -206,8 +206,10 @@ def test_per_head_rows_keep_every_head_and_only_move_calibration(bp, seed, tmp_p
         outs[name] = {r["layer"]: r for r in csv.DictReader(open(str(out) + ".csv"))}
     for layer in ("3", "7"):
         a, b = outs["plain"][layer], outs["heads"][layer]
+        # The same cells summed in another order may land across an edge of the CSV's
+        # 5-decimal rounding: one step (1e-5) apart at most.
         for col in ("reuse_previous", "ema_default", "best_theta_hindsight"):
-            assert abs(float(a[col]) - float(b[col])) < 1e-5, (layer, col)
+            assert abs(float(a[col]) - float(b[col])) < 1.5e-5, (layer, col)
         # Theta* per head: its hindsight bound is at least the per-request one.
         assert float(b["oracle_per_request"]) >= float(a["oracle_per_request"]) - 1e-6
     # Negative control: the compared columns are not equal everywhere (structure vs noise).
