@@ -210,8 +210,9 @@ def test_per_head_rows_keep_every_head_and_only_move_calibration(bp, seed, tmp_p
         # 5-decimal rounding: one step (1e-5) apart at most.
         for col in ("reuse_previous", "ema_default", "best_theta_hindsight"):
             assert abs(float(a[col]) - float(b[col])) < 1.5e-5, (layer, col)
-        # Theta* per head: its hindsight bound is at least the per-request one.
-        assert float(b["oracle_per_request"]) >= float(a["oracle_per_request"]) - 1e-6
+        # Theta* per head: its hindsight bound is at least the per-request one (equal where
+        # every head picks the request's theta: then one rounding step apart at most).
+        assert float(b["oracle_per_request"]) >= float(a["oracle_per_request"]) - 1.5e-5
     # Negative control: the compared columns are not equal everywhere (structure vs noise).
     h = outs["heads"]
     assert abs(float(h["3"]["reuse_previous"]) - float(h["7"]["reuse_previous"])) > 0.1
