@@ -30,6 +30,17 @@ __device__ __forceinline__ bool repeats_earlier(const int32_t* list, int n, int 
 }
 
 
+// List entry n's partial for the G query heads from row0 as the empty state (o = 0, lse = -inf):
+// a padding entry, a repeat or a block past the request. Called by every thread of the CTA.
+template <int D>
+__device__ __forceinline__ void write_empty_partial(const AttnArgs& a, int64_t row0, int n,
+                                                    int G) {
+  const int tid = threadIdx.x;
+  for (int e = tid; e < G * D; e += kAttnThreads)
+    a.o[((row0 + e / D) * a.N + n) * D + e % D] = 0.f;
+  if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
+}
+
 // A (request, KV head) row's CTAs, or a group's: its N list entries, `pack` a CTA.
 __host__ __device__ constexpr int row_ctas(int N, int pack) { return (N + pack - 1) / pack; }
 
@@ -74,19 +85,13 @@ __device__ void block_attn_packed(const AttnArgs& a, int cta, int hk, int b, int
     ntok[j] = 0;
     const int n = n0 + j;
     if (j >= P || n >= a.N) continue;  // uniform: the barrier below is reached by all or none
-    int dup = tid < n && earlier == blk[j];
-    for (int i = tid + blockDim.x; i < n; i += blockDim.x) dup |= list[i] == blk[j];
-    const bool repeat = __syncthreads_or(dup) != 0;
+    const bool repeat = repeats_earlier(list, n, blk[j], earlier);
     if (has_page[j] && !repeat) {
       slot0[j] = in_pool(index_of(raw[j], a.table64), a.num_pages) * a.page_size;
       ntok[j] = clamp_count(sl - (int64_t)blk[j] * a.page_size, a.page_size);
     }
     any |= ntok[j] > 0;
-    if (ntok[j] == 0 && !(a.sem && n >= parts)) {  // the empty state (0, -inf)
-      for (int e = tid; e < G * D; e += kAttnThreads)
-        a.o[((row0 + e / D) * a.N + n) * D + e % D] = 0.f;
-      if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
-    }
+    if (ntok[j] == 0 && !(a.sem && n >= parts)) write_empty_partial<D>(a, row0, n, G);
   }
   stamp(a, kTlLists);
   if (any) packed_partials<T, D>(a, b, hk, n0, P, row0, slot0, ntok, nq, s_dyn);
@@ -134,10 +139,8 @@ block_attn_kernel(AttnArgs a, int nq) {
   }
   if (a.sem && n >= parts) {
     // a share of the merge only: no partial (the merge reads the entries below the count)
-  } else if (ntok == 0) {  // padding entry or block past the request: the empty state (0, -inf)
-    for (int e = tid; e < G * D; e += kAttnThreads)
-      a.o[((row0 + e / D) * a.N + n) * D + e % D] = 0.f;
-    if (tid < G) a.lse[(row0 + tid) * a.N + n] = -INFINITY;
+  } else if (ntok == 0) {  // padding entry or block past the request
+    write_empty_partial<D>(a, row0, n, G);
   } else {
     block_partial<T, D>(a, b, hk, n, row0, page, ntok, nq, s_dyn);
   }
