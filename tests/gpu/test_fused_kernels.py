@@ -174,6 +174,7 @@ LAUNCH_KNOBS = {"default": {}, "grid entries": {"SGLANG_PRR_ATTN_GRID": "entries
                 "spread row": {"SGLANG_PRR_ATTN_SPREAD": "row"},
                 "entries, fused": {"SGLANG_PRR_ATTN_GRID": "entries",
                                    "SGLANG_PRR_ATTN_MERGE": "fused"},
+                "pages one entry": {"SGLANG_PRR_ATTN_PACK": "0"},
                 "pages packed": {"SGLANG_PRR_ATTN_PACK": "1"},
                 "pages packed, merge fused": {"SGLANG_PRR_ATTN_PACK": "1",
                                               "SGLANG_PRR_ATTN_MERGE": "fused"}}
@@ -185,7 +186,7 @@ LAUNCH_KNOBS = {"default": {}, "grid entries": {"SGLANG_PRR_ATTN_GRID": "entries
 def test_launch_knobs_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, monkeypatch):
     """Every setting of the attention's launch knobs (SGLANG_PRR_ATTN_GRID=entries,
     SGLANG_PRR_ATTN_MERGE=split|fused, the split merge's CTAs a group: by shape, one, three, whose
-    item ranges are uneven, SGLANG_PRR_ATTN_PACK=1 on the 16-token pages) gives the default
+    item ranges are uneven, SGLANG_PRR_ATTN_PACK=0|1 on the 16-token pages) gives the default
     launch's bits (the cases' grids fall on both sides of the split merge's shape rule): the
     partials, serial DSA's attention + merge, PRR's repair + exact merge (which also equals serial
     DSA bit for bit) and the union merge."""
@@ -406,13 +407,15 @@ def test_quest_select_messy_prediction(B, NB, k, select_kernel):
     p_idx[..., 1::4] = p_idx[..., 0::4][..., : p_idx[..., 1::4].shape[-1]]  # repeats
     p_idx[..., 2] = -1
     p_cnt = torch.randint(-2, Np + 3, (B, Hk), dtype=torch.int32)
+    # Row (0, 0) predicts the sink block (always in A), so the control below cannot miss.
+    p_idx[0, 0, 0], p_cnt[0, 0] = 0, p_cnt[0, 0].clamp(min=1)
     s, a_idx, a_cnt, m_idx, m_cnt = [x.cpu() for x in CUDA.quest_select(
         *_dev(q, kmin, kmax, table, nblk.int(), p_idx, p_cnt), k, sink, local, n_out)]
     ai, ac = ref.select_topk(s, nblk, k, sink, local, n_out)
     assert torch.equal(a_cnt, ac) and torch.equal(a_idx, ai)
     mi, mc = ref.set_difference(ai, ac, p_idx, p_cnt.clamp(0, Np), NB)
     assert torch.equal(m_cnt, mc) and torch.equal(m_idx, mi)
-    # Negative control: the prediction hits A somewhere, so M = A would differ.
+    # Negative control: the prediction hits A (row (0, 0)'s sink at least), so M = A would differ.
     assert (mc < ac).any() and not torch.equal(m_idx, ai)
 
 
