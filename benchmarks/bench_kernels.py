@@ -36,8 +36,8 @@ blocks, plus the predictor state read and written for the full steps) over the m
 (``_GBps``, ``_cold_GBps``), and ``_pct_copy`` / ``_cold_pct_copy`` put it in percent of the
 device-to-device copy bandwidth measured once at the start of the same run (``copy_GBps``: a
 1 GiB copy, read + write bytes). ``attn_launch`` names the attention launch's knobs the
-environment forces (``knobs.attn_launch``: ``pages-packed`` for ``SGLANG_PRR_ATTN_PACK=1``, ...;
-empty: the launch's shape rules).
+environment forces (``knobs.attn_launch``: ``pages-packed`` / ``pages-one`` for
+``SGLANG_PRR_ATTN_PACK=1`` / ``0``, ...; empty: the launch's shape rules).
 
     python benchmarks/bench_kernels.py              # full grid -> benchmarks/results/kernels*.csv
     python benchmarks/bench_kernels.py --quick      # a few points

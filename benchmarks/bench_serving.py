@@ -84,7 +84,7 @@ one-wave grid would spread it: ``merge-split`` / ``merge-fused`` / ``merge-ticke
 entries past the list's count included): ``spread-row``;
 ``SGLANG_PRR_ATTN_MERGE_SPLITS=<n>`` gives the merge kernel n CTAs a group instead of its
 shape rule: ``merge-splits-<n>``; ``SGLANG_PRR_ATTN_PACK=1`` packs pages of 16 or 32 tokens 64 /
-page list entries a CTA: ``pages-packed``;
+page list entries a CTA on every grid: ``pages-packed``, ``=0`` never: ``pages-one``;
 ``SGLANG_PRR_SELECT_GRID=rows|table`` forces every selection grid to two waves or to the table's
 width: ``select-rows`` / ``select-table``.
 ``--predictor side|fused`` (default ``side``, the server's default) is the PRR and auto servers'
@@ -691,7 +691,8 @@ def _launch() -> str:
     (``SGLANG_PRR_ATTN_MERGE``), ``spread-row`` when every CTA of a row shares a spread merge
     (``SGLANG_PRR_ATTN_SPREAD=row``), ``merge-splits-<n>`` when the merge kernel takes n CTAs
     a group instead of its shape rule (``SGLANG_PRR_ATTN_MERGE_SPLITS=<n>``), ``pages-packed``
-    when pages of 16 or 32 tokens go 64 / page list entries a CTA (``SGLANG_PRR_ATTN_PACK=1``),
+    when pages of 16 or 32 tokens go 64 / page list entries a CTA on every grid
+    (``SGLANG_PRR_ATTN_PACK=1``), ``pages-one`` when one entry a CTA always (``=0``),
     ``carveout-max`` when every kernel asks for the SM's largest shared-memory carveout
     (``SGLANG_PRR_SMEM_CARVEOUT=max``), ``carveout-select`` when PRR's one-pass selection alone
     does (``=select``), joined by ``+``, else ``""``."""

@@ -14,7 +14,8 @@ def attn_launch() -> str:
     (``SGLANG_PRR_ATTN_MERGE``), ``spread-row`` (``SGLANG_PRR_ATTN_SPREAD=row``: a spread merge
     shared by every CTA of the row), ``merge-splits-<n>`` (``SGLANG_PRR_ATTN_MERGE_SPLITS=<n>``:
     the merge kernel's CTAs a group, n instead of its shape rule), ``pages-packed``
-    (``SGLANG_PRR_ATTN_PACK=1``: pages of 16 or 32 tokens, 64 / page list entries a CTA), joined
+    (``SGLANG_PRR_ATTN_PACK=1``: pages of 16 or 32 tokens, 64 / page list entries a CTA, on every
+    grid) / ``pages-one`` (``=0``: one entry a CTA, instead of the packing's shape rule), joined
     by ``+``, else ``""`` (the launch's shape rules).
     Other values force nothing, as in the launcher."""
     parts = []
@@ -29,8 +30,9 @@ def attn_launch() -> str:
     splits = os.environ.get("SGLANG_PRR_ATTN_MERGE_SPLITS", "")
     if re.fullmatch(r"\s*\+?[0-9]+", splits) and int(splits) > 0:  # what strtol takes
         parts.append(f"merge-splits-{int(splits)}")
-    if os.environ.get("SGLANG_PRR_ATTN_PACK", "") == "1":
-        parts.append("pages-packed")
+    pack = os.environ.get("SGLANG_PRR_ATTN_PACK", "")
+    if pack in ("0", "1"):
+        parts.append("pages-packed" if pack == "1" else "pages-one")
     return "+".join(parts)
 
 

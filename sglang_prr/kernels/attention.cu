@@ -271,23 +271,29 @@ cudaError_t launch_partials(AttnArgs c, int nq, size_t smem, bool spread, cudaSt
   return launch(block_attn_kernel<T, D, false>, dim3(ctas, c.Hk, c.B));
 }
 
-// List entries a CTA computes: one, or 64 / page for pages of 16 or 32 tokens where
-// SGLANG_PRR_ATTN_PACK=1 asks (block_attn_packed: the same bits; a measuring knob read at each
-// launch, a captured graph keeps its value). A 16-token page alone in a CTA leaves three of its
-// four warps on zero rows, and the grid four times as many CTAs as the tokens need.
-int attn_pack(int page_size, int N) {
-  const char* k = getenv("SGLANG_PRR_ATTN_PACK");
-  if (!k || strcmp(k, "1") != 0 || page_size >= kChunk || page_size % kSlice != 0 ||
-      kChunk % page_size != 0)
-    return 1;
-  const int P = kChunk / page_size;  // pages of 16 or 32 tokens (powers of two below the chunk)
-  return row_ctas(N, P) <= 65535 ? P : 1;  // the packed grid's y
-}
-
 // The split merge's shape rule: a partials grid of at least kSplitMergeMinCtas CTAs (about two
 // waves of 4 CTAs an SM on 132 SMs; batch 1 at 2048 tokens is 272).
 constexpr int64_t kSplitMergeMinCtas = 1024;
 bool attn_takes_split_merge(int64_t ctas) { return ctas >= kSplitMergeMinCtas; }
+
+// List entries a CTA computes: one, or 64 / page (block_attn_packed: the same bits). A 16-token
+// page alone in a CTA leaves three of its four warps on zero rows, and the grid four times as
+// many CTAs as the tokens need. The shape rule packs 16-token pages where the one-entry grid is
+// several waves (kSplitMergeMinCtas CTAs); cold L2 at 128K, K = 2048 tokens, partials + merge
+// (an H100): 26.1 -> 24.6 us at batch 1, 86.8 -> 72.7 at batch 8, 333.9 -> 265.6 at batch 32,
+// while a one-wave grid loses (batch 1, K = 1024: 14.9 -> 19.8) and 32-token pages gain nothing
+// (16.4 -> 18.5, 52.4 -> 53.7, 175.5 -> 172.2). SGLANG_PRR_ATTN_PACK=1 packs pages of 16 or
+// 32 tokens on every grid, =0 never (measuring knobs read at each launch; a captured graph keeps
+// its value).
+int attn_pack(int page_size, int64_t rows, int N) {
+  const char* k = getenv("SGLANG_PRR_ATTN_PACK");
+  const bool force = k && !strcmp(k, "1"), never = k && !strcmp(k, "0");
+  if (never || page_size >= kChunk || page_size % kSlice != 0 || kChunk % page_size != 0)
+    return 1;
+  const int P = kChunk / page_size;  // pages of 16 or 32 tokens (powers of two below the chunk)
+  if (!force && (P != kChunk / kSlice || rows * N < kSplitMergeMinCtas)) return 1;
+  return row_ctas(N, P) <= 65535 ? P : 1;  // the packed grid's y
+}
 
 // The merge kernel's shared memory for its row stage (one CTA per group and few groups, so it
 // may take most of an SM: every entry of a K = 2048-token list in one round trip).
@@ -300,7 +306,7 @@ cudaError_t attn_launch(const AttnArgs& a, int nq, cudaStream_t s) {
                 (size_t)nq * kHeadsN * AttnSmem<T, D>::kQRow * sizeof(T);
   AttnArgs c = a;
   c.spread = 0;
-  c.pack = attn_pack(a.page_size, a.N);
+  c.pack = attn_pack(a.page_size, (int64_t)a.B * a.Hk, a.N);
   const int64_t ctas = (int64_t)a.B * a.Hk * row_ctas(a.N, c.pack);
   // Where the grid is several waves, the partials in one launch without counters, tickets or
   // merge tail (the attention's own shared memory, so 5 CTAs an SM instead of 4), then

@@ -48,7 +48,8 @@ struct AttnArgs {
                   // 2: over every CTA of the row, SGLANG_PRR_ATTN_SPREAD=row)
   int spread_wait; // set by the launch: clocks a spread merge's CTA waits before withdrawing
   int pack;        // set by the launch: list entries a CTA computes (1; 64 / page for pages of
-                   // 16 or 32 tokens where SGLANG_PRR_ATTN_PACK=1 asks)
+                   // 16 tokens on grids of several waves, or of 16 or 32 where
+                   // SGLANG_PRR_ATTN_PACK=1 asks: attn_pack)
   int debug_stop;  // timing probes only (SGLANG_PRR_ATTN_DEBUG_STOP): 0 runs everything
   // Timing probe (SGLANG_PRR_ATTN_TIMELINE=1, eager launches only; set by the launch): each CTA
   // below timeline_ctas records kTimelineSlots values (probe.cuh, attn_block.cuh), else null.

@@ -1,8 +1,8 @@
 """Pages of 16 or 32 tokens packed 64 / page list entries a CTA (``SGLANG_PRR_ATTN_PACK=1``,
-``block_attn_packed_kernel``) against the one-entry CTAs: the same bits for every output of every
-attention launch (the partials, serial DSA's attention + merge, PRR's repair + exact and union
-merges) under each merge form, on lists that hold repeats, -1 padding, ids past the table,
-negative ids, and counts past the list's width or below zero. Negative control beside the
+``block_attn_packed_kernel``) against the one-entry CTAs (``=0``): the same bits for every output
+of every attention launch (the partials, serial DSA's attention + merge, PRR's repair + exact
+and union merges) under each merge form, on lists that hold repeats, -1 padding, ids past the
+table, negative ids, and counts past the list's width or below zero. Negative control beside the
 equalities: one listed key changed moves the packed output.
 
 Conventions as in ``test_kernels.py``. Skipped with a reason without a CUDA SM90 device.
@@ -98,7 +98,7 @@ def test_packed_pages_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, merge, lis
         m_idx, m_cnt = messy_lists(B, Hk, N, NB)
     args = (q, k_buf, v_buf, table, sl, idx, cnt, p_idx, p_cnt, m_idx, m_cnt, page, NB)
     outs = {}
-    for pack in ("", "1"):
+    for pack in ("0", "1"):
         for key in KNOBS:
             monkeypatch.delenv(key, raising=False)
         for key, val in MERGES[merge].items():
@@ -107,7 +107,7 @@ def test_packed_pages_keep_the_bits(B, Hq, Hk, D, page, dtype, pages, merge, lis
         outs[pack] = _outputs(*args)
     listed = (torch.arange(N)[None, None, :] < cnt.clamp(0, N)[:, :, None])
     listed = listed.repeat_interleave(Hq // Hk, 1)
-    one, packed = outs[""], outs["1"]
+    one, packed = outs["0"], outs["1"]
     assert torch.equal(packed[0][listed], one[0][listed]), "partials o"
     assert torch.equal(packed[1][listed], one[1][listed]), "partials lse"
     for i in range(2, 8):  # (torch.equal is False wherever a NaN was left unwritten)

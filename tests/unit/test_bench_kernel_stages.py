@@ -75,9 +75,11 @@ def test_attn_launch_names_forced_settings_only(monkeypatch):
     for n, label in (("3", "3"), ("1", "1"), ("+2", "2"), (" 04", "4")):
         monkeypatch.setenv("SGLANG_PRR_ATTN_MERGE_SPLITS", n)
         assert bks.attn_launch() == f"grid-heads+merge-ticket+spread-row+merge-splits-{label}"
-    for other in ("0", "yes", "", "11"):  # only "1" packs, as in the launcher
+    for other in ("yes", "", "11", "00"):  # only "1" / "0" force, as in the launcher
         monkeypatch.setenv("SGLANG_PRR_ATTN_PACK", other)
-        assert not bks.attn_launch().endswith("pages-packed")
+        assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row+merge-splits-4"
+    monkeypatch.setenv("SGLANG_PRR_ATTN_PACK", "0")
+    assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row+merge-splits-4+pages-one"
     monkeypatch.setenv("SGLANG_PRR_ATTN_PACK", "1")
     assert bks.attn_launch() == "grid-heads+merge-ticket+spread-row+merge-splits-4+pages-packed"
 

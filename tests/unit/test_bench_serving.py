@@ -135,7 +135,8 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "2"}, "merge-splits-2"),
     ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "1"}, "merge-splits-1"),  # one CTA a group, asked for
     ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "auto"}, ""), ({"SGLANG_PRR_ATTN_MERGE_SPLITS": "0"}, ""),
-    ({"SGLANG_PRR_ATTN_PACK": "1"}, "pages-packed"), ({"SGLANG_PRR_ATTN_PACK": "0"}, ""),
+    ({"SGLANG_PRR_ATTN_PACK": "1"}, "pages-packed"), ({"SGLANG_PRR_ATTN_PACK": "0"}, "pages-one"),
+    ({"SGLANG_PRR_ATTN_PACK": "on"}, ""),
     ({"SGLANG_PRR_SELECT_GRID": "rows"}, "select-rows"), ({"SGLANG_PRR_SELECT_GRID": "2"}, ""),
     ({"SGLANG_PRR_SELECT_GRID": "table"}, "select-table"),
     ({"SGLANG_PRR_SMEM_CARVEOUT": "max"}, "carveout-max"),
