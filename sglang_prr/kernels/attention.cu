@@ -277,21 +277,21 @@ constexpr int64_t kSplitMergeMinCtas = 1024;
 bool attn_takes_split_merge(int64_t ctas) { return ctas >= kSplitMergeMinCtas; }
 
 // List entries a CTA computes: one, or 64 / page (block_attn_packed: the same bits). A 16-token
-// page alone in a CTA leaves three of its four warps on zero rows, and the grid four times as
-// many CTAs as the tokens need. The shape rule packs 16-token pages where the one-entry grid is
-// several waves (kSplitMergeMinCtas CTAs); cold L2 at 128K, K = 2048 tokens, partials + merge
-// (an H100): 26.1 -> 24.6 us at batch 1, 86.8 -> 72.7 at batch 8, 333.9 -> 265.6 at batch 32,
+// page alone in a CTA leaves three of its four warps on zero rows, and the grid four times as many
+// CTAs as the tokens need. The shape rule packs 16-token pages where the one-entry grid (rows * N
+// CTAs) is several waves, by the split merge's rule; cold L2 at 128K, K = 2048 tokens, partials +
+// merge (an H100): 26.1 -> 24.6 us at batch 1, 86.8 -> 72.7 at batch 8, 333.9 -> 265.6 at batch 32,
 // while a one-wave grid loses (batch 1, K = 1024: 14.9 -> 19.8) and 32-token pages gain nothing
-// (16.4 -> 18.5, 52.4 -> 53.7, 175.5 -> 172.2). SGLANG_PRR_ATTN_PACK=1 packs pages of 16 or
-// 32 tokens on every grid, =0 never (measuring knobs read at each launch; a captured graph keeps
-// its value).
+// (16.4 -> 18.5, 52.4 -> 53.7, 175.5 -> 172.2). SGLANG_PRR_ATTN_PACK=1 packs pages of 16 or 32
+// tokens on every grid, =0 never (measuring knobs read at each launch; a captured graph keeps its
+// value).
 int attn_pack(int page_size, int64_t rows, int N) {
   const char* k = getenv("SGLANG_PRR_ATTN_PACK");
   const bool force = k && !strcmp(k, "1"), never = k && !strcmp(k, "0");
   if (never || page_size >= kChunk || page_size % kSlice != 0 || kChunk % page_size != 0)
     return 1;
   const int P = kChunk / page_size;  // pages of 16 or 32 tokens (powers of two below the chunk)
-  if (!force && (P != kChunk / kSlice || rows * N < kSplitMergeMinCtas)) return 1;
+  if (!force && (page_size != kSlice || !attn_takes_split_merge(rows * N))) return 1;
   return row_ctas(N, P) <= 65535 ? P : 1;  // the packed grid's y
 }
 
