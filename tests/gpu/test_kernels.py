@@ -183,10 +183,14 @@ def test_sparse_attn_partials(B, Hq, Hk, D, page, dtype):
     # Negative control: the same comparison against a different block set must fail.
     idx2 = idx.clone()
     idx2[0, 0, 0] = idx[0, 0, 1] if cnt[0, 0] > 1 else idx[0, 0, 0]
+    # One key of a listed block turned towards query head 0 (logit ~ 4 sqrt(D)), so the partial
+    # it feeds must move (a random shift of the key could leave its logit near where it was).
     k2 = k_buf.clone()
-    k2[table[0, idx[0, 0, 0]] * page] += 3.0  # change one key of a listed block
+    k2[table[0, idx[0, 0, 0]] * page, 0] = (4 * q[0, 0].float()).to(k2.dtype)
     o_bad, _ = ref.sparse_attn_partials(q, k2, v_buf, table, sl, idx, cnt, page, sm)
-    assert rel_err(o, o_bad) > 1e-3, "negative control: a changed key must change the output"
+    G = Hq // Hk
+    assert rel_err(o[0, :G, 0], o_bad[0, :G, 0]) > 1e-3, \
+        "negative control: a changed key must change the output"
 
 
 def test_sparse_attn_through_ops_and_strided_kv():
@@ -342,6 +346,7 @@ def test_holt_update_and_predict_set(B, Hk, NB, n_pred, sink, local):
     n_init = torch.randint(0, NB, (B,), dtype=torch.int64)
     scores = _scores_with_ties(B, Hk, NB).nan_to_num(0.0).clamp(-1e30, 1e30)
     nblk = torch.minimum(n_init + torch.randint(0, 3, (B,)), torch.tensor(NB))
+    nblk[0] = max(int(nblk[0]), 1)  # row 0 has a block to update (the negative control's)
     theta = torch.rand(B, 3)
     l_ref, t_ref, n_ref = level.clone(), trend.clone(), n_init.clone()
     ref.holt_update(l_ref, t_ref, n_ref, scores, nblk, theta[:, 0], theta[:, 1])
@@ -399,6 +404,14 @@ def test_set_difference_pool_rows_and_counters(B, Hk, Na, Np, nb, rows64, with_d
     p_idx, p_cnt = random_lists(R, Hk, Np, [nb] * R)
     p_cnt[0] = -1  # a negative count reads no entry and counts as 0
     rows = torch.randperm(R)[:B]
+    if B > 1:  # the control's witness: batch 0's own row of P covers A[0, 0], the flipped one
+        # (rows[-1]) holds nothing there, so M[0, 0] is empty against A[0, 0] (not empty)
+        if a_cnt[0, 0] == 0:
+            a_idx[0, 0, 0], a_cnt[0, 0] = 0, 1
+        c, r0, rl = int(a_cnt[0, 0]), int(rows[0]), int(rows[-1])
+        p_idx[r0, 0] = -1
+        p_idx[r0, 0, :c] = a_idx[0, 0, :c]
+        p_cnt[r0, 0], p_cnt[rl, 0] = c, 0
     rows = rows if rows64 else rows.int()
     dense = (torch.rand(B) < 0.4) if with_dense else None
     start = torch.randint(0, 1 << 40, (4,), dtype=torch.int64)

@@ -30,7 +30,9 @@ def test_written_weights_make_small_k_differ_from_dense(tmp_path, seed):
     assert cfg["torch_dtype"] == "bfloat16" and cfg["head_dim"] == 128, cfg
     rng = random.Random(seed)
     ids = [rng.randrange(6, cfg["vocab_size"]) for _ in range(LENGTH)]
-    cont = [rng.randrange(6, cfg["vocab_size"])]
+    # Four decode steps, the largest difference over them (as the GPU server test takes over
+    # its steps): one step alone came within 10% of the threshold on some prompts.
+    cont = [rng.randrange(6, cfg["vocab_size"]) for _ in range(4)]
     dense, small, full = pl.reference_logprobs(cfg, sd, ids, cont,
                                                [None, 2, -(-(LENGTH + 1) // 64)])[:, 1:]
     d_small, d_full = _top_diff(dense, small), _top_diff(dense, full)

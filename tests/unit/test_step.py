@@ -95,10 +95,13 @@ def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method, fuse, monkeyp
             n_done[i] += 1
         # A fresh query every step, drifting around each request's own direction; scaled up so
         # attention is peaked and the choice of blocks changes the output. At step 3 every
-        # request turns to a new direction, so P(t), predicted from the old one, misses there
-        # whatever the seed (the repair's negative control is never vacuous).
+        # request turns to a new direction, so P(t), predicted from the old one, mostly misses
+        # there (in ~1% of the seeds it still covers A), and the batch's first request has its
+        # P(t) emptied: M = A there, so the repair's negative control is never vacuous.
         if t == 3:
             q0 = torch.randn(len(lens), 8, 16, generator=g)
+            p0 = 2 * P.rows[batch[0]] + int(seq[0]) % 2  # P(t)'s row: the length's parity
+            st.p_idx[p0], st.p_cnt[p0] = -1, 0
         q = (q0[b_ids] + DRIFT * torch.randn(len(batch), 8, 16, generator=g)) * 3
         before = _clone(st)
         b = prr.plan(P.req_to_token, rows, seq)
@@ -154,7 +157,7 @@ def test_prr_exact_equals_serial_dsa_and_writes_p_in_place(method, fuse, monkeyp
             repaired += 1
         # Hits beyond the kept blocks (always in P and A): the reuse of P(t)'s partials mattered.
         middle_hits += int(stats[0] - stats[1]) > (SINK + LOCAL) * int(stats[3])
-    assert repaired >= 2, f"seed {seed}: the predictor (almost) never missed: vacuous control"
+    assert repaired >= 1, f"seed {seed}: the repair's negative control never ran"
     assert middle_hits >= 2, f"seed {seed}: P(t) (almost) never hit a middle block of A"
 
 
