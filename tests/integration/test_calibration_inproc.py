@@ -106,14 +106,17 @@ def test_a_request_that_cannot_calibrate_starts_from_the_last_theta_star():
     """A request with one new token (a radix-cache hit but for its last token) samples a single
     query, which calibrates nothing: it takes the theta* last chosen per layer, not the default.
     Negative control: the default differs from that theta* in some layer."""
-    seed, w, b = _seeded_prr(3, 16)
-    st = b.state
-    fb, q, k, v = w.batch([1, 2], [200, 150])
-    _forward(b, w, fb, q, k, v)
-    chosen = st.theta[:, 2].clone()  # the last calibrated request of the batch
-    assert torch.equal(st.shared_theta, chosen)
-    if torch.equal(chosen, st.default_theta.expand_as(chosen)):
-        pytest.skip(f"theta* happened to be the default in every layer (seed {seed})")
+    for _ in range(4):  # theta* is the default in every layer for ~0.7% of the seeds: redraw
+        seed, w, b = _seeded_prr(3, 16)
+        st = b.state
+        fb, q, k, v = w.batch([1, 2], [200, 150])
+        _forward(b, w, fb, q, k, v)
+        chosen = st.theta[:, 2].clone()  # the last calibrated request of the batch
+        assert torch.equal(st.shared_theta, chosen)
+        if not torch.equal(chosen, st.default_theta.expand_as(chosen)):
+            break
+    else:
+        pytest.skip(f"theta* happened to be the default in every layer (4 seeds, last {seed})")
     b.state.mark_new([3])
     fb, q, k, v = w.batch([3], [1])
     _forward(b, w, fb, q, k, v)
