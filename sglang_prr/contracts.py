@@ -40,11 +40,11 @@ __all__ = [
     "STATS_SLOTS", "new_stats", "fail", "shape", "nonneg", "page_size", "softmax_scale",
     "floating", "index_tensor", "rows_of", "block_list", "query", "paged_attention", "selection",
     "summaries", "summary_count", "new_keys", "check_sparse_attn_partials",
-    "check_sparse_attn_merge", "check_select_topk", "check_quest_select", "check_quest_update",
-    "check_quest_select_predict", "check_quest_scores", "check_set_difference",
-    "check_accumulate_stats", "check_holt_update", "check_predict_set", "check_predict_update",
-    "check_predict_update_rows", "check_calib_grid_terms", "check_calibrate", "check_best_theta",
-    "check_prr_merge", "check_merge_partials",
+    "check_sparse_attn_merge", "check_select_topk", "check_select_lists", "check_quest_select",
+    "check_quest_update", "check_quest_select_predict", "check_quest_scores",
+    "check_set_difference", "check_accumulate_stats", "check_holt_update", "check_predict_set",
+    "check_predict_update", "check_predict_update_rows", "check_calib_grid_terms",
+    "check_calibrate", "check_best_theta", "check_prr_merge", "check_merge_partials",
 ]
 
 # The decode counters the selection accumulates (int64, one slot each, in this order): sum |A|,
@@ -178,8 +178,8 @@ def check_sparse_attn_merge(q, k_buf, v_buf, table, seq_lens, idx, cnt, page_siz
         fail(op, "nb", nb, f"the table's width table.shape[1] = {table.shape[1]}")
 
 
-def check_select_topk(scores, nblk, k, sink, local, n_out, dense_row=None) -> None:
-    op = "select_topk"
+def check_select_topk(scores, nblk, k, sink, local, n_out, dense_row=None,
+                      op: str = "select_topk") -> None:
     if scores.dim() != 3:
         fail(op, "scores.shape", shape(scores), "[batch, num_kv_heads, num_blocks]")
     index_tensor(op, "nblk", nblk, 1)
@@ -189,6 +189,19 @@ def check_select_topk(scores, nblk, k, sink, local, n_out, dense_row=None) -> No
     if dense_row is not None and (dense_row.dtype != torch.bool
                                   or shape(dense_row) != (scores.shape[0],)):
         fail(op, "dense_row", (dense_row.dtype, shape(dense_row)), f"bool ({scores.shape[0]},)")
+
+
+def check_select_lists(scores, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows=None,
+                       dense_row=None, stats=None) -> None:
+    op = "select_lists"
+    check_select_topk(scores, nblk, k, sink, local, n_out, dense_row, op=op)
+    if p_idx is not None:
+        if p_cnt is None:
+            fail(op, "p_cnt", None, "a tensor with p_idx")
+        block_list(op, "p", p_idx, p_cnt, scores.shape[1])
+        rows_of(op, "p", p_rows, scores.shape[0], p_idx)
+    if stats is not None and (stats.dtype != torch.int64 or shape(stats) != (len(STATS_SLOTS),)):
+        fail(op, "stats", (stats.dtype, shape(stats)), f"int64 ({len(STATS_SLOTS)},)")
 
 
 def check_quest_select(q, kmin, kmax, table, nblk, p_idx, p_cnt, k, sink, local, n_out,

@@ -27,6 +27,7 @@ from . import reference as ref
 from .fake_contracts import define, fake
 
 _NS = "sglang_prr"
+Lists4 = Tuple[Tensor, Tensor, Tensor, Tensor]  # (a_idx, a_cnt, m_idx, m_cnt)
 
 
 def _op(name: str, mutates_args=()):
@@ -119,6 +120,31 @@ def set_difference(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: Tensor, n
     rows left out). See ``reference.set_difference_counted``. (A plain function over the op:
     torch 2.11 cannot omit a mutable optional argument of a custom op.)"""
     return _set_difference(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows, stats, dense_row)
+
+
+@_op("select_lists", mutates_args=("stats",))
+def _select_lists(scores: Tensor, nblk: Tensor, p_idx: Optional[Tensor], p_cnt: Optional[Tensor],
+                  k: int, sink_blocks: int, local_blocks: int, n_out: int, p_rows: Optional[Tensor],
+                  dense_row: Optional[Tensor], stats: Optional[Tensor]) -> Lists4:
+    contracts.check_select_lists(scores, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out,
+                                 p_rows, dense_row, stats)
+    return ref.select_lists(scores, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out,
+                            p_rows, dense_row, stats)
+
+
+@fake(_select_lists)
+def _(scores, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out, p_rows, dense_row, stats):
+    lists = (scores.shape[:2] + (n_out,), scores.shape[:2]) * 2
+    return tuple(scores.new_empty(s, dtype=torch.int32) for s in lists)
+
+
+def select_lists(scores: Tensor, nblk: Tensor, p_idx: Optional[Tensor], p_cnt: Optional[Tensor],
+                 k: int, sink_blocks: int, local_blocks: int, n_out: int,
+                 p_rows: Optional[Tensor] = None, dense_row: Optional[Tensor] = None,
+                 stats: Optional[Tensor] = None) -> Lists4:
+    """``reference.select_lists``: ``select_topk`` + ``set_difference`` in one SM90 launch."""
+    return _select_lists(scores, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out, p_rows,
+                         dense_row, stats)
 
 
 @_op("accumulate_stats", mutates_args=("stats",))

@@ -23,8 +23,8 @@ from . import reference as ref
 from .custom_ops import (attend_set, calib_grid_terms, calibrate, holt_update, infllm_scores,
                          infllm_update, merge_partials, predict_set, predict_update,
                          predict_update_rows, prr_merge, quest_scores, quest_select,
-                         quest_select_predict, quest_update, select_topk, set_difference,
-                         sparse_attn_merge, sparse_attn_partials)
+                         quest_select_predict, quest_update, select_lists, select_topk,
+                         set_difference, sparse_attn_merge, sparse_attn_partials)
 from .methods import Selected, SelectSpec
 
 __all__ = [
@@ -32,7 +32,8 @@ __all__ = [
     "attend_set", "calib_grid_terms", "calibrate", "holt_update", "infllm_scores",
     "infllm_update", "merge_partials", "predict_set", "predict_update", "predict_update_rows",
     "prr_merge", "quest_scores", "quest_select", "quest_select_predict", "quest_update",
-    "select_topk", "set_difference", "sparse_attn_merge", "sparse_attn_partials",
+    "select_lists", "select_topk", "set_difference", "sparse_attn_merge",
+    "sparse_attn_partials",
     # paging helpers of the reference (no op: index arithmetic)
     "num_blocks", "best_theta", "block_table",
     # the compositions through the methods' registry
@@ -94,7 +95,7 @@ def select_fused(method: str, q: Tensor, summary: Sequence[Tensor], table: Tenso
     m_cnt)`` with ``M = A \\ P`` (``M = A`` without P); lists of width ``n_out`` (default
     ``k + sink + local``). ``nblk`` defaults to ``ceil(seq_lens / page_size)``; ``p_rows``,
     ``dense_row``, ``stats`` as in ``methods.select_from_scores``. Quest: one op; InfLLM-v2:
-    scores, top-K and set difference."""
+    its scores, then ``select_lists`` (top-K, set difference and counters)."""
     spec = SelectSpec.of(k, sink_blocks, local_blocks, page_size, n_out)
     summary = list(summary)
     m = _method("select_fused", method, summary, page_size, sm_scale)

@@ -637,6 +637,9 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
         "-> (Tensor, Tensor)");
   m.def("accumulate_stats(Tensor(a!) stats, Tensor a_cnt, Tensor m_cnt, Tensor? p_cnt, "
         "Tensor? dense_row) -> ()");
+  m.def("select_lists(Tensor scores, Tensor nblk, Tensor? p_idx, Tensor? p_cnt, int k, "
+        "int sink_blocks, int local_blocks, int n_out, Tensor? p_rows=None, "
+        "Tensor? dense_row=None, Tensor(a!)? stats=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("holt_update(Tensor(a!) level, Tensor(b!) trend, Tensor(c!) n_init, Tensor scores, "
         "Tensor nblk, Tensor alpha, Tensor beta) -> ()");
   m.def("prr_merge(Tensor o_spec, Tensor lse_spec, Tensor p_idx, Tensor p_cnt, Tensor a_idx, "

@@ -106,6 +106,19 @@ def _set_difference(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows=None, stats=None, den
                                                     stats, dense_row)
 
 
+def _select_lists(scores, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out, p_rows,
+                  dense_row, stats):
+    contracts.check_select_lists(scores, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out,
+                                 p_rows, dense_row, stats)
+    if not (active(scores.device) and scores.shape[-1] <= TOPK_MAX_BLOCKS
+            and (stats is None or stats.is_contiguous())):
+        return ref.select_lists(scores, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out,
+                                p_rows, dense_row, stats)
+    return torch.ops.sglang_prr_cuda.select_lists(scores.float().contiguous(), nblk, p_idx, p_cnt,
+                                                  k, sink_blocks, local_blocks, n_out, p_rows,
+                                                  dense_row, stats)
+
+
 def _accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row):
     contracts.check_accumulate_stats(stats, a_cnt, m_cnt, p_cnt, dense_row)
     if not (active(a_cnt.device) and stats.is_contiguous()):
@@ -327,6 +340,7 @@ IMPLS: Dict[str, Callable] = {
     "sparse_attn_partials": _sparse_attn_partials,
     "quest_scores": _quest_scores,
     "select_topk": _select_topk,
+    "select_lists": _select_lists,
     "predict_set": _predict_set,
     "set_difference": _set_difference,
     "accumulate_stats": _accumulate_stats,

@@ -164,6 +164,9 @@ cudaError_t launch_quest_select_rowtail(const SelectArgs& a, cudaStream_t s);
 // The same results in two launches (no predictor): the scores (quest_scores' kernel, new keys
 // folded), then a CTA per row for its top-K, M and counters.
 cudaError_t launch_quest_select_split(const SelectArgs& a, cudaStream_t s);
+// The second of those launches alone, over any method's scores (a.scores, [B, Hk, NB] float32,
+// complete): A, M = A \ P and the counters, a CTA per (request, KV head) row (select_lists).
+cudaError_t launch_select_lists(const SelectArgs& a, cudaStream_t s);
 // Whether launch_quest_select takes the two launches for a batch of B rows over NB table blocks,
 // with or without the predictor's step (the shape's rule, or SGLANG_PRR_SELECT_KERNEL where set).
 bool select_takes_split(int64_t B, int NB, bool predictor);

@@ -1,5 +1,6 @@
-// Torch op bindings of the Quest selection (quest_select, quest_select_predict): scores, top-K,
-// M = A \ P and, for the second, the predictor's step, in one launch. Their schemas are declared
+// Torch op bindings of the selections: Quest's (quest_select, quest_select_predict: scores,
+// top-K, M = A \ P and, for the second, the predictor's step, in one launch) and select_lists
+// (top-K, M and the counters of any method's scores, in one launch). Their schemas are declared
 // in binding.cpp's TORCH_LIBRARY block with the other ops; the CUDA implementations register here.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -194,9 +195,66 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select_predict(
                        "quest_select_predict");
 }
 
+// A = kept + top-K of any method's scores, M = A \ P and the counters in one launch (the rows
+// kernel of Quest's two-launch selection): (a_idx, a_cnt, m_idx, m_cnt).
+std::tuple<Tensor, Tensor, Tensor, Tensor> select_lists(
+    const Tensor& scores_in, const Tensor& nblk_in, const c10::optional<Tensor>& p_idx_in,
+    const c10::optional<Tensor>& p_cnt_in, int64_t k, int64_t sink, int64_t local,
+    int64_t n_out, const c10::optional<Tensor>& p_rows, const c10::optional<Tensor>& dense_row,
+    const c10::optional<Tensor>& stats) {
+  const char* op = "select_lists";
+  check_cuda(scores_in, "scores");
+  c10::cuda::CUDAGuard guard(scores_in.device());
+  TORCH_CHECK(scores_in.dim() == 3 && scores_in.is_contiguous() &&
+              scores_in.scalar_type() == at::kFloat,
+              op, ": scores must be contiguous float32 [B, Hk, NB], got ", scores_in.sizes());
+  const Tensor& scores = scores_in;
+  const Tensor nblk = nblk_in.contiguous();
+  const int64_t B = scores.size(0), Hk = scores.size(1), NB = scores.size(2);
+  TORCH_CHECK(NB <= prr::max_topk_blocks(), op, ": ", NB, " blocks per row, at most ",
+              prr::max_topk_blocks(), " supported");
+  auto a_idx = at::empty({B, Hk, n_out}, scores.options().dtype(at::kInt));
+  auto a_cnt = at::empty({B, Hk}, scores.options().dtype(at::kInt));
+  auto m_idx = at::empty({B, Hk, n_out}, scores.options().dtype(at::kInt));
+  auto m_cnt = at::empty({B, Hk}, scores.options().dtype(at::kInt));
+  prr::SelectArgs a{};
+  a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
+  a.scores = const_cast<float*>(scores.data_ptr<float>());  // read only (the rows' tails)
+  Tensor pi, pc, prw, dr;
+  if (p_idx_in.has_value()) {
+    TORCH_CHECK(p_cnt_in.has_value(), op, ": p_idx given without p_cnt");
+    pi = p_idx_in->contiguous(); pc = p_cnt_in->contiguous();
+    TORCH_CHECK(pi.scalar_type() == at::kInt && pc.scalar_type() == at::kInt,
+                op, ": p_idx/p_cnt must be int32");
+    a.p_idx = pi.data_ptr<int32_t>(); a.p_cnt = pc.data_ptr<int32_t>(); a.Np = (int)pi.size(-1);
+  }
+  a.p_rows = slots_ptr(p_rows, B, a.p_rows64, prw, op);
+  a.p_rows_n = pi.defined() ? pi.size(0) : 0;  // no P: no slot is read
+  if (dense_row.has_value()) {
+    dr = dense_row->contiguous();
+    TORCH_CHECK(dr.scalar_type() == at::kBool && dr.numel() == B,
+                op, ": dense_row must be bool [", B, "]");
+    a.dense_row = dr.data_ptr<bool>();
+  }
+  if (stats.has_value()) {
+    TORCH_CHECK(stats->scalar_type() == at::kLong && stats->is_contiguous() &&
+                stats->numel() == prr::kNumStatSlots, op, ": stats must be contiguous int64 [",
+                prr::kNumStatSlots, "]");
+    a.stats = reinterpret_cast<unsigned long long*>(stats->data_ptr<int64_t>());
+  }
+  a.a_idx = a_idx.data_ptr<int32_t>(); a.a_cnt = a_cnt.data_ptr<int32_t>();
+  a.m_idx = m_idx.data_ptr<int32_t>(); a.m_cnt = m_cnt.data_ptr<int32_t>();
+  a.n_out = (int)n_out;
+  a.B = (int)B; a.Hk = (int)Hk; a.NB = (int)NB;
+  a.k = (int)k; a.sink = (int)sink; a.local = (int)local;
+  check_launch(prr::launch_select_lists(a, stream()), op);
+  return std::make_tuple(a_idx, a_cnt, m_idx, m_cnt);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {
+  m.impl("select_lists", &select_lists);
   m.impl("quest_select", &quest_select);
   m.impl("quest_select_predict", &quest_select_predict);
 }

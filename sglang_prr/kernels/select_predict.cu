@@ -579,7 +579,8 @@ quest_select_onepass_kernel(SelectArgs a) {
     if (a.stats && !dense) {
       atomicAdd(a.stats + kStatSelected, (unsigned long long)acnt);
       atomicAdd(a.stats + kStatRepair, (unsigned long long)base);
-      atomicAdd(a.stats + kStatPredicted, (unsigned long long)pc);
+      // |P| as the reference counts it (clamped at 0, not at the list's width)
+      atomicAdd(a.stats + kStatPredicted, (unsigned long long)(pc_raw > 0 ? pc_raw : 0));
       atomicAdd(a.stats + kStatRows, 1ull);
     }
   }

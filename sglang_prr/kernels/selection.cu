@@ -17,6 +17,7 @@
 #include <cub/block/block_scan.cuh>
 #include <algorithm>
 #include <atomic>
+#include <climits>
 #include <cfloat>
 #include <cstdlib>
 #include <cstring>
@@ -461,15 +462,26 @@ __device__ void select_row_tail(const SelectArgs& a, int b, int hk, int nb, uint
     // A written at its places with each warp's count of M (chosen, not in P), then M.
     __shared__ int s_m[kSelWarps];
     const auto not_p = [&](int i) { return ((s_pbits[i >> 5] >> (i & 31)) & 1u) == 0u; };
-    const int mc = topk_walk<kSelThreads>(s_key, nb, nb, cut, keep_lo, keep_hi, wk.eq_before,
-                                          wk.chosen_before, a_out, a.n_out,
-                                          [](int) { return true; }, not_p);
+    int mc = topk_walk<kSelThreads>(s_key, nb, nb, cut, keep_lo, keep_hi, wk.eq_before,
+                                    wk.chosen_before, a_out, a.n_out,
+                                    [](int) { return true; }, not_p);
+    // M is taken from A as written: where A was cut at the list's width (a dense row with more
+    // blocks than n_out), only ids up to A's last entry (a uniform branch, rare: a second count).
+    int a_last = INT_MAX;
+    if (wk.total > a.n_out) {
+      __syncthreads();  // A's entries are written
+      a_last = a.n_out > 0 ? a_out[a.n_out - 1] : -1;
+      mc = topk_walk<kSelThreads>(s_key, nb, nb, cut, keep_lo, keep_hi, wk.eq_before, 0, a_out,
+                                  0, [](int) { return false; },
+                                  [&](int i) { return i <= a_last && not_p(i); });
+    }
+    const auto in_m = [&](int i) { return i <= a_last && not_p(i); };
     if (lane == 0) s_m[warp] = mc;
     __syncthreads();
     int m_total;
     const int mpos = warps_prefix<kSelThreads>(lane < kSelWarps ? s_m[lane] : 0, warp, &m_total);
     topk_walk<kSelThreads>(s_key, nb, nb, cut, keep_lo, keep_hi, wk.eq_before, mpos, m_out,
-                           a.n_out, not_p, [](int) { return false; });
+                           a.n_out, in_m, [](int) { return false; });
     for (int j = wk.total + tid; j < a.n_out; j += kSelThreads) a_out[j] = -1;
     for (int j = m_total + tid; j < a.n_out; j += kSelThreads) m_out[j] = -1;
     na = min(wk.total, a.n_out);
@@ -479,7 +491,8 @@ __device__ void select_row_tail(const SelectArgs& a, int b, int hk, int nb, uint
   if (a.stats && !dense && tid == 0) {
     atomicAdd(a.stats + kStatSelected, (unsigned long long)na);
     atomicAdd(a.stats + kStatRepair, (unsigned long long)nm);
-    atomicAdd(a.stats + kStatPredicted, (unsigned long long)pc);
+    // |P| as the reference counts it (clamped at 0, not at the list's width)
+    atomicAdd(a.stats + kStatPredicted, (unsigned long long)(pc_raw > 0 ? pc_raw : 0));
     atomicAdd(a.stats + kStatRows, 1ull);
   }
 }
@@ -568,13 +581,14 @@ quest_select_kernel(SelectArgs a) {
   select_row_tail<true>(a, b, hk, nb, s_sel);
 }
 
-// Scores by quest_scores_kernel (a warp per (request, block), all KV heads), then the rows' tails
-// in a launch of their own: a CTA per (request, KV head) row. No fence, ticket or candidate
-// workspace, which the one-pass kernel pays per CTA; the launcher takes this path where asked
-// (SGLANG_PRR_SELECT_KERNEL=split).
+// The rows' tails in a launch of their own, a CTA per (request, KV head) row, from scores that
+// an earlier launch wrote: Quest's two-launch selection (quest_scores_kernel, a warp per
+// (request, block), then this; no fence, ticket or candidate workspace, which the one-pass kernel
+// pays per CTA) and select_lists, the top-K, M and counters of any method's scores (InfLLM-v2's)
+// in one launch. Reads only the scores, counts, P and the flags of SelectArgs.
 template <bool kWalks>
 __global__ void __launch_bounds__(kSelThreads)
-quest_select_rows_kernel(SelectArgs a) {
+select_rows_kernel(SelectArgs a) {
   pdl_begin();  // before any global-memory access (PDL)
   extern __shared__ __align__(16) uint32_t s_key[];  // [row_tail_words(NB)]
   const int hk = blockIdx.x, b = blockIdx.y;
@@ -708,11 +722,17 @@ cudaError_t launch_quest_select_split(const SelectArgs& a, cudaStream_t s) {
   q.new_loc = a.new_loc; q.new_loc64 = a.new_loc64; q.w_kmin = a.w_kmin; q.w_kmax = a.w_kmax;
   cudaError_t e = launch_quest_scores(q, s);
   if (e != cudaSuccess) return e;
+  return launch_select_lists(a, s);
+}
+
+cudaError_t launch_select_lists(const SelectArgs& a, cudaStream_t s) {
+  if (a.NB > kTopkMaxBlocks) return cudaErrorInvalidValue;
+  if (a.B == 0 || a.Hk == 0) return cudaSuccess;
   const size_t smem = (size_t)std::max(row_tail_words(a.NB), 1) * sizeof(uint32_t);
   const char* topk = getenv("SGLANG_PRR_TOPK");  // a measuring knob, read at each launch
-  auto* rows = topk && !strcmp(topk, "scan") ? quest_select_rows_kernel<false>
-                                             : quest_select_rows_kernel<true>;
-  e = set_smem_limit(rows, smem);
+  auto* rows = topk && !strcmp(topk, "scan") ? select_rows_kernel<false>
+                                             : select_rows_kernel<true>;
+  cudaError_t e = set_smem_limit(rows, smem);
   if (e != cudaSuccess) return e;
   launch_kernel(rows, dim3(a.Hk, a.B), kSelThreads, smem, s, a);
   return cudaGetLastError();

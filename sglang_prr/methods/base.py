@@ -101,22 +101,20 @@ def select_from_scores(scores: Tensor, *, nblk: Tensor, nb: int, spec: SelectSpe
                        p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None,
                        p_rows: Optional[Tensor] = None, dense_row: Optional[Tensor] = None,
                        stats: Optional[Tensor] = None) -> Selected:
-    """A = kept blocks + top-K of ``scores`` (``ops.select_topk``), ``M = A \\ P``
-    (``ops.set_difference``, which reads P through ``p_rows`` and adds the counters into
-    ``stats`` in its own launch; ``M = A`` without P, counted by ``ops.accumulate_stats``).
+    """A = kept blocks + top-K of ``scores``, ``M = A \\ P`` (``M = A`` without P) and the
+    counters added into ``stats``, in one op (``ops.select_lists``: one launch on SM90).
     ``p_rows: [B]``: P is read at those rows of pool-wide lists ``[R, Hk, Np]``;
-    ``dense_row: [B]`` bool rows select every block. The composition
-    ``reference.select_from_scores`` states on the reference alone."""
-    a_idx, a_cnt = ops.select_topk(scores, nblk, k=spec.k, sink_blocks=spec.sink_blocks,
-                                   local_blocks=spec.local_blocks, n_out=spec.n_out,
-                                   dense_row=dense_row)
+    ``dense_row: [B]`` bool rows select every block; ``nb``: the table's width, which the
+    scores' is. The composition ``reference.select_from_scores`` states on the reference
+    alone."""
+    if scores.shape[-1] != nb:
+        raise ValueError(f"select_from_scores: scores has {scores.shape[-1]} blocks a row, "
+                         f"expected the table's width nb = {nb}")
+    a_idx, a_cnt, m_idx, m_cnt = ops.select_lists(
+        scores, nblk, p_idx, p_cnt, spec.k, spec.sink_blocks, spec.local_blocks, spec.n_out,
+        p_rows, dense_row, stats)
     if p_idx is None:  # M = A: the same lists (nothing writes them after the selection)
-        if stats is not None:
-            ops.accumulate_stats(stats, a_cnt, a_cnt, None, dense_row)
-        return Selected(scores, a_idx, a_cnt, a_idx, a_cnt)
-    # P read through p_rows and the counters added by the set difference's own launch.
-    m_idx, m_cnt = ops.set_difference(a_idx, a_cnt, p_idx, p_cnt, nb, p_rows=p_rows, stats=stats,
-                                      dense_row=dense_row)
+        m_idx, m_cnt = a_idx, a_cnt
     return Selected(scores, a_idx, a_cnt, m_idx, m_cnt)
 
 

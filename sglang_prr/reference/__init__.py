@@ -37,7 +37,8 @@ from .paging import (NEG_INF, block_table, expand_heads, kept_mask, list_isin, l
                      in_pool, mask_to_list, num_blocks, repeated_entries, set_difference)
 from .predictor import holt_predict, holt_update, predict_set, predict_update, predict_update_rows
 from .quest import quest_scores, quest_select, quest_select_predict, quest_update, round_bf16
-from .selection import accumulate_stats, select_from_scores, select_topk, set_difference_counted
+from .selection import (accumulate_stats, select_from_scores, select_lists, select_topk,
+                        set_difference_counted)
 
 __all__ = [
     "attend_set", "dense_attention", "merge_partials", "merge_state", "prr_merge",
@@ -48,5 +49,6 @@ __all__ = [
     "in_pool", "mask_to_list", "num_blocks", "repeated_entries", "set_difference",
     "holt_predict", "holt_update", "predict_set", "predict_update", "predict_update_rows",
     "quest_scores", "quest_select", "quest_select_predict", "quest_update", "round_bf16",
-    "accumulate_stats", "select_from_scores", "select_topk", "set_difference_counted",
+    "accumulate_stats", "select_from_scores", "select_lists", "select_topk",
+    "set_difference_counted",
 ]

@@ -69,6 +69,17 @@ def set_difference_counted(a_idx: Tensor, a_cnt: Tensor, p_idx: Tensor, p_cnt: T
     return m_idx, m_cnt
 
 
+def select_lists(scores: Tensor, nblk: Tensor, p_idx: Optional[Tensor], p_cnt: Optional[Tensor],
+                 k: int, sink_blocks: int, local_blocks: int, n_out: int,
+                 p_rows: Optional[Tensor] = None, dense_row: Optional[Tensor] = None,
+                 stats: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``select_from_scores`` over the scores' own width (``nb = NB``) without the scores:
+    ``(a_idx, a_cnt, m_idx, m_cnt)``, the lists ``[B, Hk, n_out]`` int32 (``M = A`` without P,
+    a copy)."""
+    return select_from_scores(scores, nblk, scores.shape[-1], p_idx, p_cnt, k, sink_blocks,
+                              local_blocks, n_out, p_rows, dense_row, stats)[1:]
+
+
 def select_from_scores(scores: Tensor, nblk: Tensor, nb: int, p_idx: Optional[Tensor],
                        p_cnt: Optional[Tensor], k: int, sink_blocks: int, local_blocks: int,
                        n_out: int, p_rows: Optional[Tensor] = None,

@@ -430,6 +430,57 @@ def test_set_difference_pool_rows_and_counters(B, Hk, Na, Np, nb, rows64, with_d
         assert not torch.equal(other[0].cpu(), m_ref), "control: P's rows matter"
 
 
+@pytest.mark.parametrize("B,Hk,NB,k,sink,local,Np,with_p,with_dense", [
+    (1, 8, 2048, 32, 1, 2, 51, True, False), (3, 4, 77, 5, 1, 1, 9, True, True),
+    (17, 2, 300, 64, 0, 0, 100, False, True), (2, 1, 4100, 0, 1, 1, 3, True, False),
+    (3, 8, 9000, 700, 4, 4, 1000, True, True), (5, 3, 333, 20, 2, 2, 40, False, False)])
+def test_select_lists(B, Hk, NB, k, sink, local, Np, with_p, with_dense):
+    """``select_lists`` (one launch) == the reference's top-K, set difference and counters:
+    scores with ties, +-inf, NaN and -0; P read at pool rows, with repeats, -1, ids past the row
+    or negative, counts negative or past the width; dense rows (wider than the lists where NB
+    is); counters that already hold values. Control: a row of P that holds nothing where batch
+    0's own row covers its A gives another M."""
+    seeded(f"select_lists B={B} NB={NB} k={k} p={with_p}")
+    s = _scores_with_ties(B, Hk, NB)
+    nblk = torch.randint(0, NB + 1, (B,))
+    nblk[0] = NB
+    n_out = k + sink + local + 3
+    R = 2 * B + 3
+    p_idx = torch.randint(-3, NB + 5, (R, Hk, Np), dtype=torch.int32)
+    p_cnt = torch.randint(-2, Np + 4, (R, Hk), dtype=torch.int32)
+    rows = torch.randperm(R - 1)[:B]  # row R - 1 (the control's) is no batch row's
+    dense = None
+    if with_dense:  # the last row dense over every block (wider than the lists), the first not
+        dense = torch.rand(B) < 0.4
+        dense[0], dense[-1], nblk[-1] = False, True, NB
+    a_ref, ac_ref = ref.select_topk(s, nblk, k, sink, local, n_out, dense)
+    c = int(ac_ref[0, 0])  # > 0: batch 0 has every block, A keeps K + sink + local of them
+    p_idx[rows[0], 0] = -1
+    p_idx[rows[0], 0, :min(c, Np)] = a_ref[0, 0, :min(c, Np)]
+    p_cnt[rows[0], 0], p_cnt[R - 1, 0] = min(c, Np), 0
+    start = torch.randint(0, 1 << 40, (4,), dtype=torch.int64)
+    want = start.clone()
+    pi, pc = (p_idx, p_cnt) if with_p else (None, None)
+    r = ref.select_from_scores(s, nblk, NB, pi, pc, k, sink, local, n_out,
+                               rows if with_p else None, dense, want)
+    poison(((B, Hk, n_out), torch.int32), ((B, Hk), torch.int32))
+    stats = start.clone().to(DEV)
+    dev = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    got = torch.ops.sglang_prr_cuda.select_lists(
+        s.to(DEV), nblk.to(DEV), dev(pi), dev(pc), k, sink, local, n_out,
+        dev(rows) if with_p else None, dev(dense), stats)
+    for name, g_, w_ in zip(("a_idx", "a_cnt", "m_idx", "m_cnt"), got, r[1:]):
+        assert torch.equal(g_.cpu(), w_), name
+    assert torch.equal(stats.cpu(), want), (stats, want)
+    assert not torch.equal(want, start), "control: the counters moved"
+    if with_p:
+        other = torch.ops.sglang_prr_cuda.select_lists(
+            s.to(DEV), nblk.to(DEV), dev(pi), dev(pc), k, sink, local, n_out,
+            torch.full((B,), R - 1, device=DEV), dev(dense), None)
+        if c <= Np:  # batch 0's own row covers its A: M is empty there, not against row R - 1
+            assert int(got[3][0, 0]) == 0 and int(other[3][0, 0]) == c, "control: P's rows"
+
+
 # ----------------------------------------------------------------------------- merge
 def _partials(B, Hq, N, D, frac_pad=0.3):
     o = torch.randn(B, Hq, N, D)

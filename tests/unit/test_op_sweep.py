@@ -48,6 +48,10 @@ def _good(op: str) -> dict:
                     positions=torch.tensor([8, 6]), page_size=PAGE)
     if op == "select_topk":
         return dict(scores=rn(B, HK, NB), nblk=nblk, k=2, sink_blocks=1, local_blocks=1, n_out=4)
+    if op == "select_lists":
+        p, pc = _lists(7)
+        return dict(scores=rn(B, HK, NB), nblk=nblk, p_idx=p, p_cnt=pc, k=2, sink_blocks=1,
+                    local_blocks=1, n_out=4, stats=torch.zeros(4, dtype=torch.int64))
     if op == "set_difference":
         a, ac = _lists()
         p, pc = _lists(7)
@@ -111,6 +115,16 @@ SWEEP = {
         ("k", lambda a: dict(k=-1)),
         ("n_out", lambda a: dict(n_out=1)),
         ("nblk", lambda a: dict(nblk=a["nblk"][:2])),
+    ],
+    "select_lists": [
+        ("select_lists: k", lambda a: dict(k=-1)),
+        ("nblk", lambda a: dict(nblk=a["nblk"][:2])),
+        ("p_idx/p_cnt dtypes", lambda a: dict(p_cnt=a["p_cnt"].long())),
+        ("p_idx.shape", lambda a: dict(p_idx=a["p_idx"][:, :2], p_cnt=a["p_cnt"][:, :2])),
+        ("p_cnt", lambda a: dict(p_cnt=None)),
+        ("p rows.shape", lambda a: dict(p_rows=torch.zeros(B + 1, dtype=torch.long))),
+        ("stats", lambda a: dict(stats=torch.zeros(4, dtype=torch.int32))),
+        ("dense_row", lambda a: dict(dense_row=torch.zeros(B, dtype=torch.int32))),
     ],
     "set_difference": [
         ("nb", lambda a: dict(nb=-1)),

@@ -105,3 +105,41 @@ def test_set_difference_reads_pool_rows_and_counts(seed):
     untouched = contracts.new_stats()
     custom_ops.set_difference(a_idx, a_cnt, p_idx[rows], p_cnt[rows], NB, dense_row=dense)
     assert int(untouched.abs().sum()) == 0
+
+
+def test_select_lists_is_topk_then_set_difference_then_counters(seed):
+    """``select_lists`` (one op, one launch on SM90) == ``select_topk``, ``set_difference`` over
+    P's pool rows and ``accumulate_stats``, stated op by op: messy P (repeats, -1, ids past the
+    table, counts negative or past the width), dense rows wider than the lists (M is taken from
+    A as cut); without P, M = A and |P| counts 0. Control: P's rows matter."""
+    g = torch.Generator().manual_seed(seed)
+    B, Hk, NB, R, Np = 5, 3, 23, 9, 8
+    scores = torch.randn(B, Hk, NB, generator=g)
+    nblk = torch.randint(0, NB + 1, (B,), generator=g)
+    nblk[0] = NB
+    p_idx = torch.randint(-2, NB + 3, (R, Hk, Np), generator=g, dtype=torch.int32)
+    p_cnt = torch.randint(-2, Np + 3, (R, Hk), generator=g, dtype=torch.int32)
+    rows = torch.randperm(R, generator=g)[:B]
+    dense = torch.rand(B, generator=g) < 0.5
+    dense[0] = True  # 23 blocks against lists of 7: A is cut
+    k, sink, local, n_out = 3, 1, 1, 7
+    a_idx, a_cnt = ref.select_topk(scores, nblk, k, sink, local, n_out, dense)
+    m_idx, m_cnt = ref.set_difference(a_idx, a_cnt, p_idx[rows], p_cnt[rows], NB)
+    want, got = contracts.new_stats() + 3, contracts.new_stats() + 3
+    ref.accumulate_stats(want, a_cnt, m_cnt, p_cnt[rows], dense)
+    out = custom_ops.select_lists(scores, nblk, p_idx, p_cnt, k, sink, local, n_out, rows, dense,
+                                  got)
+    for o, w in zip(out, (a_idx, a_cnt, m_idx, m_cnt)):
+        assert torch.equal(o, w)
+    assert torch.equal(got, want) and int(a_cnt[0, 0]) == n_out
+    p_cnt[rows[0], 0] = Np + 5  # past the width: counted as given, as accumulate_stats does
+    more = contracts.new_stats()
+    custom_ops.select_lists(scores, nblk, p_idx, p_cnt, k, sink, local, n_out, rows, None, more)
+    assert int(more[2]) == int(p_cnt[rows].clamp(min=0).sum())
+    no_p = contracts.new_stats()
+    out = custom_ops.select_lists(scores, nblk, None, None, k, sink, local, n_out, None, dense,
+                                  no_p)
+    assert torch.equal(out[2], a_idx) and torch.equal(out[3], a_cnt) and int(no_p[2]) == 0
+    flipped = custom_ops.select_lists(scores, nblk, p_idx, p_cnt, k, sink, local, n_out,
+                                      rows.flip(0), dense, None)
+    assert not torch.equal(flipped[2], m_idx), "control: P's rows matter"
