@@ -597,9 +597,8 @@ SEL_SUMMARY = (("ours", "ours_select"), ("fused", "fused_select"), ("full", "our
                ("fused_full", "fused_full"), ("ref", "ref_select"), ("ref_full", "ref_full"))
 
 
-def summary(att_rows: List[dict], sel_rows: List[dict], batches=(1, 8, 32), blocks=(64, 128),
-            budgets=(2048, 8192), sel_context=131072) -> str:
-    """Short table of the headline points (µs, medians) from this run's or a CSV's rows: warm
+def summary(att_rows: List[dict], sel_rows: List[dict], sel_context=131072) -> str:
+    """Short table of every point (µs, medians) of this run's or a CSV's rows: warm
     L2, then, where the rows have them (runs since the cold columns), cold L2 with the percent
     of the copy bandwidth of the partials and of the finished attention (``ours_full``: the
     column the attention's bandwidth target is stated on), and of the selection alone and of
@@ -610,7 +609,7 @@ def summary(att_rows: List[dict], sel_rows: List[dict], batches=(1, 8, 32), bloc
     out = []
     att = {(int(float(r["batch"])), int(float(r["block"])), int(float(r["budget"]))): r
            for r in att_rows}
-    pts = [(B, c, t) for B in batches for c in blocks for t in budgets if (B, c, t) in att]
+    pts = sorted(att)  # (batch, block, budget): every point the rows hold
     sel = sorted((r for r in sel_rows if int(float(r["context"])) == sel_context),
                  key=lambda r: int(float(r["batch"])))
     for tag, what in (("", "warm L2"), ("_cold", "cold L2: flushed before every replay")):

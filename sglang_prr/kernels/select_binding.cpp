@@ -25,6 +25,42 @@ struct PredictorTensors {
   int64_t n_pred;
 };
 
+// The contiguous copies of a selection's inputs, kept until its launch.
+struct SelectionInputs {
+  Tensor p_idx, p_cnt, p_rows, dense_row;
+};
+
+// P (optional, read at pool rows `p_rows` where given), the dense rows and the counters of a
+// selection launch into `a` (both selection bindings: the same checks, the same messages).
+void selection_inputs(prr::SelectArgs& a, int64_t B, const c10::optional<Tensor>& p_idx,
+                      const c10::optional<Tensor>& p_cnt, const c10::optional<Tensor>& p_rows,
+                      const c10::optional<Tensor>& dense_row, const c10::optional<Tensor>& stats,
+                      SelectionInputs& keep, const char* op) {
+  if (p_idx.has_value()) {
+    TORCH_CHECK(p_cnt.has_value(), op, ": p_idx given without p_cnt");
+    keep.p_idx = p_idx->contiguous();
+    keep.p_cnt = p_cnt->contiguous();
+    TORCH_CHECK(keep.p_idx.scalar_type() == at::kInt && keep.p_cnt.scalar_type() == at::kInt,
+                op, ": p_idx/p_cnt must be int32");
+    a.p_idx = keep.p_idx.data_ptr<int32_t>(); a.p_cnt = keep.p_cnt.data_ptr<int32_t>();
+    a.Np = (int)keep.p_idx.size(-1);
+  }
+  a.p_rows = slots_ptr(p_rows, B, a.p_rows64, keep.p_rows, op);
+  a.p_rows_n = keep.p_idx.defined() ? keep.p_idx.size(0) : 0;  // no P: no slot is read
+  if (dense_row.has_value()) {
+    keep.dense_row = dense_row->contiguous();
+    TORCH_CHECK(keep.dense_row.scalar_type() == at::kBool && keep.dense_row.numel() == B,
+                op, ": dense_row must be bool [", B, "]");
+    a.dense_row = keep.dense_row.data_ptr<bool>();
+  }
+  if (stats.has_value()) {
+    TORCH_CHECK(stats->scalar_type() == at::kLong && stats->is_contiguous() &&
+                stats->numel() == prr::kNumStatSlots, op, ": stats must be contiguous int64 [",
+                prr::kNumStatSlots, "]");
+    a.stats = reinterpret_cast<unsigned long long*>(stats->data_ptr<int64_t>());
+  }
+}
+
 // Quest scores + top-K + M = A \ P in one launch, with the predictor's step when `pr` is set:
 // (scores, a_idx, a_cnt, m_idx, m_cnt).
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
@@ -57,29 +93,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> select_common(
   a.table = table.data_ptr(); a.table64 = index64(table, "table"); a.table_stride = table.stride(0);
   a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
   a.scores = scores.data_ptr<float>();
-  Tensor pi, pc;
-  if (p_idx_in.has_value()) {
-    TORCH_CHECK(p_cnt_in.has_value(), op, ": p_idx given without p_cnt");
-    pi = p_idx_in->contiguous(); pc = p_cnt_in->contiguous();
-    TORCH_CHECK(pi.scalar_type() == at::kInt && pc.scalar_type() == at::kInt,
-                op, ": p_idx/p_cnt must be int32");
-    a.p_idx = pi.data_ptr<int32_t>(); a.p_cnt = pc.data_ptr<int32_t>(); a.Np = (int)pi.size(-1);
-  }
-  Tensor prw, dr, rows, nbn, orows;
-  a.p_rows = slots_ptr(p_rows, B, a.p_rows64, prw, op);
-  a.p_rows_n = pi.defined() ? pi.size(0) : 0;  // no P: no slot is read
-  if (dense_row.has_value()) {
-    dr = dense_row->contiguous();
-    TORCH_CHECK(dr.scalar_type() == at::kBool && dr.numel() == B,
-                op, ": dense_row must be bool [", B, "]");
-    a.dense_row = dr.data_ptr<bool>();
-  }
-  if (stats.has_value()) {
-    TORCH_CHECK(stats->scalar_type() == at::kLong && stats->is_contiguous() &&
-                stats->numel() == prr::kNumStatSlots, op, ": stats must be contiguous int64 [",
-                prr::kNumStatSlots, "]");
-    a.stats = reinterpret_cast<unsigned long long*>(stats->data_ptr<int64_t>());
-  }
+  SelectionInputs in;
+  selection_inputs(a, B, p_idx_in, p_cnt_in, p_rows, dense_row, stats, in, op);
+  Tensor rows, nbn, orows;
   a.a_idx = a_idx.data_ptr<int32_t>(); a.a_cnt = a_cnt.data_ptr<int32_t>();
   a.m_idx = m_idx.data_ptr<int32_t>(); a.m_cnt = m_cnt.data_ptr<int32_t>();
   a.n_out = (int)n_out;
@@ -220,28 +236,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_lists(
   prr::SelectArgs a{};
   a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
   a.scores = const_cast<float*>(scores.data_ptr<float>());  // read only (the rows' tails)
-  Tensor pi, pc, prw, dr;
-  if (p_idx_in.has_value()) {
-    TORCH_CHECK(p_cnt_in.has_value(), op, ": p_idx given without p_cnt");
-    pi = p_idx_in->contiguous(); pc = p_cnt_in->contiguous();
-    TORCH_CHECK(pi.scalar_type() == at::kInt && pc.scalar_type() == at::kInt,
-                op, ": p_idx/p_cnt must be int32");
-    a.p_idx = pi.data_ptr<int32_t>(); a.p_cnt = pc.data_ptr<int32_t>(); a.Np = (int)pi.size(-1);
-  }
-  a.p_rows = slots_ptr(p_rows, B, a.p_rows64, prw, op);
-  a.p_rows_n = pi.defined() ? pi.size(0) : 0;  // no P: no slot is read
-  if (dense_row.has_value()) {
-    dr = dense_row->contiguous();
-    TORCH_CHECK(dr.scalar_type() == at::kBool && dr.numel() == B,
-                op, ": dense_row must be bool [", B, "]");
-    a.dense_row = dr.data_ptr<bool>();
-  }
-  if (stats.has_value()) {
-    TORCH_CHECK(stats->scalar_type() == at::kLong && stats->is_contiguous() &&
-                stats->numel() == prr::kNumStatSlots, op, ": stats must be contiguous int64 [",
-                prr::kNumStatSlots, "]");
-    a.stats = reinterpret_cast<unsigned long long*>(stats->data_ptr<int64_t>());
-  }
+  SelectionInputs in;
+  selection_inputs(a, B, p_idx_in, p_cnt_in, p_rows, dense_row, stats, in, op);
   a.a_idx = a_idx.data_ptr<int32_t>(); a.a_cnt = a_cnt.data_ptr<int32_t>();
   a.m_idx = m_idx.data_ptr<int32_t>(); a.m_cnt = m_cnt.data_ptr<int32_t>();
   a.n_out = (int)n_out;

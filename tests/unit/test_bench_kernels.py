@@ -423,3 +423,15 @@ def test_copy_bandwidth_counts_read_and_write(dry, monkeypatch):
 
     monkeypatch.setattr(dry.common, "time_eager", one_ms_per_copy)
     assert dry.copy_bandwidth(1 << 20, reps=2) == pytest.approx(2 * (1 << 20) / 1e-3 / 1e9)
+
+
+def test_summary_prints_every_point_of_the_run(bench):
+    """Every (batch, block, budget) of the rows gets its line, 16-token pages and any budget
+    included (the table once kept only blocks 64 / 128 and budgets 2048 / 8192, so a run over
+    16-token pages printed none of its rows); control: a point the rows lack prints nothing."""
+    att = [{"batch": b, "block": c, "budget": t, "ours_partials_us": 1.0 + b + c + t,
+            "ours_full_us": 2.0} for b, c, t in ((1, 16, 2048), (8, 16, 1024), (32, 64, 4096))]
+    lines = bench.summary(att, []).splitlines()
+    keys = [tuple(ln.split()[:3]) for ln in lines]
+    assert ("1", "16", "2048") in keys and ("8", "16", "1024") in keys
+    assert ("32", "64", "4096") in keys and ("8", "64", "2048") not in keys
