@@ -235,7 +235,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_lists(
   auto m_cnt = at::empty({B, Hk}, scores.options().dtype(at::kInt));
   prr::SelectArgs a{};
   a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
-  a.scores = const_cast<float*>(scores.data_ptr<float>());  // read only (the rows' tails)
+  a.scores = scores.data_ptr<float>();  // read only (the rows' tails)
   SelectionInputs in;
   selection_inputs(a, B, p_idx_in, p_cnt_in, p_rows, dense_row, stats, in, op);
   a.a_idx = a_idx.data_ptr<int32_t>(); a.a_cnt = a_cnt.data_ptr<int32_t>();

@@ -468,14 +468,13 @@ __device__ void select_row_tail(const SelectArgs& a, int b, int hk, int nb, uint
     // M is taken from A as written: where A was cut at the list's width (a dense row with more
     // blocks than n_out), only ids up to A's last entry (a uniform branch, rare: a second count).
     int a_last = INT_MAX;
+    const auto in_m = [&](int i) { return i <= a_last && not_p(i); };
     if (wk.total > a.n_out) {
       __syncthreads();  // A's entries are written
       a_last = a.n_out > 0 ? a_out[a.n_out - 1] : -1;
       mc = topk_walk<kSelThreads>(s_key, nb, nb, cut, keep_lo, keep_hi, wk.eq_before, 0, a_out,
-                                  0, [](int) { return false; },
-                                  [&](int i) { return i <= a_last && not_p(i); });
+                                  0, [](int) { return false; }, in_m);
     }
-    const auto in_m = [&](int i) { return i <= a_last && not_p(i); };
     if (lane == 0) s_m[warp] = mc;
     __syncthreads();
     int m_total;

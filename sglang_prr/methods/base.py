@@ -110,12 +110,9 @@ def select_from_scores(scores: Tensor, *, nblk: Tensor, nb: int, spec: SelectSpe
     if scores.shape[-1] != nb:
         raise ValueError(f"select_from_scores: scores has {scores.shape[-1]} blocks a row, "
                          f"expected the table's width nb = {nb}")
-    a_idx, a_cnt, m_idx, m_cnt = ops.select_lists(
-        scores, nblk, p_idx, p_cnt, spec.k, spec.sink_blocks, spec.local_blocks, spec.n_out,
-        p_rows, dense_row, stats)
-    if p_idx is None:  # M = A: the same lists (nothing writes them after the selection)
-        m_idx, m_cnt = a_idx, a_cnt
-    return Selected(scores, a_idx, a_cnt, m_idx, m_cnt)
+    lists = ops.select_lists(scores, nblk, p_idx, p_cnt, spec.k, spec.sink_blocks,
+                             spec.local_blocks, spec.n_out, p_rows, dense_row, stats)
+    return Selected(scores, *lists)
 
 
 class DSAMethod:
