@@ -32,8 +32,10 @@ token; the next decode step, of length s + 1, reads the half this one writes), s
 races the speculative pass or the merge, which read P(t), and the parity costs no state and no
 launch. The main stream's wait for the selection is the only join. The selection is the DSA
 method's (``methods/``, picked once by name): Quest's is that one launch (``fuses_predictor``);
-InfLLM-v2's composes its scores, top-K and set difference, and the predictor's step follows on
-the side stream (joined once per forward, after the last sparse layer: ``run(..., join=True)``).
+InfLLM-v2's composes its scores, then its top-K, M and counters in one launch
+(``select_lists``), and the predictor's step follows on the side stream (joined once per forward,
+after the last sparse layer: ``run(..., join=True)``) after the repair (``predicts_after_repair``:
+beside the repair, it slowed a merge-alone repair twofold).
 
 The repair's merge visits the partials of A in ascending block id whichever pass computed
 them, so PRR (exact) gives serial DSA's output bits.
@@ -66,6 +68,7 @@ ENV_FOLD_NEW_KEYS = "SGLANG_PRR_FOLD_NEW_KEYS"
 ENV_SUMMARY_UPDATE = "SGLANG_PRR_SUMMARY_UPDATE"
 ENV_SPEC_ORDER = "SGLANG_PRR_SPEC_ORDER"
 ENV_KV_STORE = "SGLANG_PRR_KV_STORE"
+ENV_PREDICT_ORDER = "SGLANG_PRR_PREDICT_ORDER"
 
 
 def _env_choice(name: str, default: str, other: str) -> str:
@@ -75,6 +78,20 @@ def _env_choice(name: str, default: str, other: str) -> str:
     if value not in (default, other):
         raise ValueError(f"{name}={value!r}: expected {default!r} or {other!r}")
     return value
+
+
+def predicts_after_repair(method: str) -> bool:
+    """Whether PRR's predictor step, where it is a launch of its own (not the selection's
+    epilogue), goes on the side stream after the repair rather than right after the selection,
+    beside the repair: ``SGLANG_PRR_PREDICT_ORDER=repair|selection`` (a measuring knob), else the
+    method's measured placement. A method whose selection fuses the predictor (Quest) keeps it
+    beside the repair: after it, it ran beside the next layer's GEMMs and the ITL rose 1.7%
+    (128K / 1, run 53). A composed method (InfLLM-v2) puts it after: beside it, the repair's
+    merge took 18.8 us instead of 9.5 and the ITL was 3.7% higher (run 53)."""
+    order = os.environ.get(ENV_PREDICT_ORDER)
+    if order not in (None, "selection", "repair"):
+        raise ValueError(f"{ENV_PREDICT_ORDER}={order!r}: expected 'selection' or 'repair'")
+    return order == "repair" if order else not methods.get(method).fuses_predictor
 
 
 def p_rows(rows: Tensor, seq_lens: Union[Tensor, int]) -> Tensor:
@@ -174,6 +191,11 @@ class DecodeStep:
         # stream after the fork, before the speculative pass (default: first, before the step;
         # a measuring knob).
         self.store_beside = _env_choice(ENV_KV_STORE, "first", "beside") == "beside"
+        # The predictor's own launch (where it is not in the selection's epilogue) on the side
+        # stream right after the selection, beside the repair, or after the repair, beside the
+        # layer's next kernels (predicts_after_repair). P(t+1) is read at the next step only,
+        # and the forward's join waits for it either way.
+        self.predict_late = predicts_after_repair(method)
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
@@ -304,7 +326,7 @@ class DecodeStep:
                     self._keep(new_keys)
                 a = select()
                 self.selected.record(self.side)
-                if not fused:
+                if not fused and not self.predict_late:
                     predict(a.scores)
                 if side_update:  # after the selection: the repair does not wait for it
                     update()
@@ -324,6 +346,8 @@ class DecodeStep:
                                      lse_spec=lse_s, p_idx=st.p_idx, p_cnt=st.p_cnt,
                                      a_idx=a.a_idx, a_cnt=a.a_cnt, nb=b.table.shape[1],
                                      exact=self.exact, p_rows=b.p_cur, **attn)
+        if self.cuda and not fused and self.predict_late:  # beside the layer's next kernels
+            self._beside(lambda: predict(a.scores), (), self.side_done)
         if self.cuda and join and (side_update or not fused):
             main.wait_event(self.side_done)
         return o

@@ -129,18 +129,32 @@ def test_update_scores_and_selection_kernels_equal_the_reference(name, B, group,
     assert not torch.equal(sel.a_idx.cpu(), a_bad), "control: K + 1 selects more"
 
 
-@pytest.mark.parametrize("name", KERNEL_METHODS)
-def test_decode_step_graph_replay_gives_serial_dsa_bits(name):
-    g = torch.Generator().manual_seed(seeded(f"{name} step"))
+# Where PRR's predictor step runs: the selection's epilogue (a method that has it), its own launch
+# right after the selection (beside the repair), or after the repair (SGLANG_PRR_PREDICT_ORDER).
+PLACES = [(n, p) for n in KERNEL_METHODS for p in ("epilogue", "selection", "repair")
+          if p != "epilogue" or methods.get(n).fuses_predictor]
+
+
+@pytest.mark.parametrize("name,place", PLACES)
+def test_decode_step_graph_replay_gives_serial_dsa_bits(name, place):
+    """PRR's step in a CUDA graph, replayed at a growing length, gives serial DSA's output bits
+    and counts the P(t) of the length's parity, wherever its predictor runs (``place``); after
+    the repair, the state and the output equal those of the predictor's launch right after the
+    selection, bit for bit, replay for replay."""
+    g = torch.Generator().manual_seed(seeded(f"{name} step {place}"))
     m, B, hk, group, d, page = methods.get(name), 3, 2, 4, 128, 64
     lens = [random.randint(20 * page, 40 * page) for _ in range(B)]
     r2t, rows, k_buf, v_buf = _pool(B, hk, d, page, lens, torch.bfloat16, g)
     summary = _summaries(m, r2t, rows, k_buf, lens, page, DEV)  # the kernels' summaries
     r2t, rows, k_buf, v_buf = r2t.to(DEV), rows.to(DEV), k_buf.to(DEV), v_buf.to(DEV)
     R, nb = B + 1, -(-r2t.shape[1] // page)
-    prr, serial = (DecodeStep(name, K, N_PRED, SINK, LOCAL, page, 0, exact=True, serial=s,
-                              device=DEV) for s in (False, True))
+    prr, serial, twin = (DecodeStep(name, K, N_PRED, SINK, LOCAL, page, 0, exact=True,
+                                    serial=s, device=DEV, fuse_predictor=f)
+                         for s, f in ((False, place == "epilogue"), (True, True),
+                                      (False, False)))
+    prr.predict_late, twin.predict_late = place == "repair", False
     state = new_layer_state(R, hk, nb, N_PRED + SINK + LOCAL, (0.6, 0.3, 0.5), DEV)
+    twin_state = type(state)(*(x.clone() for x in state))
     q = torch.empty(B, hk * group, d, device=DEV, dtype=torch.bfloat16)
     seq = torch.tensor(lens, device=DEV) + 1
     out = torch.empty_like(q)
@@ -151,8 +165,15 @@ def test_decode_step_graph_replay_gives_serial_dsa_bits(name):
         b = prr.plan(r2t, rows, seq)
         out.copy_(prr.run(q, k_buf, v_buf, summary, b, state, stats, sm, q.dtype))
 
+    twin_out = torch.empty_like(q)
+
+    def twin_body():  # the predictor's own launch right after the selection
+        b = twin.plan(r2t, rows, seq)
+        twin_out.copy_(twin.run(q, k_buf, v_buf, summary, b, twin_state, None, sm, q.dtype))
+
     q.copy_((torch.randn(q.shape, generator=g) * 3).to(DEV))
     graph = capture(body)
+    twin_graph = capture(twin_body) if place == "repair" else None
     stats.zero_()
     for t in range(4):
         # One more token a step (the pool has room for a page more): P(t) is then the half of
@@ -164,7 +185,13 @@ def test_decode_step_graph_replay_gives_serial_dsa_bits(name):
         pairs = state.p_cnt.view(R, 2, hk)[rows].clone()  # both halves of each request's pair
         before = stats.clone()
         graph.replay()
+        if twin_graph is not None:
+            twin_graph.replay()
         torch.cuda.synchronize()
+        if twin_graph is not None:
+            assert torch.equal(out, twin_out), t
+            for x, y in zip(state, twin_state):
+                assert torch.equal(x, y), t
         # The counters count the P(t) of the length's parity: the step's own P(t + 1), in the
         # other half, is read by the next step only. From the second step on, P(t) is non-empty.
         why = (t, (seq % 2).tolist(), pairs.tolist(), state.p_cnt.view(R, 2, hk)[rows].tolist())

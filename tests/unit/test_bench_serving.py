@@ -98,7 +98,8 @@ def test_server_commands(bench, tmp_path, capsys):
     assert pred[cmds.index(sm_d)] is None and pred[cmds.index(sm_s)] is None
 
 
-def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, capsys):
+def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, capsys,
+                                                             monkeypatch):
     bench.main(["--dry-run", "--workdir", str(tmp_path), "--predictor", "side", "--only",
                 "grid", "infllm"])
     cmds = [ln.split() for ln in capsys.readouterr().out.splitlines() if "launch_server" in ln]
@@ -109,6 +110,17 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     assert [g[2] for g in got] == [None, None, "side", "side", None, "side"], got
     _, a = bench.parse_args(["--predictor", "side"])
     assert bench._label(bench.Server("prr", "quest", "m"), a) == "PRR (exact), side predictor"
+    monkeypatch.setenv("SGLANG_PRR_PREDICT_ORDER", "repair")  # its own launch after the repair
+    assert bench._predictor(bench.Server("prr", "quest", "m"), a) == "side-late"
+    assert bench._label(bench.Server("prr", "quest", "m"), a) == \
+        "PRR (exact), side predictor after the repair"
+    assert bench._predictor(bench.Server("serial", "quest", "m"), a) == ""
+    monkeypatch.delenv("SGLANG_PRR_PREDICT_ORDER")
+    # InfLLM-v2's own launch follows the repair unless the knob says otherwise
+    assert bench._predictor(bench.Server("prr", "infllm_v2", "m"), a) == "side-late"
+    monkeypatch.setenv("SGLANG_PRR_PREDICT_ORDER", "selection")
+    assert bench._predictor(bench.Server("prr", "infllm_v2", "m"), a) == "side"
+    monkeypatch.delenv("SGLANG_PRR_PREDICT_ORDER")
     assert bench._label(bench.Server("serial", "quest", "m"), a) == "serial DSA"
     # --predictor fused names it to the same servers; their rows' predictor column is empty
     bench.main(["--dry-run", "--workdir", str(tmp_path), "--predictor", "fused", "--only",
