@@ -5,7 +5,6 @@ fallback of the graph timer; the CSV writer that appends a run's rows."""
 from __future__ import annotations
 
 import csv
-import importlib.util
 import random
 import sys
 import time
@@ -14,16 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 
+import bench_module
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
 def common():
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location("common", ROOT / "benchmarks" / "common.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module.load("common")
 
 
 def test_flush_is_outside_the_timing(common):

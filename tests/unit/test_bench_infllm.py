@@ -3,23 +3,18 @@ timer): the rows carry the warm and the cold-L2 timings, each from its own measu
 
 from __future__ import annotations
 
-import importlib.util
 import types
-from pathlib import Path
 
 import pytest
 
 from sglang_prr import reference as ref
 
-ROOT = Path(__file__).resolve().parents[2]
+import bench_module
 
 
 @pytest.fixture
 def dry(monkeypatch):
-    spec = importlib.util.spec_from_file_location("bench_infllm",
-                                                  ROOT / "benchmarks" / "bench_infllm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = bench_module.load("bench_infllm")
     timed = []
 
     def fake_warm_cold(calls, reps, warmup=1, device="cuda"):

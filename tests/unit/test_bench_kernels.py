@@ -1,25 +1,19 @@
 """CPU checks of benchmarks/bench_kernels.py: the block lists FlashInfer gets (decode and
 block-sparse) select our tokens, and the CLI / CSV / plot / summary paths run without a GPU."""
 
-import importlib.util
 import math
-import os
 
 import pytest
 import torch
 
 from sglang_prr import reference as ref
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_kernels", os.path.join(ROOT, "benchmarks", "bench_kernels.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module.load("bench_kernels")
 
 
 def _lists(gen, B, Hk, nbr, n, pad):

@@ -3,8 +3,6 @@ P(t) planted at the real traces' hit rate (the step's own counters see exactly t
 misses), the 0.7 row beside it, the real traces' |M| sequences replayed, and the old drifting
 predictor; plus the planting itself, with its negative control."""
 
-import importlib.util
-import os
 
 import pytest
 import torch
@@ -12,16 +10,12 @@ import torch
 from sglang_prr import reference as ref
 from sglang_prr.tools import trace_replay, traces
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_module
 
 
 @pytest.fixture(scope="module")
 def mod():
-    spec = importlib.util.spec_from_file_location(
-        "bench_layer", os.path.join(ROOT, "benchmarks", "bench_layer.py"))
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
+    return bench_module.load("bench_layer")
 
 
 def _by(rows):

@@ -4,21 +4,15 @@ GPU (the timing itself needs two CUDA streams and runs on the GPU machine)."""
 from __future__ import annotations
 
 import csv
-import importlib.util
-import os
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PATH = os.path.join(HERE, "..", "..", "benchmarks", "bench_overlap.py")
+import bench_module
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_overlap", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module.load("bench_overlap")
 
 
 def test_plot_only_draws_the_csv(tmp_path):

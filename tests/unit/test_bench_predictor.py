@@ -3,7 +3,6 @@ calibrated predictor beats reuse-previous on a structured family and not on pure
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import numpy as np
@@ -13,22 +12,17 @@ import torch
 from sglang_prr.tools import trace_families as F
 from sglang_prr.tools import traces as T
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_module
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_predictor", os.path.join(ROOT, "benchmarks", "bench_predictor.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = bench_module.load("bench_predictor")
     return mod
 
 
 @pytest.fixture(scope="module")
 def bp():
     return _bench()
-
-
 
 
 # 24 calibration steps + 40 measured, 4 KV heads, 201 blocks (K = 16 of them: the bench's K / NB).
@@ -109,10 +103,7 @@ def test_main_writes_table_csv_and_plot_and_reads_a_trace(bp, tmp_path, seed):
 
 
 def test_calibration_bench_runs_and_its_batched_form_matches_the_reference(tmp_path, seed):
-    spec = importlib.util.spec_from_file_location(
-        "bench_calibration", os.path.join(ROOT, "benchmarks", "bench_calibration.py"))
-    bc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bc)
+    bc = bench_module.load("bench_calibration")
     from sglang_prr import reference as ref
     g = torch.Generator().manual_seed(seed)
     R, Phi, Hk, nb = 3, 9, 2, 37

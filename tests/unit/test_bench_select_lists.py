@@ -4,21 +4,15 @@ the two forms compared first (a broken M fails the point)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+import bench_module
 
 
 @pytest.fixture
 def mod():
-    spec = importlib.util.spec_from_file_location("bench_select_lists",
-                                                  ROOT / "benchmarks" / "bench_select_lists.py")
-    m = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(m)
-    return m
+    return bench_module.load("bench_select_lists")
 
 
 def test_a_point_times_every_form_and_checks_the_lists(mod, monkeypatch):

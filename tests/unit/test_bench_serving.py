@@ -7,24 +7,16 @@ decodes a steady batch (every step bs = B) and, as the check's negative control,
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
+import bench_module
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location(
-        "bench_serving", ROOT / "benchmarks" / "bench_serving.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = mod  # its dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module.load("bench_serving", register=True)
 
 
 def _plan(bench, *argv):

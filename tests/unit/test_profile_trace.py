@@ -5,21 +5,15 @@ or torch needed; benchmarks/bench_serving.py has its own tests in test_bench_ser
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
-import os
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-PATH = os.path.join(HERE, "..", "..", "benchmarks", "profile_trace.py")
+import bench_module
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("profile_trace", PATH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module.load("profile_trace")
 
 
 def _kernel(name, dur, ts, cat="kernel"):

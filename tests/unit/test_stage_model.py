@@ -4,23 +4,17 @@ missing or damaged part named, and ``unpack`` handing the rebuilt file to
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+import bench_module
 
 
 @pytest.fixture(scope="module")
 def stage():
-    spec = importlib.util.spec_from_file_location("stage_model",
-                                                  ROOT / "benchmarks" / "stage_model.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return bench_module.load("stage_model")
 
 
 @pytest.fixture
