@@ -149,7 +149,7 @@ import profile_trace  # noqa: E402
 from knobs import attn_launch, selection_forms  # noqa: E402
 
 from sglang_prr.serving import harness  # noqa: E402  (start, readiness, stop, log)
-from sglang_prr.step import predicts_after_repair  # noqa: E402
+from sglang_prr.step import predictor_placement  # noqa: E402
 
 # Llama-3-8B: 32 layers, 32 query / 8 KV heads of 128, hidden 4096, MLP 14336.
 LLAMA3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -721,11 +721,13 @@ def _predictor(srv: Server, a) -> str:
     (``--predictor side``, the default: ``--prr-predictor side`` for the variants that
     speculate), ``side-late`` when that launch goes after the repair (InfLLM-v2's placement,
     or any method's with ``SGLANG_PRR_PREDICT_ORDER=repair``, which the servers inherit:
-    ``step.predicts_after_repair``), else ``""`` (fused in the selection's epilogue, or a server
-    that does not speculate)."""
+    ``step.predictor_placement``), ``side-next`` when it goes at the next layer's fork
+    (``SGLANG_PRR_PREDICT_ORDER=next``), else ``""`` (fused in the selection's epilogue, or a
+    server that does not speculate)."""
     if getattr(a, "predictor", "side") != "side" or srv.variant not in ("prr", "auto"):
         return ""
-    return "side-late" if predicts_after_repair(srv.method) else "side"
+    return {"repair": "side-late", "next": "side-next"}.get(predictor_placement(srv.method),
+                                                            "side")
 
 
 def _library(srv: Server) -> str:
@@ -747,15 +749,17 @@ def _tree_hash() -> str:
     return build.source_hash()
 
 
+PREDICTOR_LABELS = {"side": "side predictor", "side-late": "side predictor after the repair",
+                    "side-next": "side predictor at the next layer's fork"}
+
+
 def _label(srv: Server, a) -> str:
     base = LABELS[srv.variant] if a.device == "cuda" or srv.variant != "dense" else \
         "dense (torch_native)"
     extra = [x for x in ("InfLLM-v2" if srv.method == "infllm_v2" else "",
                          "SmolLM2" if srv.model == SMOLLM2 else "",
                          _launch().replace("pdl", "PDL") if srv.variant != "dense" else "",
-                         {"side": "side predictor",
-                          "side-late": "side predictor after the repair"}.get(_predictor(srv, a),
-                                                                             ""),
+                         PREDICTOR_LABELS.get(_predictor(srv, a), ""),
                          f"library {_library(srv)[:8]}" if _library(srv) else "") if x]
     return base + (f", {', '.join(extra)}" if extra else "")
 

@@ -34,8 +34,10 @@ launch. The main stream's wait for the selection is the only join. The selection
 method's (``methods/``, picked once by name): Quest's is that one launch (``fuses_predictor``);
 InfLLM-v2's composes its scores, then its top-K, M and counters in one launch
 (``select_lists``), and the predictor's step follows on the side stream (joined once per forward,
-after the last sparse layer: ``run(..., join=True)``) after the repair (``predicts_after_repair``:
-beside the repair, it slowed a merge-alone repair twofold).
+after the last sparse layer: ``run(..., join=True)``) after the repair (``predictor_placement``:
+beside the repair, it slowed a merge-alone repair twofold), or, with
+``SGLANG_PRR_PREDICT_ORDER=next``, on the main stream at the next sparse layer's fork, before its
+speculative pass: beside that layer's selection rather than beside its GEMMs.
 
 The repair's merge visits the partials of A in ascending block id whichever pass computed
 them, so PRR (exact) gives serial DSA's output bits.
@@ -80,18 +82,26 @@ def _env_choice(name: str, default: str, other: str) -> str:
     return value
 
 
-def predicts_after_repair(method: str) -> bool:
-    """Whether PRR's predictor step, where it is a launch of its own (not the selection's
-    epilogue), goes on the side stream after the repair rather than right after the selection,
-    beside the repair: ``SGLANG_PRR_PREDICT_ORDER=repair|selection`` (a measuring knob), else the
-    method's measured placement. A method whose selection fuses the predictor (Quest) keeps it
-    beside the repair: after it, it ran beside the next layer's GEMMs and the ITL rose 1.7%
-    (128K / 1, run 53). A composed method (InfLLM-v2) puts it after: beside it, the repair's
-    merge took 18.8 us instead of 9.5 and the ITL was 3.7% higher (run 53)."""
+PREDICT_PLACES = ("selection", "repair", "next")
+
+
+def predictor_placement(method: str) -> str:
+    """Where PRR's predictor step goes where it is a launch of its own (not the selection's
+    epilogue): ``selection``, on the side stream right after the selection, beside the repair;
+    ``repair``, on the side stream after the repair, beside the layer's next kernels; ``next``,
+    on the main stream at the next sparse layer's fork, before that layer's speculative pass and
+    beside its selection (the forward's last sparse layer, which joins, after its repair).
+    ``SGLANG_PRR_PREDICT_ORDER`` forces one (a measuring knob), else the method's measured
+    placement. A method whose selection fuses the predictor (Quest) keeps it beside the repair:
+    after it, it ran beside the next layer's GEMMs and the ITL rose 1.7% (128K / 1, run 53). A
+    composed method (InfLLM-v2) puts it after: beside it, the repair's merge took 18.8 us instead
+    of 9.5 and the ITL was 3.7% higher (run 53)."""
     order = os.environ.get(ENV_PREDICT_ORDER)
-    if order not in (None, "selection", "repair"):
-        raise ValueError(f"{ENV_PREDICT_ORDER}={order!r}: expected 'selection' or 'repair'")
-    return order == "repair" if order else not methods.get(method).fuses_predictor
+    if order is not None and order not in PREDICT_PLACES:
+        raise ValueError(f"{ENV_PREDICT_ORDER}={order!r}: expected one of {PREDICT_PLACES}")
+    if order:
+        return order
+    return "selection" if methods.get(method).fuses_predictor else "repair"
 
 
 def p_rows(rows: Tensor, seq_lens: Union[Tensor, int]) -> Tensor:
@@ -192,10 +202,13 @@ class DecodeStep:
         # a measuring knob).
         self.store_beside = _env_choice(ENV_KV_STORE, "first", "beside") == "beside"
         # The predictor's own launch (where it is not in the selection's epilogue) on the side
-        # stream right after the selection, beside the repair, or after the repair, beside the
-        # layer's next kernels (predicts_after_repair). P(t+1) is read at the next step only,
-        # and the forward's join waits for it either way.
-        self.predict_late = predicts_after_repair(method)
+        # stream right after the selection, beside the repair, after the repair, beside the
+        # layer's next kernels, or at the next sparse layer's fork (predictor_placement). P(t+1)
+        # is read at the next step only, and the forward's join waits for it in every placement.
+        self.predict_at = predictor_placement(method)
+        # A layer's predictor step deferred to the next sparse layer's fork (``next``): set by
+        # ``run``, launched by the next ``run``, dropped by ``plan`` (a forward's own).
+        self._deferred: Optional[Callable[[], None]] = None
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         if self.cuda:
@@ -216,6 +229,7 @@ class DecodeStep:
         sits a forward out, or decodes one without speculation, only reads an older P (hit rate,
         never exactness)."""
         p = self.page
+        self._deferred = None  # never carried from one forward into another
         n_pred = 0 if self.serial else self.n_pred
         if n_pred and self.budget is not None:
             n_pred = int(self.budget(int(seq_lens.shape[0])))
@@ -318,6 +332,11 @@ class DecodeStep:
             self.forked.record(main)  # the selection waits for this point, not for the pass
             if beside:  # the pass and the repair read the new tokens' K/V, the selection not
                 store()
+            # The previous sparse layer's predictor step (``next``): beside this selection,
+            # ahead of this pass, which then overlaps less of the selection's scores.
+            deferred, self._deferred = self._deferred, None
+            if deferred is not None:
+                deferred()
             if self.spec_first:
                 spec = speculate()
             with torch.cuda.stream(self.side):
@@ -326,7 +345,7 @@ class DecodeStep:
                     self._keep(new_keys)
                 a = select()
                 self.selected.record(self.side)
-                if not fused and not self.predict_late:
+                if not fused and self.predict_at == "selection":
                     predict(a.scores)
                 if side_update:  # after the selection: the repair does not wait for it
                     update()
@@ -346,8 +365,12 @@ class DecodeStep:
                                      lse_spec=lse_s, p_idx=st.p_idx, p_cnt=st.p_cnt,
                                      a_idx=a.a_idx, a_cnt=a.a_cnt, nb=b.table.shape[1],
                                      exact=self.exact, p_rows=b.p_cur, **attn)
-        if self.cuda and not fused and self.predict_late:  # beside the layer's next kernels
-            self._beside(lambda: predict(a.scores), (), self.side_done)
+        if self.cuda and not fused and self.predict_at != "selection":
+            if self.predict_at == "next" and not join:  # at the next sparse layer's fork
+                a.scores.record_stream(main)
+                self._deferred = lambda: predict(a.scores)
+            else:  # beside the layer's next kernels
+                self._beside(lambda: predict(a.scores), (), self.side_done)
         if self.cuda and join and (side_update or not fused):
             main.wait_event(self.side_done)
         return o

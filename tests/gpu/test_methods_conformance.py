@@ -130,17 +130,21 @@ def test_update_scores_and_selection_kernels_equal_the_reference(name, B, group,
 
 
 # Where PRR's predictor step runs: the selection's epilogue (a method that has it), its own launch
-# right after the selection (beside the repair), or after the repair (SGLANG_PRR_PREDICT_ORDER).
-PLACES = [(n, p) for n in KERNEL_METHODS for p in ("epilogue", "selection", "repair")
+# right after the selection (beside the repair), after the repair, or at the next sparse layer's
+# fork (SGLANG_PRR_PREDICT_ORDER).
+PLACES = [(n, p) for n in KERNEL_METHODS for p in ("epilogue", "selection", "repair", "next")
           if p != "epilogue" or methods.get(n).fuses_predictor]
+LAYERS = 2  # a forward of two sparse layers: the first's step may wait for the second's fork
 
 
 @pytest.mark.parametrize("name,place", PLACES)
 def test_decode_step_graph_replay_gives_serial_dsa_bits(name, place):
-    """PRR's step in a CUDA graph, replayed at a growing length, gives serial DSA's output bits
-    and counts the P(t) of the length's parity, wherever its predictor runs (``place``); after
-    the repair, the state and the output equal those of the predictor's launch right after the
-    selection, bit for bit, replay for replay."""
+    """PRR's step in a CUDA graph of a two-layer forward, replayed at a growing length, gives
+    serial DSA's output bits in every layer and counts the P(t) of the length's parity, wherever
+    its predictor runs (``place``); after the repair or at the next layer's fork, the states and
+    the outputs equal those of the predictor's launch right after the selection, bit for bit,
+    replay for replay (a predictor step never launched, or launched over another layer's scores,
+    leaves a state that differs)."""
     g = torch.Generator().manual_seed(seeded(f"{name} step {place}"))
     m, B, hk, group, d, page = methods.get(name), 3, 2, 4, 128, 64
     lens = [random.randint(20 * page, 40 * page) for _ in range(B)]
@@ -152,60 +156,71 @@ def test_decode_step_graph_replay_gives_serial_dsa_bits(name, place):
                                     serial=s, device=DEV, fuse_predictor=f)
                          for s, f in ((False, place == "epilogue"), (True, True),
                                       (False, False)))
-    prr.predict_late, twin.predict_late = place == "repair", False
-    state = new_layer_state(R, hk, nb, N_PRED + SINK + LOCAL, (0.6, 0.3, 0.5), DEV)
-    twin_state = type(state)(*(x.clone() for x in state))
-    q = torch.empty(B, hk * group, d, device=DEV, dtype=torch.bfloat16)
+    prr.predict_at = "selection" if place == "epilogue" else place
+    twin.predict_at = "selection"
+    states = [new_layer_state(R, hk, nb, N_PRED + SINK + LOCAL, (0.6, 0.3, 0.5), DEV)
+              for _ in range(LAYERS)]
+    twin_states = [type(st)(*(x.clone() for x in st)) for st in states]
+    qs = [torch.empty(B, hk * group, d, device=DEV, dtype=torch.bfloat16) for _ in range(LAYERS)]
     seq = torch.tensor(lens, device=DEV) + 1
-    out = torch.empty_like(q)
+    outs = [torch.empty_like(q) for q in qs]
+    twin_outs = [torch.empty_like(q) for q in qs]
     stats = contracts.new_stats(DEV)
     sm = 1.0 / math.sqrt(d)
 
-    def body():
-        b = prr.plan(r2t, rows, seq)
-        out.copy_(prr.run(q, k_buf, v_buf, summary, b, state, stats, sm, q.dtype))
+    def forward(step, sts, os, counters):
+        b = step.plan(r2t, rows, seq)
+        for i in range(LAYERS):
+            os[i].copy_(step.run(qs[i], k_buf, v_buf, summary, b, sts[i], counters, sm,
+                                 qs[i].dtype, join=i == LAYERS - 1))
 
-    twin_out = torch.empty_like(q)
+    def new_queries():
+        for q in qs:
+            q.copy_((torch.randn(q.shape, generator=g) * 3).to(DEV))
 
-    def twin_body():  # the predictor's own launch right after the selection
-        b = twin.plan(r2t, rows, seq)
-        twin_out.copy_(twin.run(q, k_buf, v_buf, summary, b, twin_state, None, sm, q.dtype))
-
-    q.copy_((torch.randn(q.shape, generator=g) * 3).to(DEV))
-    graph = capture(body)
-    twin_graph = capture(twin_body) if place == "repair" else None
+    new_queries()
+    graph = capture(lambda: forward(prr, states, outs, stats))
+    twinned = place in ("repair", "next")  # the twin: the launch right after the selection
+    twin_graph = capture(lambda: forward(twin, twin_states, twin_outs, None)) if twinned else None
     stats.zero_()
     for t in range(4):
         # One more token a step (the pool has room for a page more): P(t) is then the half of
         # P's pair the previous step wrote (the length's parity), as in the server.
         seq.copy_(torch.tensor(lens, device=DEV) + 1 + t)
-        q.copy_((torch.randn(q.shape, generator=g) * 3).to(DEV))
-        out.fill_(float("nan"))
-        read = state.p_cnt[p_rows_of(rows, seq)].clamp(min=0).sum()  # |P(t)| the step must read
-        pairs = state.p_cnt.view(R, 2, hk)[rows].clone()  # both halves of each request's pair
+        new_queries()
+        for o in outs:
+            o.fill_(float("nan"))
+        read = sum(st.p_cnt[p_rows_of(rows, seq)].clamp(min=0).sum() for st in states)
+        pairs = [st.p_cnt.view(R, 2, hk)[rows].clone() for st in states]  # both halves
         before = stats.clone()
         graph.replay()
         if twin_graph is not None:
             twin_graph.replay()
         torch.cuda.synchronize()
         if twin_graph is not None:
-            assert torch.equal(out, twin_out), t
-            for x, y in zip(state, twin_state):
-                assert torch.equal(x, y), t
+            for o, to in zip(outs, twin_outs):
+                assert torch.equal(o, to), t
+            for st, ts in zip(states, twin_states):
+                for x, y in zip(st, ts):
+                    assert torch.equal(x, y), t
         # The counters count the P(t) of the length's parity: the step's own P(t + 1), in the
         # other half, is read by the next step only. From the second step on, P(t) is non-empty.
-        why = (t, (seq % 2).tolist(), pairs.tolist(), state.p_cnt.view(R, 2, hk)[rows].tolist())
+        why = (t, (seq % 2).tolist(), [p.tolist() for p in pairs])
         assert int(stats[2] - before[2]) == int(read), why  # host-ok: test readout
         assert t == 0 or int(read) > 0, why  # host-ok: the previous step wrote P(t)
         bs = serial.plan(r2t, rows, seq)
-        want = serial.run(q, k_buf, v_buf, summary, bs, None, None, sm, q.dtype)
-        assert torch.equal(out, want), t  # the same per-block partials, merged in one order
-        a = m.select(q, summary, table=bs.table, seq_lens=seq, spec=serial.spec, sm_scale=sm,
-                     nblk=bs.nblk)
-        own = ref.attend_set(q.float().cpu(), k_buf.cpu(), v_buf.cpu(), bs.table.cpu(),
-                             seq.cpu(), a.a_idx.cpu(), a.a_cnt.cpu(), page, sm)[0]
-        dense = ref.dense_attention(q.float().cpu(), k_buf.cpu(), v_buf.cpu(), bs.table.cpu(),
-                                    seq.cpu(), page, sm)
-        assert rel_err(want, own) < 1e-2, t
-        assert rel_err(dense, own) > 3e-2, t  # control: the selection matters
+        for i, q in enumerate(qs):
+            want = serial.run(q, k_buf, v_buf, summary, bs, None, None, sm, q.dtype)
+            assert torch.equal(outs[i], want), (t, i)  # the same partials, merged in one order
+            a = m.select(q, summary, table=bs.table, seq_lens=seq, spec=serial.spec,
+                         sm_scale=sm, nblk=bs.nblk)
+            own = ref.attend_set(q.float().cpu(), k_buf.cpu(), v_buf.cpu(), bs.table.cpu(),
+                                 seq.cpu(), a.a_idx.cpu(), a.a_cnt.cpu(), page, sm)[0]
+            dense = ref.dense_attention(q.float().cpu(), k_buf.cpu(), v_buf.cpu(),
+                                        bs.table.cpu(), seq.cpu(), page, sm)
+            assert rel_err(want, own) < 1e-2, (t, i)
+            assert rel_err(dense, own) > 3e-2, (t, i)  # control: the selection matters
     assert 0 < int(stats[2]) and int(stats[1]) < int(stats[0])  # host-ok: P was used and hit
+    # control: the layers' states differ (their queries do), so a predictor step launched over
+    # the other layer's scores could not give the twin's
+    assert not torch.equal(states[0].level, states[1].level)

@@ -310,8 +310,7 @@ def test_decode_step_writing_selection_is_the_update_first(seed, monkeypatch):
 
 @pytest.mark.parametrize("name,attr,other,default,serial", [
     ("SGLANG_PRR_SPEC_ORDER", "spec_first", "first", "after", False),
-    ("SGLANG_PRR_KV_STORE", "store_beside", "beside", "first", True),
-    ("SGLANG_PRR_PREDICT_ORDER", "predict_late", "repair", "selection", False)])
+    ("SGLANG_PRR_KV_STORE", "store_beside", "beside", "first", True)])
 @pytest.mark.parametrize("value", ["other", "default", None])
 def test_step_knobs_are_read_and_checked(monkeypatch, name, attr, other, default, serial, value):
     """``SGLANG_PRR_SPEC_ORDER`` sets where PRR's speculative pass is recorded (default: after
@@ -332,19 +331,24 @@ def test_step_knobs_are_read_and_checked(monkeypatch, name, attr, other, default
                    device="cpu")
 
 
-@pytest.mark.parametrize("value,quest,infllm", [(None, False, True), ("selection", False, False),
-                                                ("repair", True, True)])
+@pytest.mark.parametrize("value,quest,infllm", [
+    (None, "selection", "repair"), ("selection", "selection", "selection"),
+    ("repair", "repair", "repair"), ("next", "next", "next")])
 def test_the_predictors_own_launch_follows_the_repair_for_composed_methods(monkeypatch, value,
                                                                           quest, infllm):
     """Unset, ``SGLANG_PRR_PREDICT_ORDER`` leaves the predictor's own launch right after the
     selection for Quest (whose selection can fuse it) and puts it after the repair for InfLLM-v2;
-    either value forces it for both."""
-    from sglang_prr.step import DecodeStep, predicts_after_repair
+    any of its values forces it for both, any other value is refused with its name (control)."""
+    from sglang_prr.step import DecodeStep, predictor_placement
     if value is None:
         monkeypatch.delenv("SGLANG_PRR_PREDICT_ORDER", raising=False)
     else:
         monkeypatch.setenv("SGLANG_PRR_PREDICT_ORDER", value)
-    assert (predicts_after_repair("quest"), predicts_after_repair("infllm_v2")) == (quest, infllm)
+    assert (predictor_placement("quest"), predictor_placement("infllm_v2")) == (quest, infllm)
     got = [DecodeStep(m, 4, 6, 1, 1, 16, min_context=0, exact=True, serial=False, device="cpu",
-                      fuse_predictor=False).predict_late for m in ("quest", "infllm_v2")]
+                      fuse_predictor=False).predict_at for m in ("quest", "infllm_v2")]
     assert got == [quest, infllm]
+    monkeypatch.setenv("SGLANG_PRR_PREDICT_ORDER", "later")
+    with pytest.raises(ValueError, match="SGLANG_PRR_PREDICT_ORDER='later'"):
+        DecodeStep("infllm_v2", 4, 6, 1, 1, 16, min_context=0, exact=True, serial=False,
+                   device="cpu")
