@@ -1,16 +1,19 @@
 """InfLLM-v2 kernels beside the torch reference on one GPU: ``infllm_scores`` (block scores from the
 compressed keys) and ``infllm_update`` (one decode step's compressed keys).
 
-Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16 q and keys, fp32 compressed keys),
-block 64, 128K context (8191 complete compressed keys per request), batch 1 and 8 by default.
+Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16 q and keys, compressed keys in float32
+or, with ``--ck-dtype bf16``, bfloat16 (``SGLANG_PRR_INFLLM_CK``); both side by side with
+``--ck-dtype fp32 bf16``: the ``ck`` column), block 64, 128K context (8191 complete compressed
+keys per request), batch 1 and 8 by default.
 Every variant is captured in a CUDA graph that calls it over R rotating input sets (different
 pages, >= 256 MB in all, so replays do not run from the 60 MB L2), replayed ``--reps`` times;
 per-call time = replay / R; median and p10/p90, back to back (``us_*``) and with the L2 flushed
 before every replay (``us_cold_*``, ``common.L2Flush``). GB/s counts the compressed keys that
-must be read (``B x n_ck x Hk x D x 4`` bytes) over the median (``GBps``, ``GBps_cold``). The
-kernel is checked against the reference on one input set before timing.
+must be read (``B x n_ck x Hk x D x`` 4 or 2 bytes) over the median (``GBps``, ``GBps_cold``).
+The kernel is checked against the reference on one input set before timing.
 
-    python benchmarks/bench_infllm.py [--batch 1 8] [--ctx 131072] [--csv out.csv]
+    python benchmarks/bench_infllm.py [--batch 1 8] [--ctx 131072] [--ck-dtype fp32 bf16] \
+        [--csv out.csv]
 
 Library: ``SGLANG_PRR_INFLLM_LIB`` (a library holding the InfLLM ops) or the full kernel library.
 """
@@ -35,6 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import time_warm_cold  # noqa: E402  (the benchmarks' one graph timer)
 
 ROTATE_BYTES = 256 << 20
+CK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEVICE = "cuda"  # "cpu" only in the tests' dry run (kernels and timer stubbed)
 
 
@@ -62,15 +66,16 @@ def _times(t: dict) -> dict:
     return out
 
 
-def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True):
+def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32"):
     dev = torch.device(DEVICE)
     NB = ctx // page
     pp = page // 16
     n_ck = (ctx - 32) // 16 + 1
-    key_bytes = B * n_ck * Hk * D * 4
+    dt = CK_DTYPES[ck_dtype]
+    key_bytes = B * n_ck * Hk * D * dt.itemsize
     R = max(2, math.ceil(ROTATE_BYTES / key_bytes))
     num_pages = R * B * NB + 1
-    ck = torch.randn(num_pages, pp, Hk, D, device=dev)
+    ck = torch.randn(num_pages, pp, Hk, D, device=dev).to(dt)
     perm = torch.randperm(num_pages - 1, device=dev) + 1
     tables = [perm[r * B * NB:(r + 1) * B * NB].view(B, NB).contiguous() for r in range(R)]
     qs = [torch.randn(B, Hq, D, device=dev, dtype=torch.bfloat16) for _ in range(R)]
@@ -89,14 +94,14 @@ def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True):
                      ("reference", lambda r: ref.infllm_scores(qs[r], ck, tables[r], sl, page,
                                                                sm)))[:2 if with_ref else 1]:
         t = time_warm_cold([lambda r=r: fn(r) for r in range(R)], reps, device=DEVICE)
-        rows.append(dict(op="infllm_scores", variant=name, batch=B, ctx=ctx, page=page, R=R,
-                         **_times(t), GBps=round(key_bytes / t["warm"][0] / 1e3, 1),
+        rows.append(dict(op="infllm_scores", variant=name, ck=ck_dtype, batch=B, ctx=ctx,
+                         page=page, R=R, **_times(t), GBps=round(key_bytes / t["warm"][0] / 1e3, 1),
                          GBps_cold=round(key_bytes / t["cold"][0] / 1e3, 1),
                          max_rel_err=f"{err:.2e}" if name == "kernel" else ""))
     del ck, tables
 
 
-def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True):
+def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32"):
     dev = torch.device(DEVICE)
     NB = ctx // page
     R = 16
@@ -104,7 +109,7 @@ def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True):
     k_buf = torch.randn(num_pages * page, Hk, D, device=dev, dtype=torch.bfloat16)
     rtt = ((torch.randperm(num_pages - 1, device=dev) + 1).view(B, NB, 1) * page
            + torch.arange(page, device=dev)).view(B, NB * page).to(torch.int32)
-    ck = torch.zeros(num_pages, page // 16, Hk, D, device=dev)
+    ck = torch.zeros(num_pages, page // 16, Hk, D, device=dev, dtype=CK_DTYPES[ck_dtype])
     req = torch.arange(B, device=dev)
     sets = []
     for _ in range(R):
@@ -116,8 +121,8 @@ def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True):
         t = time_warm_cold(
             [lambda p=p, l=l, fn=fn: fn(ck, k_buf, rtt, req, l, p, page) for p, l in sets], reps,
             device=DEVICE)
-        rows.append(dict(op="infllm_update", variant=name, batch=B, ctx=ctx, page=page, R=R,
-                         **_times(t), GBps="", GBps_cold="", max_rel_err=""))
+        rows.append(dict(op="infllm_update", variant=name, ck=ck_dtype, batch=B, ctx=ctx,
+                         page=page, R=R, **_times(t), GBps="", GBps_cold="", max_rel_err=""))
 
 
 def main():
@@ -128,14 +133,19 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--csv", type=str, default="")
     ap.add_argument("--no-reference", action="store_true", help="time the kernels only")
+    ap.add_argument("--ck-dtype", nargs="+", choices=sorted(CK_DTYPES), default=["fp32"],
+                    help="the compressed keys' dtypes, each timed in turn")
     args = ap.parse_args()
     load_lib()
     print(torch.cuda.get_device_name(), torch.__version__)
     rows = []
     for B in args.batch:
-        bench_scores(B, args.ctx, args.page, 32, 8, 128, args.reps, rows, not args.no_reference)
-        bench_update(B, args.ctx, args.page, 8, 128, args.reps, rows, not args.no_reference)
-        torch.cuda.empty_cache()
+        for dt in args.ck_dtype:
+            bench_scores(B, args.ctx, args.page, 32, 8, 128, args.reps, rows,
+                         not args.no_reference, dt)
+            bench_update(B, args.ctx, args.page, 8, 128, args.reps, rows,
+                         not args.no_reference, dt)
+            torch.cuda.empty_cache()
     keys = list(rows[0].keys())
     print(" | ".join(keys))
     for r in rows:

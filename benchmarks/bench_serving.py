@@ -696,7 +696,9 @@ def _launch() -> str:
     (``SGLANG_PRR_ATTN_PACK=1``), ``pages-one`` when one entry a CTA always (``=0``),
     ``carveout-max`` when every kernel asks for the SM's largest shared-memory carveout
     (``SGLANG_PRR_SMEM_CARVEOUT=max``), ``carveout-select`` when PRR's one-pass selection alone
-    does (``=select``), joined by ``+``, else ``""``."""
+    does (``=select``), ``ck-bf16`` when InfLLM-v2's compressed keys are stored in bfloat16
+    (``SGLANG_PRR_INFLLM_CK=bf16``; Quest's rows carry it too, unchanged by it), joined by ``+``,
+    else ``""``."""
     parts = ["pdl"] if os.environ.get("SGLANG_PRR_PDL") == "1" else []
     if os.environ.get("SGLANG_PRR_FOLD_NEW_KEYS") == "0":
         parts.append("update-first")
@@ -713,6 +715,8 @@ def _launch() -> str:
     carveout = os.environ.get("SGLANG_PRR_SMEM_CARVEOUT", "")
     if carveout in ("max", "select"):
         parts.append(f"carveout-{carveout}")
+    if os.environ.get("SGLANG_PRR_INFLLM_CK") == "bf16":
+        parts.append("ck-bf16")
     return "+".join(parts)
 
 

@@ -105,10 +105,10 @@ def selection(op: str, k: int, sink: int, local: int, n_out: int) -> None:
 
 
 def summaries(op: str, q: Tensor, parts: Sequence[Tensor], heads_dim: int) -> None:
-    """Quest ``(kmin, kmax)`` ``[pages, Hk, D]`` float32 or bfloat16 (``heads_dim`` = 1) or
-    InfLLM-v2 ``ck`` ``[pages, page // 16, Hk, D]`` float32 (``heads_dim`` = 2), matching q's
-    heads and head dim."""
-    allowed = (torch.float32, torch.bfloat16) if heads_dim == 1 else (torch.float32,)
+    """Quest ``(kmin, kmax)`` ``[pages, Hk, D]`` (``heads_dim`` = 1) or InfLLM-v2 ``ck``
+    ``[pages, page // 16, Hk, D]`` (``heads_dim`` = 2), float32 or bfloat16, matching q's heads
+    and head dim."""
+    allowed = (torch.float32, torch.bfloat16)
     for t in parts:
         if t.dtype not in allowed:
             fail(op, "summary dtype", t.dtype, " or ".join(str(d) for d in allowed))

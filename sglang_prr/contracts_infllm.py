@@ -31,9 +31,10 @@ def check_infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions,
     page_size(op, page_size_)
     if k_buf.dim() != 3 or k_buf.dtype not in _FLOATS:
         fail(op, "k_buf", (k_buf.dtype, shape(k_buf)), "float [num_slots, num_kv_heads, head_dim]")
-    if ck.dim() != 4 or ck.dtype != torch.float32 or shape(ck)[2:] != shape(k_buf)[1:]:
+    if (ck.dim() != 4 or ck.dtype not in (torch.float32, torch.bfloat16)
+            or shape(ck)[2:] != shape(k_buf)[1:]):
         fail(op, "ck", (ck.dtype, shape(ck)),
-             f"float32 [pages, page_size // {INFLLM_STRIDE}, {k_buf.shape[1]}, "
+             f"float32 or bfloat16 [pages, page_size // {INFLLM_STRIDE}, {k_buf.shape[1]}, "
              f"{k_buf.shape[2]}]")
     if ck.shape[1] != page_size_ // INFLLM_STRIDE:
         fail(op, "ck.shape[1]", ck.shape[1], f"page_size // {INFLLM_STRIDE}")

@@ -1,10 +1,10 @@
 """The server's block summaries: every layer's summary of every KV page, for one DSA method.
 
 What a summary is (its tensors, dtype, fold and scores) is the method's (``methods/``: Quest's
-bf16 ``kmin``/``kmax`` rounded outward, InfLLM-v2's float32 compressed keys ``ck``); this module
-owns the per-layer tensors the server allocates once, sized with the KV pool (one summary per
-page, shared by the pages SGLang's radix cache shares), and the names the shell and the tools
-call (``bytes_per_token``, ``from_keys``).
+bf16 ``kmin``/``kmax`` rounded outward, InfLLM-v2's float32 or bfloat16 compressed keys
+``ck``); this module owns the per-layer tensors the server allocates once, sized with the KV
+pool (one summary per page, shared by the pages SGLang's radix cache shares), and the names the
+shell and the tools call (``bytes_per_token``, ``from_keys``).
 
 Selection reads a layer's summaries through ``ops.select_blocks(method, q, summaries.layer(l),
 ...)``; the decode step and calibration never branch on the method themselves.

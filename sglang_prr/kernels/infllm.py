@@ -21,6 +21,8 @@ from .loader import FLOAT_TYPES, active, aligned
 
 # Head dims the scores kernel is instantiated for (its largest GQA group is kernel_limits.h's).
 INFLLM_HEAD_DIMS = (64, 128, 256)
+# The compressed keys' dtypes the kernels read and write.
+CK_TYPES = (torch.float32, torch.bfloat16)
 # The pooling pass keeps a block range's probabilities in 48 KiB of shared memory.
 INFLLM_MAX_PAGE = 16 * 12 * 1024
 
@@ -32,7 +34,7 @@ def _page_ok(ck, page_size: int) -> bool:
 
 def _infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions, page_size):
     contracts_infllm.check_infllm_update(ck, k_buf, req_to_token, req_idx, out_loc, positions, page_size)
-    ok = (active(ck.device) and _page_ok(ck, page_size) and ck.dtype == torch.float32
+    ok = (active(ck.device) and _page_ok(ck, page_size) and ck.dtype in CK_TYPES
           and ck.is_contiguous() and aligned(ck) and k_buf.dim() == 3
           and k_buf.dtype in FLOAT_TYPES and k_buf.stride(-1) == 1
           and tuple(k_buf.shape[1:]) == tuple(ck.shape[2:]) and ck.shape[3] % 8 == 0
@@ -51,7 +53,7 @@ def _infllm_scores(q, ck, table, seq_lens, page_size, sm_scale):
     contracts_infllm.check_infllm_scores(q, ck, table, seq_lens, page_size, sm_scale=sm_scale)
     B, Hq, D = q.shape
     Hk = ck.shape[2] if ck.dim() == 4 else 0
-    ok = (active(q.device) and _page_ok(ck, page_size) and ck.dtype == torch.float32
+    ok = (active(q.device) and _page_ok(ck, page_size) and ck.dtype in CK_TYPES
           and ck.is_contiguous() and aligned(ck) and D in INFLLM_HEAD_DIMS and ck.shape[3] == D
           and Hk > 0 and Hq % Hk == 0 and Hq // Hk <= INFLLM_MAX_GROUP
           and q.dtype in FLOAT_TYPES and (not q.is_contiguous() or aligned(q))

@@ -40,8 +40,10 @@ void infllm_check(cudaError_t e, const char* op) {
 
 void check_ck(const Tensor& ck, int64_t page_size, const char* op) {
   TORCH_CHECK(ck.is_cuda(), op, ": ck must be a CUDA tensor");
-  TORCH_CHECK(ck.dim() == 4 && ck.is_contiguous() && ck.scalar_type() == at::kFloat, op,
-              ": ck must be a contiguous float32 [num_pages, page_size/16, Hk, D] tensor");
+  TORCH_CHECK(ck.dim() == 4 && ck.is_contiguous() &&
+              (ck.scalar_type() == at::kFloat || ck.scalar_type() == at::kBFloat16), op,
+              ": ck must be a contiguous float32 or bfloat16 [num_pages, page_size/16, Hk, D] "
+              "tensor, got ", ck.scalar_type());
   TORCH_CHECK(page_size >= prr::kInfllmStride && page_size % prr::kInfllmStride == 0, op,
               ": page_size=", page_size, " must be a positive multiple of 16");
   TORCH_CHECK(ck.size(1) == page_size / prr::kInfllmStride, op, ": ck has ", ck.size(1),
@@ -65,7 +67,7 @@ void infllm_update(Tensor& ck, const Tensor& k_buf, const Tensor& req_to_token,
   const Tensor req_idx = req_idx_in.contiguous(), out_loc = out_loc_in.contiguous(),
                positions = positions_in.contiguous();
   prr::InfllmUpdateArgs a{};
-  a.ck = ck.data_ptr<float>();
+  a.ck = ck.data_ptr(); a.ck_dtype = infllm_dtype(ck, "ck");
   a.k = k_buf.data_ptr(); a.k_dtype = infllm_dtype(k_buf, "k_buf");
   a.k_stride_slot = k_buf.stride(0); a.k_stride_head = k_buf.stride(1);
   a.req_to_token = req_to_token.data_ptr(); a.rtt64 = infllm_index64(req_to_token, "req_to_token");
@@ -106,7 +108,7 @@ Tensor infllm_scores(const Tensor& q_in, const Tensor& ck, const Tensor& table,
   auto stats = at::empty({B, Hq, NC, 2}, q.options().dtype(at::kFloat));
   prr::InfllmScoresArgs a{};
   a.q = q.data_ptr(); a.q_dtype = infllm_dtype(q, "q");
-  a.ck = ck.data_ptr<float>(); a.num_pages = ck.size(0);
+  a.ck = ck.data_ptr(); a.ck_dtype = infllm_dtype(ck, "ck"); a.num_pages = ck.size(0);
   a.table = table.data_ptr(); a.table64 = infllm_index64(table, "table");
   a.table_stride = table.stride(0);
   a.seq_lens = seq_lens.data_ptr(); a.seq64 = infllm_index64(seq_lens, "seq_lens");

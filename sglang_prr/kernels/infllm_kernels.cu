@@ -1,6 +1,7 @@
 // InfLLM-v2 kernels for SM90 (H100/H200): the compressed-key update and the block scores.
 // Semantics are those of sglang_prr/reference.py (infllm_update, infllm_scores). Plain CUDA: both
-// ops are memory-bound (the scores read every complete compressed key of a request once, fp32).
+// ops are memory-bound (the scores read every complete compressed key of a request once, float32
+// or bfloat16).
 // Graph-safe: static launch shapes, device-side counts (seq_lens, positions), no host reads.
 // Tuning switches (host-side, read once; timing comparisons only): SGLANG_PRR_INFLLM_VARIANT=regs
 // (register-load logits pass everywhere), SGLANG_PRR_INFLLM_STAGE_KB (bulk ring size),
@@ -54,6 +55,56 @@ __device__ __forceinline__ void add8(const Raw8<__nv_bfloat16>& x, float* f) {
   for (int i = 0; i < 4; ++i) { const float2 v = __bfloat1622float2(h[i]); f[2 * i] += v.x; f[2 * i + 1] += v.y; }
 }
 
+// The compressed keys' element type CK: float32, or bfloat16 rounded to nearest from the float32
+// mean (half the bytes for the scores to stream). Ck8: 8 elements of a row, loaded raw so that
+// several rows are in flight before any is converted.
+template <typename CK> struct Ck8;
+template <> struct Ck8<float> {
+  float4 a, b;
+  __device__ __forceinline__ void load(const float* p) {
+    a = __ldg(reinterpret_cast<const float4*>(p));
+    b = __ldg(reinterpret_cast<const float4*>(p) + 1);
+  }
+  __device__ __forceinline__ void zero() { a = b = make_float4(0.f, 0.f, 0.f, 0.f); }
+  __device__ __forceinline__ void get(float4& x, float4& y) const { x = a; y = b; }
+};
+template <> struct Ck8<__nv_bfloat16> {
+  uint4 u;
+  __device__ __forceinline__ void load(const __nv_bfloat16* p) {
+    u = __ldg(reinterpret_cast<const uint4*>(p));
+  }
+  __device__ __forceinline__ void zero() { u = make_uint4(0u, 0u, 0u, 0u); }  // +0.0 each
+  __device__ __forceinline__ void get(float4& x, float4& y) const {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+    const float2 p0 = __bfloat1622float2(h[0]), p1 = __bfloat1622float2(h[1]);
+    const float2 p2 = __bfloat1622float2(h[2]), p3 = __bfloat1622float2(h[3]);
+    x = make_float4(p0.x, p0.y, p1.x, p1.y);
+    y = make_float4(p2.x, p2.y, p3.x, p3.y);
+  }
+};
+// 4 elements of a compressed-key row in shared memory, as floats.
+__device__ __forceinline__ float4 ld4_ck(const float* p) {
+  return *reinterpret_cast<const float4*>(p);
+}
+__device__ __forceinline__ float4 ld4_ck(const __nv_bfloat16* p) {
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+  const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
+  return make_float4(a.x, a.y, b.x, b.y);
+}
+// 8 floats stored as CK (16-byte aligned for bf16, 32 for float).
+__device__ __forceinline__ void st8_ck(float* p, const float* v) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+}
+__device__ __forceinline__ void st8_ck(__nv_bfloat16* p, const float* v) {
+  uint4 u;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = __floats2bfloat162_rn(v[2 * i], v[2 * i + 1]);
+  *reinterpret_cast<uint4*>(p) = u;
+}
+
 // Complete compressed keys of a request of `sl` tokens: ((sl - 32) // 16 + 1) clamped at 0.
 __device__ __forceinline__ int64_t complete_keys(int64_t sl) {
   return sl >= kInfllmWindow ? (sl - kInfllmWindow) / kInfllmStride + 1 : 0;
@@ -62,11 +113,12 @@ __device__ __forceinline__ int64_t complete_keys(int64_t sl) {
 // ============================================================================ update
 // One CTA per new token. A token at position pos completes compressed key i = (pos - 31) / 16
 // when (pos + 1) % 16 == 0 and pos >= 31; the CTA then averages the 32 window keys (slots from
-// req_to_token) in fp32 and writes them to ck[page of pos, j]. Other tokens exit at once (the
-// reference sends their write to the padding page; nothing is written here).
+// req_to_token) in fp32, in window order as the reference does, and writes them to ck[page of
+// pos, j] as CK. Other tokens exit at once (the reference sends their write to the padding page;
+// nothing is written here).
 constexpr int kUpdThreads = 128;
 
-template <typename T>
+template <typename T, typename CK>
 __global__ void __launch_bounds__(kUpdThreads) infllm_update_kernel(InfllmUpdateArgs a) {
   pdl_begin();  // before any global-memory access (PDL)
   __shared__ int64_t s_slot[kInfllmWindow];
@@ -84,7 +136,7 @@ __global__ void __launch_bounds__(kUpdThreads) infllm_update_kernel(InfllmUpdate
   const int64_t i = (pos - (kInfllmWindow - 1)) / kInfllmStride;
   const int64_t j = i + 1 - (pos / a.page_size) * pp;
   const int64_t page = slot_page(ld_index(a.out_loc, n, a.loc64), a.page_size, a.num_pages);
-  float* dst = a.ck + (page * pp + j) * a.Hk * a.D;
+  CK* dst = static_cast<CK*>(a.ck) + (page * pp + j) * a.Hk * a.D;
   const T* kb = reinterpret_cast<const T*>(a.k);
   const int hd8 = a.Hk * a.D / 8;
   constexpr int U = 8;  // window rows loaded before use
@@ -102,10 +154,10 @@ __global__ void __launch_bounds__(kUpdThreads) infllm_update_kernel(InfllmUpdate
 #pragma unroll
       for (int u = 0; u < U; ++u) add8(v[u], acc);
     }
-    constexpr float inv = 1.f / kInfllmWindow;
-    float4* o = reinterpret_cast<float4*>(dst + h * a.D + d0);
-    o[0] = make_float4(acc[0] * inv, acc[1] * inv, acc[2] * inv, acc[3] * inv);
-    o[1] = make_float4(acc[4] * inv, acc[5] * inv, acc[6] * inv, acc[7] * inv);
+    constexpr float inv = 1.f / kInfllmWindow;  // a power of two: the mean is exact
+#pragma unroll
+    for (int t = 0; t < 8; ++t) acc[t] *= inv;
+    st8_ck(dst + h * a.D + d0, acc);
   }
 }
 
@@ -154,7 +206,7 @@ __device__ __forceinline__ float2 chunk_stats(const float* xs, int n, int lane) 
   return make_float2(m, l);
 }
 
-template <int D, int GMAX, int UNROLL>
+template <typename CK, int D, int GMAX, int UNROLL>
 __global__ void __launch_bounds__(kScoreThreads)
 infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
   pdl_begin();  // before any global-memory access (PDL)
@@ -209,36 +261,35 @@ infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
   __syncthreads();
 
   const int64_t entry_stride = (int64_t)a.Hk * D, page_stride = (int64_t)pp * entry_stride;
-  const float* ckb = a.ck + (int64_t)hk * D + d0;
+  const CK* ckb = static_cast<const CK*>(a.ck) + (int64_t)hk * D + d0;
   for (int64_t base = e0; base < e_end; base += (int64_t)epp * UNROLL) {
-    float4 kv[UNROLL][2];
+    Ck8<CK> kr[UNROLL];
     bool ok[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int64_t e = base + (int64_t)u * epp + ent;
       ok[u] = e >= 1 && e < e_end;
       if (ok[u]) {
-        const float4* p = reinterpret_cast<const float4*>(
-            ckb + s_page[e / pp - pg0] * page_stride + (e % pp) * entry_stride);
-        kv[u][0] = __ldg(p);
-        kv[u][1] = __ldg(p + 1);
+        kr[u].load(ckb + s_page[e / pp - pg0] * page_stride + (e % pp) * entry_stride);
       } else {
-        kv[u][0] = kv[u][1] = make_float4(0.f, 0.f, 0.f, 0.f);
+        kr[u].zero();
       }
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
+      float4 k0, k1;
+      kr[u].get(k0, k1);
       float x[GMAX];
 #pragma unroll
       for (int g = 0; g < GMAX; ++g) {
-        float s = qf[g][0] * kv[u][0].x;
-        s = fmaf(qf[g][1], kv[u][0].y, s);
-        s = fmaf(qf[g][2], kv[u][0].z, s);
-        s = fmaf(qf[g][3], kv[u][0].w, s);
-        s = fmaf(qf[g][4], kv[u][1].x, s);
-        s = fmaf(qf[g][5], kv[u][1].y, s);
-        s = fmaf(qf[g][6], kv[u][1].z, s);
-        s = fmaf(qf[g][7], kv[u][1].w, s);
+        float s = qf[g][0] * k0.x;
+        s = fmaf(qf[g][1], k0.y, s);
+        s = fmaf(qf[g][2], k0.z, s);
+        s = fmaf(qf[g][3], k0.w, s);
+        s = fmaf(qf[g][4], k1.x, s);
+        s = fmaf(qf[g][5], k1.y, s);
+        s = fmaf(qf[g][6], k1.z, s);
+        s = fmaf(qf[g][7], k1.w, s);
         x[g] = s;
       }
       // Reduce-scatter: after the step at lane offset o the lane keeps half of its sums (the
@@ -328,7 +379,7 @@ __device__ __forceinline__ void ld4_any(const void* base, int64_t off, int dt, f
   }
 }
 
-template <int D, int GMAX>
+template <typename CK, int D, int GMAX>
 __global__ void __launch_bounds__(kScoreThreads)
 infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
   pdl_begin();  // before any global-memory access (PDL)
@@ -337,10 +388,11 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
   static_assert(L >= GMAX && L <= 32, "lanes per head row");
   extern __shared__ __align__(128) unsigned char s_raw[];
   uint64_t* bars = reinterpret_cast<uint64_t*>(s_raw);             // [kMaxStages]
-  float* stage = reinterpret_cast<float*>(s_raw + kMaxStages * 8);  // [S][pp * Hk * D]
+  CK* stage = reinterpret_cast<CK*>(s_raw + kMaxStages * 8);        // [S][pp * Hk * D]
   const int pp = a.page_size / kInfllmStride;
-  const int64_t pf = (int64_t)pp * a.Hk * D;                        // floats per page
-  float* s_x = stage + (int64_t)S * pf;                             // [Hk * GMAX][chunk]
+  const int64_t pf = (int64_t)pp * a.Hk * D;                        // elements per page
+  float* s_x = reinterpret_cast<float*>(stage + (int64_t)S * pf);   // [Hk * GMAX][chunk]
+  const CK* ck = static_cast<const CK*>(a.ck);
 
   const int c = blockIdx.x, b = blockIdx.z;
   const int NC = gridDim.x;
@@ -361,7 +413,7 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
   }
   const int64_t pg0 = e0 / pp;
   const int npg = (int)((e_end - 1) / pp - pg0 + 1);
-  const uint32_t page_bytes = (uint32_t)(pf * sizeof(float));
+  const uint32_t page_bytes = (uint32_t)(pf * sizeof(CK));
   const int64_t trow = (int64_t)b * a.table_stride + pg0;
   if (tid == 0) {
     for (int i = 0; i < S; ++i) mbar_init(&bars[i], 1);
@@ -372,7 +424,7 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
     const int n0 = npg < S ? npg : S;
     for (int i = 0; i < n0; ++i) {
       const int64_t page = in_pool(ld_index(a.table, trow + i, a.table64), a.num_pages);
-      bulk_load(stage + i * pf, a.ck + page * pf, page_bytes, &bars[i]);
+      bulk_load(stage + i * pf, ck + page * pf, page_bytes, &bars[i]);
     }
   }
 
@@ -399,16 +451,16 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
   for (int i = 0; i < npg; ++i) {
     const int st = i % S;
     mbar_wait(&bars[st], (uint32_t)((i / S) & 1));
-    const float* sp = stage + st * pf;
+    const CK* sp = stage + st * pf;
     for (int j0 = 0; j0 < pp; j0 += epp) {
       const int j = j0 + ent;
       const int64_t e = (pg0 + i) * pp + j;
       const bool ok = j < pp && e >= 1 && e < e_end;
       float4 k0 = make_float4(0.f, 0.f, 0.f, 0.f), k1 = k0;
       if (ok) {
-        const float* r = sp + ((int64_t)j * a.Hk + hh) * D;
-        k0 = *reinterpret_cast<const float4*>(r + da);
-        k1 = *reinterpret_cast<const float4*>(r + db);
+        const CK* r = sp + ((int64_t)j * a.Hk + hh) * D;
+        k0 = ld4_ck(r + da);
+        k1 = ld4_ck(r + db);
       }
       float x[GMAX];
 #pragma unroll
@@ -442,7 +494,7 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
     __syncthreads();  // stage st consumed by every thread
     if (tid == 0 && i + S < npg) {
       const int64_t page = in_pool(ld_index(a.table, trow + i + S, a.table64), a.num_pages);
-      bulk_load(stage + st * pf, a.ck + page * pf, page_bytes, &bars[st]);
+      bulk_load(stage + st * pf, ck + page * pf, page_bytes, &bars[st]);
     }
   }
 
@@ -557,10 +609,10 @@ size_t stage_bytes() {
   return v;
 }
 
-template <int D, int GMAX>
+template <typename CK, int D, int GMAX>
 cudaError_t launch_logits(const InfllmScoresArgs& a, int NC, int hc, int chunk, cudaStream_t s) {
   const int pp = a.page_size / kInfllmStride;
-  const size_t page_bytes = (size_t)pp * a.Hk * D * sizeof(float);
+  const size_t page_bytes = (size_t)pp * a.Hk * D * sizeof(CK);
   const size_t ring = stage_bytes();
   if (hc == a.Hk && chunk % pp == 0 && 2 * page_bytes <= ring && variant_override() == 0) {
     int S = (int)(ring / page_bytes);
@@ -569,7 +621,7 @@ cudaError_t launch_logits(const InfllmScoresArgs& a, int NC, int hc, int chunk, 
     if (S < 2) S = 2;
     const size_t smem = kMaxStages * 8 + (size_t)S * page_bytes +
                         (size_t)a.Hk * GMAX * chunk * sizeof(float);
-    auto kern = infllm_logits_bulk_kernel<D, GMAX>;
+    auto kern = infllm_logits_bulk_kernel<CK, D, GMAX>;
     static bool attr_set = false;  // host-side, once per instantiation
     if (!attr_set) {
       cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -581,7 +633,7 @@ cudaError_t launch_logits(const InfllmScoresArgs& a, int NC, int hc, int chunk, 
     return cudaGetLastError();
   }
   const size_t smem = (kChunkMax + 1) * sizeof(int64_t) + (size_t)hc * GMAX * kChunkMax * sizeof(float);
-  auto kern = infllm_logits_kernel<D, GMAX, 4>;
+  auto kern = infllm_logits_kernel<CK, D, GMAX, 4>;
   if (smem > 48 * 1024) {
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
     if (e != cudaSuccess) return e;
@@ -589,14 +641,35 @@ cudaError_t launch_logits(const InfllmScoresArgs& a, int NC, int hc, int chunk, 
   launch_kernel(kern, dim3(NC, a.Hk / hc, a.B), kScoreThreads, smem, s, a, hc, chunk);
   return cudaGetLastError();
 }
-template <int D>
+template <typename CK, int D>
 cudaError_t launch_logits_g(const InfllmScoresArgs& a, int NC, int hc, int chunk, cudaStream_t s) {
   switch (group_max(a.Hq / a.Hk)) {
-    case 1: return launch_logits<D, 1>(a, NC, hc, chunk, s);
-    case 2: return launch_logits<D, 2>(a, NC, hc, chunk, s);
-    case 4: return launch_logits<D, 4>(a, NC, hc, chunk, s);
-    default: return launch_logits<D, 8>(a, NC, hc, chunk, s);
+    case 1: return launch_logits<CK, D, 1>(a, NC, hc, chunk, s);
+    case 2: return launch_logits<CK, D, 2>(a, NC, hc, chunk, s);
+    case 4: return launch_logits<CK, D, 4>(a, NC, hc, chunk, s);
+    default: return launch_logits<CK, D, 8>(a, NC, hc, chunk, s);
   }
+}
+template <typename CK>
+cudaError_t launch_logits_d(const InfllmScoresArgs& a, int NC, int hc, int chunk, cudaStream_t s) {
+  switch (a.D) {
+    case 64: return launch_logits_g<CK, 64>(a, NC, hc, chunk, s);
+    case 128: return launch_logits_g<CK, 128>(a, NC, hc, chunk, s);
+    default: return launch_logits_g<CK, 256>(a, NC, hc, chunk, s);
+  }
+}
+
+template <typename CK>
+cudaError_t launch_update(const InfllmUpdateArgs& a, cudaStream_t s) {
+  switch (a.k_dtype) {
+    case kInfF32: launch_kernel(infllm_update_kernel<float, CK>, a.N, kUpdThreads, 0, s, a); break;
+    case kInfF16: launch_kernel(infllm_update_kernel<__half, CK>, a.N, kUpdThreads, 0, s, a); break;
+    case kInfBF16:
+      launch_kernel(infllm_update_kernel<__nv_bfloat16, CK>, a.N, kUpdThreads, 0, s, a);
+      break;
+    default: return cudaErrorInvalidValue;
+  }
+  return cudaGetLastError();
 }
 
 int pool_blocks_per_cta(int pp) { return pp >= kPoolThreads ? 1 : kPoolThreads / pp; }
@@ -607,14 +680,9 @@ int pool_blocks_per_cta(int pp) { return pp >= kPoolThreads ? 1 : kPoolThreads /
 cudaError_t launch_infllm_update(const InfllmUpdateArgs& a, cudaStream_t s) {
   if (a.page_size < kInfllmStride || a.page_size % kInfllmStride != 0 || a.D % 8 != 0)
     return cudaErrorInvalidValue;
+  if (a.ck_dtype != kInfF32 && a.ck_dtype != kInfBF16) return cudaErrorInvalidValue;
   if (a.N == 0 || a.Hk == 0) return cudaSuccess;
-  switch (a.k_dtype) {
-    case kInfF32: launch_kernel(infllm_update_kernel<float>, a.N, kUpdThreads, 0, s, a); break;
-    case kInfF16: launch_kernel(infllm_update_kernel<__half>, a.N, kUpdThreads, 0, s, a); break;
-    case kInfBF16: launch_kernel(infllm_update_kernel<__nv_bfloat16>, a.N, kUpdThreads, 0, s, a); break;
-    default: return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  return a.ck_dtype == kInfBF16 ? launch_update<__nv_bfloat16>(a, s) : launch_update<float>(a, s);
 }
 
 int infllm_num_chunks(int B, int Hq, int Hk, int NB, int D, int page_size) {
@@ -629,6 +697,7 @@ cudaError_t launch_infllm_scores(const InfllmScoresArgs& a, cudaStream_t s) {
   if (a.Hk <= 0 || a.Hq % a.Hk != 0 || a.Hq / a.Hk > kInfllmMaxGroup) return cudaErrorInvalidValue;
   if (a.page_size < kInfllmStride || a.page_size % kInfllmStride != 0) return cudaErrorInvalidValue;
   if (a.D != 64 && a.D != 128 && a.D != 256) return cudaErrorInvalidValue;
+  if (a.ck_dtype != kInfF32 && a.ck_dtype != kInfBF16) return cudaErrorInvalidValue;
   if (a.B == 0 || a.NB == 0) return cudaSuccess;
   const int pp = a.page_size / kInfllmStride;
   const int64_t E = (int64_t)a.NB * pp;
@@ -636,12 +705,9 @@ cudaError_t launch_infllm_scores(const InfllmScoresArgs& a, cudaStream_t s) {
   const int chunk = chunk_len(a.B, a.Hk, E, hc);
   const int NC = (int)((E + chunk - 1) / chunk);
   if (NC != a.num_chunks) return cudaErrorInvalidValue;  // workspace sized by infllm_num_chunks
-  cudaError_t e;
-  switch (a.D) {
-    case 64: e = launch_logits_g<64>(a, NC, hc, chunk, s); break;
-    case 128: e = launch_logits_g<128>(a, NC, hc, chunk, s); break;
-    default: e = launch_logits_g<256>(a, NC, hc, chunk, s); break;
-  }
+  cudaError_t e = a.ck_dtype == kInfBF16
+                      ? launch_logits_d<__nv_bfloat16>(a, NC, hc, chunk, s)
+                      : launch_logits_d<float>(a, NC, hc, chunk, s);
   if (e != cudaSuccess) return e;
   static const bool logits_only = [] {  // timing breakdown only (host-side, read once)
     const char* v = std::getenv("SGLANG_PRR_INFLLM_STAGE");

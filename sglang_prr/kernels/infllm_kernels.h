@@ -15,8 +15,10 @@ enum InfllmDType : int { kInfF32 = 0, kInfF16 = 1, kInfBF16 = 2 };
 constexpr int kInfllmWindow = 32;
 constexpr int kInfllmStride = 16;
 
+// Compressed keys are stored as float32 (kInfF32) or bfloat16 (kInfBF16, rounded to nearest
+// from the float32 mean).
 struct InfllmUpdateArgs {
-  float* ck;                                        // [num_pages, page_size/16, Hk, D] contiguous
+  void* ck; int ck_dtype;                           // [num_pages, page_size/16, Hk, D] contiguous
   const void* k; int k_dtype;                       // [num_slots, Hk, D], last dim contiguous
   int64_t k_stride_slot, k_stride_head;
   const void* req_to_token; bool rtt64; int64_t rtt_stride;  // [max_reqs, max_ctx]
@@ -31,7 +33,7 @@ cudaError_t launch_infllm_update(const InfllmUpdateArgs& a, cudaStream_t s);
 
 struct InfllmScoresArgs {
   const void* q; int q_dtype;                       // [B, Hq, D] contiguous
-  const float* ck;                                  // [num_pages, page_size/16, Hk, D] contiguous
+  const void* ck; int ck_dtype;                     // [num_pages, page_size/16, Hk, D] contiguous
   int64_t num_pages;                                // a page outside it reads page 0 (in_pool)
   const void* table; bool table64; int64_t table_stride;  // [B, NB]
   const void* seq_lens; bool seq64;                 // [B]

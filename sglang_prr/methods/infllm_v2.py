@@ -1,7 +1,9 @@
 """InfLLM-v2 (MiniCPM4, 2025): compressed keys over overlapping windows, scored by attention.
 
 Summary of a page: the compressed keys stored with it, ``ck: [page // INFLLM_STRIDE, Hk, D]``
-float32. Compressed key ``i`` is the mean of the keys at positions ``[16 i, 16 i + 32)``
+float32, or bfloat16 with ``SGLANG_PRR_INFLLM_CK=bf16`` (the float32 mean rounded to nearest: half
+the bytes the scores stream and the KV pool gives up; a measuring knob until the server has
+measured it). Compressed key ``i`` is the mean of the keys at positions ``[16 i, 16 i + 32)``
 (``INFLLM_STRIDE``, ``INFLLM_WINDOW``), stored with the page of its last token; it depends on
 that page and the previous one only, so pages shared through the radix cache share it
 (``reference.infllm_update``).
@@ -14,6 +16,7 @@ predictor step follows it (``ops.predict_update_rows``).
 
 from __future__ import annotations
 
+import os
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -22,6 +25,19 @@ from torch import Tensor
 from .. import custom_ops as ops
 from ..config import INFLLM_STRIDE
 from .base import DSAMethod, SummaryTensor
+
+
+ENV_CK = "SGLANG_PRR_INFLLM_CK"
+CK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def ck_dtype() -> torch.dtype:
+    """The compressed keys' dtype: ``SGLANG_PRR_INFLLM_CK`` (``fp32``, the default, or ``bf16``);
+    any other value is refused with its name."""
+    value = os.environ.get(ENV_CK, "fp32")
+    if value not in CK_DTYPES:
+        raise ValueError(f"{ENV_CK}={value!r}: expected one of {sorted(CK_DTYPES)}")
+    return CK_DTYPES[value]
 
 
 class InfLLMv2(DSAMethod):
@@ -35,14 +51,14 @@ class InfLLMv2(DSAMethod):
             raise ValueError(f"infllm_v2: page_size is {page_size}, expected a multiple of the "
                              f"compression stride {INFLLM_STRIDE}")
         return (SummaryTensor("ck", (page_size // INFLLM_STRIDE, num_kv_heads, head_dim),
-                              torch.float32, 0.0),)
+                              ck_dtype(), 0.0),)
 
     def from_keys(self, k_pages: Tensor) -> List[Tensor]:
         # The shape of the real compressed keys, as the means of the page's own strides (the real
         # ones are overlapping windows that also reach into the request's previous page).
         P, page, Hk, D = k_pages.shape
         kp = k_pages.float().view(P, page // INFLLM_STRIDE, INFLLM_STRIDE, Hk, D)
-        return [kp.mean(2).contiguous()]
+        return [kp.mean(2).to(ck_dtype()).contiguous()]
 
     def update(self, summary: Sequence[Tensor], k: Tensor, out_loc: Tensor, positions: Tensor,
                page_size: int, *, decode: bool, key_buffer: Tensor, req_to_token: Tensor,

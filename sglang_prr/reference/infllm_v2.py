@@ -20,9 +20,11 @@ def infllm_update(ck: Tensor, k_buf: Tensor, req_to_token: Tensor, req_idx: Tens
     (pos // page_size) * (page_size // 16)``; it depends only on that page and the previous one,
     so pages shared through the radix cache share their compressed keys.
 
-    ck: ``[num_pages, page_size // 16, Hk, D]`` float32; k_buf: ``[num_slots, Hk, D]`` with the
-    new keys already written; req_to_token: ``[max_reqs, max_ctx]``; req_idx: ``[N]`` request
-    slot of each new token; out_loc, positions: ``[N]``.
+    ck: ``[num_pages, page_size // 16, Hk, D]`` float32 or bfloat16 (the float32 mean rounded
+    to nearest); k_buf: ``[num_slots, Hk, D]`` with the new keys already written; req_to_token:
+    ``[max_reqs, max_ctx]``; req_idx: ``[N]`` request slot of each new token; out_loc,
+    positions: ``[N]``. The mean sums the window's keys in float32 in position order, then
+    scales by 1/32 (exact), so that a kernel summing in the same order writes the same bits.
     """
     W, S = INFLLM_WINDOW, INFLLM_STRIDE
     per_page = page_size // S
@@ -32,7 +34,11 @@ def infllm_update(ck: Tensor, k_buf: Tensor, req_to_token: Tensor, req_idx: Tens
     win = in_pool(win, req_to_token.shape[1])  # before the request or past its row: column 0
     rows = in_pool(req_idx, req_to_token.shape[0])  # outside the pools: row / slot / page 0
     slots = in_pool(req_to_token[rows.unsqueeze(-1), win], k_buf.shape[0])  # [N, W]
-    mean = k_buf[slots].float().mean(1)  # [N, Hk, D]
+    win_keys = k_buf[slots].float()  # [N, W, Hk, D]
+    acc = torch.zeros_like(win_keys[:, 0])  # +0 first, as the kernel: -0 keys sum to +0
+    for w in range(W):  # in position order (torch's mean may pair them differently)
+        acc += win_keys[:, w]
+    mean = acc * (1.0 / W)  # [N, Hk, D]
     i = (pos - (W - 1)) // S
     j = i + 1 - (pos // page_size) * per_page
     flat = in_pool(out_loc.long() // page_size, ck.shape[0]) * per_page + j
@@ -45,7 +51,8 @@ def infllm_scores(q: Tensor, ck: Tensor, table: Tensor, seq_lens: Tensor, page_s
     """InfLLM-v2 block scores: softmax of ``q . ck`` over the request's complete compressed keys,
     summed over the GQA group, max-pooled to each block a compressed key overlaps.
 
-    q: ``[B, Hq, D]``; ck: ``[num_pages, page_size//16, Hk, D]``; table: ``[B, NB]``;
+    q: ``[B, Hq, D]``; ck: ``[num_pages, page_size//16, Hk, D]`` (float32 or bfloat16, read
+    as float32); table: ``[B, NB]``;
     seq_lens: ``[B]``. Returns ``[B, Hk, NB]`` float32 (``-inf`` where no complete compressed
     key touches the block, e.g. past the request).
     """
@@ -56,7 +63,7 @@ def infllm_scores(q: Tensor, ck: Tensor, table: Tensor, seq_lens: Tensor, page_s
     G = Hq // Hk
     nb = table.shape[1]
     E = nb * per_page
-    c = ck[in_pool(table, ck.shape[0])].reshape(B, E, Hk, D)  # entry e: compressed key e - 1
+    c = ck[in_pool(table, ck.shape[0])].reshape(B, E, Hk, D).float()  # entry e: key e - 1
     n_ck = ((seq_lens.long() - W) // S + 1).clamp(min=0)  # complete compressed keys
     e = torch.arange(E, device=q.device)
     valid = (e >= 1) & (e <= n_ck.unsqueeze(-1))  # [B, E]

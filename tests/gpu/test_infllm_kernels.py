@@ -112,6 +112,13 @@ def close_nan(a: torch.Tensor, b: torch.Tensor, rtol=1e-5, atol=1e-6) -> bool:
     return torch.allclose(a.cpu().double(), b.cpu().double(), rtol=rtol, atol=atol, equal_nan=True)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, NaN where the other is NaN (the entries neither op writes)."""
+    a, b = a.cpu(), b.cpu()
+    return a.dtype == b.dtype and torch.equal(a.isnan(), b.isnan()) and torch.equal(
+        a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
 # ----------------------------------------------------------------------------- update
 UPDATE_CASES = [
     # B, Hk, D, page, kv dtype, index dtype
@@ -123,9 +130,12 @@ UPDATE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("ck_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,Hk,D,page,kv_dtype,idx_dtype", UPDATE_CASES)
-def test_infllm_update(B, Hk, D, page, kv_dtype, idx_dtype):
-    seeded(f"update B={B} Hk={Hk} D={D} page={page} {kv_dtype} {idx_dtype}")
+def test_infllm_update(B, Hk, D, page, kv_dtype, idx_dtype, ck_dtype):
+    """The kernel writes the reference's compressed keys bit for bit, float32 or bfloat16 (both
+    sum the window in position order in float32, then round once)."""
+    seeded(f"update B={B} Hk={Hk} D={D} page={page} {kv_dtype} {idx_dtype} ck {ck_dtype}")
     seq_lens = [random.randint(1, 6 * page) + random.randint(0, 40) for _ in range(B)]
     seq_lens[0] = max(seq_lens[0], 3 * page + 17)  # several keys, a partial last block
     k_buf, rtt, slots_of, table, sl, NB, num_pages = make_pool(B, Hk, D, page, seq_lens,
@@ -142,7 +152,7 @@ def test_infllm_update(B, Hk, D, page, kv_dtype, idx_dtype):
     positions = torch.tensor(pos, dtype=idx_dtype)[order]
     out_loc = torch.tensor(loc, dtype=torch.int64)[order]
 
-    ck_ref = torch.full((num_pages, page // 16, Hk, D), float("nan"))
+    ck_ref = torch.full((num_pages, page // 16, Hk, D), float("nan"), dtype=ck_dtype)
     ref.infllm_update(ck_ref, k_buf, rtt, req_idx, out_loc, positions, page)
     ck = torch.full_like(ck_ref, float("nan")).to(DEV)
     args = [x.to(DEV) for x in (k_buf, rtt, req_idx, out_loc, positions)]
@@ -150,7 +160,13 @@ def test_infllm_update(B, Hk, D, page, kv_dtype, idx_dtype):
     torch.cuda.synchronize()
     written = torch.isfinite(ck_ref[1:]).all(-1).all(-1)
     assert written.sum() > 0
-    assert close_nan(ck[1:], ck_ref[1:]), (ck[1:].cpu() - ck_ref[1:]).abs().nan_to_num(0).max()
+    assert same_bits(ck[1:], ck_ref[1:]), \
+        (ck[1:].cpu().float() - ck_ref[1:].float()).abs().nan_to_num(0).max()
+    if ck_dtype == torch.bfloat16:  # control: rounded, not the float32 mean
+        ck32 = torch.full(ck_ref.shape, float("nan"))
+        ref.infllm_update(ck32, k_buf, rtt, req_idx, out_loc, positions, page)
+        assert not torch.equal(ck32[1:][written], ck_ref[1:][written].float())
+        assert close_nan(ck32[1:], ck_ref[1:].float(), rtol=2 ** -8, atol=1e-30)
 
     # a decode-like call: one token per request at its last position (some complete a key)
     dec_pos = torch.tensor([s - 1 for s in seq_lens], dtype=idx_dtype)
@@ -160,7 +176,7 @@ def test_infllm_update(B, Hk, D, page, kv_dtype, idx_dtype):
     ck2 = torch.full_like(ck_ref, float("nan")).to(DEV)
     torch.ops.sglang_prr_cuda.infllm_update(ck2, args[0], args[1], slots_of.to(DEV),
                                             dec_loc.to(DEV), dec_pos.to(DEV), page)
-    assert close_nan(ck2[1:], ck_ref2[1:])
+    assert same_bits(ck2[1:], ck_ref2[1:])
 
     # negative control: change one key inside the window of a written compressed key
     pg, j = [int(x) for x in written.nonzero()[0]]
@@ -169,7 +185,7 @@ def test_infllm_update(B, Hk, D, page, kv_dtype, idx_dtype):
     k2[pg * page:(pg + 1) * page] += 4.0  # the page holding the last token of that key
     ck3 = torch.full_like(ck_ref, float("nan")).to(DEV)
     torch.ops.sglang_prr_cuda.infllm_update(ck3, k2.to(DEV), *args[1:], page)
-    assert not close_nan(ck3[1:], ck_ref[1:]), "a changed key must change some compressed key"
+    assert not same_bits(ck3[1:], ck_ref[1:]), "a changed key must change some compressed key"
 
 
 def test_infllm_update_dispatch_and_graph():
@@ -218,10 +234,11 @@ SCORE_CASES = [
 ]
 
 
-def _score_inputs(B, Hq, Hk, D, page, qdtype, seq_lens, table64):
+def _score_inputs(B, Hq, Hk, D, page, qdtype, seq_lens, table64, ck_dtype=torch.float32):
     k_buf, rtt, slots_of, table, sl, NB, num_pages = make_pool(B, Hk, D, page, seq_lens,
                                                                torch.bfloat16)
-    ck = torch.randn(num_pages, page // 16, Hk, D) * 1.2  # every entry random: invalid ones too
+    # every entry random (invalid ones too), in the stored dtype
+    ck = (torch.randn(num_pages, page // 16, Hk, D) * 1.2).to(ck_dtype)
     q = torch.randn(B, Hq, D).to(qdtype)
     if not table64:
         table = table.to(torch.int32)
@@ -240,16 +257,18 @@ def check_scores(out, exp):
         assert (err <= tol).all(), f"max abs err {err.max().item():.3g}"  # host-ok: test
 
 
+@pytest.mark.parametrize("ck_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B,Hq,Hk,D,page,qdtype", SCORE_CASES)
-def test_infllm_scores(B, Hq, Hk, D, page, qdtype):
-    seeded(f"scores B={B} Hq={Hq} Hk={Hk} D={D} page={page} {qdtype}")
+def test_infllm_scores(B, Hq, Hk, D, page, qdtype, ck_dtype):
+    seeded(f"scores B={B} Hq={Hq} Hk={Hk} D={D} page={page} {qdtype} ck {ck_dtype}")
     seq_lens = [random.randint(1, 40 * page) for _ in range(B)]
     seq_lens[0] = 37 * page + random.randint(1, page - 1)  # several chunks, partial last block
     if B > 1:
         seq_lens[1] = random.randint(1, 31)  # no complete compressed key: all -inf
     if B > 2:
         seq_lens[2] = 32 + 16 * random.randint(0, 3)  # exactly at a key boundary
-    q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, qdtype, seq_lens, B % 2 == 1)
+    q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, qdtype, seq_lens, B % 2 == 1,
+                                         ck_dtype)
     sm = 1.0 / math.sqrt(D)
     exp = ref.infllm_scores(q, ck, table, sl, page, sm)
     qd, ckd, td, sld = q.to(DEV), ck.to(DEV), table.to(DEV), sl.to(DEV)
@@ -267,7 +286,7 @@ def test_infllm_scores(B, Hq, Hk, D, page, qdtype):
     e = random.randint(1, n_ck)  # entry e of request 0 = key e - 1
     blk, j = divmod(e, page // 16)
     ck2 = ck.clone()
-    ck2[int(table[0, blk]), j, 0] = q[0, 0].float() * 3.0
+    ck2[int(table[0, blk]), j, 0] = (q[0, 0].float() * 3.0).to(ck_dtype)
     out2 = torch.ops.sglang_prr_cuda.infllm_scores(qd, ck2.to(DEV), td, sld, page, sm).cpu()
     assert not torch.allclose(out2[0, 0], out.cpu()[0, 0], rtol=1e-3, atol=1e-5)
     check_scores(out2, ref.infllm_scores(q, ck2, table, sl, page, sm))
@@ -275,11 +294,12 @@ def test_infllm_scores(B, Hq, Hk, D, page, qdtype):
 
 def test_infllm_scores_long_context():
     """16K tokens at block 16 (1024 entries, 8 chunks of the logits pass) and at block 64."""
-    for page in (16, 64):
-        seeded(f"scores long page={page}")
+    for page, ck_dtype in ((16, torch.float32), (64, torch.float32), (64, torch.bfloat16)):
+        seeded(f"scores long page={page} ck {ck_dtype}")
         B, Hq, Hk, D = 2, 32, 8, 128
         seq_lens = [16384 - random.randint(1, 15), random.randint(5000, 9000)]
-        q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, torch.bfloat16, seq_lens, True)
+        q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, torch.bfloat16, seq_lens, True,
+                                             ck_dtype)
         sm = 1.0 / math.sqrt(D)
         out = torch.ops.sglang_prr_cuda.infllm_scores(q.to(DEV), ck.to(DEV), table.to(DEV),
                                                       sl.to(DEV), page, sm)

@@ -48,3 +48,17 @@ def test_dry_run_warm_and_cold_columns(dry):
     assert float(scores["max_rel_err"]) == 0.0  # the stub "kernel" is the reference itself
     assert rows[2]["us_cold_median"] == 3.0 and rows[2]["GBps_cold"] == ""
     assert dry.timed == [2, 2, 16, 16]  # R rotating sets per graph (R = 2 at ROTATE_BYTES 1)
+
+
+def test_dry_run_bf16_keys_count_half_the_bytes(dry):
+    """``--ck-dtype bf16``: the compressed keys are bfloat16 in both ops, the rows say so, and
+    GB/s counts 2 bytes a key element (control: the fp32 row of the same shape counts 4)."""
+    rows = []
+    for dt in ("fp32", "bf16"):
+        dry.bench_scores(1, 1024, 64, 8, 2, 32, reps=2, rows=rows, with_ref=False, ck_dtype=dt)
+        dry.bench_update(1, 1024, 64, 2, 32, reps=2, rows=rows, with_ref=False, ck_dtype=dt)
+    assert [(r["op"], r["ck"]) for r in rows] == [
+        ("infllm_scores", "fp32"), ("infllm_update", "fp32"),
+        ("infllm_scores", "bf16"), ("infllm_update", "bf16")]
+    assert rows[2]["GBps"] == pytest.approx(rows[0]["GBps"] / 2, abs=0.05)
+    assert float(rows[2]["max_rel_err"]) == 0.0

@@ -205,6 +205,15 @@ def test_a_kv_slot_outside_the_pool_writes_page_0():
             assert not torch.equal(c, a), (seed, name)
 
 
+def _window_mean(keys):
+    """A compressed key as the reference writes it: the window's keys summed in position order
+    in float32, then scaled by 1/32."""
+    acc = torch.zeros_like(keys[0], dtype=torch.float32)
+    for k in keys.float():
+        acc += k
+    return acc * (1.0 / keys.shape[0])
+
+
 def test_an_infllm_window_past_the_request_row_reads_its_column_0():
     """A position whose window runs past ``req_to_token``'s row (an IndexError before) reads the
     row's column 0 there: the compressed key is the mean over those slots."""
@@ -220,9 +229,9 @@ def test_an_infllm_window_past_the_request_row_reads_its_column_0():
                     torch.tensor([pos]), P.page)
     raw = torch.arange(pos - 31, pos + 1)
     cols = torch.where(raw < width, raw, torch.zeros_like(raw))
-    want = P.k_buf[P.req_to_token[row, cols].long()].float().mean(0)
+    want = _window_mean(P.k_buf[P.req_to_token[row, cols].long()])
     i = (pos - 31) // 16
     j = i + 1 - (pos // P.page) * (P.page // 16)
     assert torch.equal(ck[5, j], want), seed
-    other = P.k_buf[P.req_to_token[row, raw.clamp(max=width - 1)].long()].float().mean(0)
+    other = _window_mean(P.k_buf[P.req_to_token[row, raw.clamp(max=width - 1)].long()])
     assert not torch.equal(other, want), "control: the clamped column reads another slot"
