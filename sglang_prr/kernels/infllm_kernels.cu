@@ -56,32 +56,31 @@ __device__ __forceinline__ void add8(const Raw8<__nv_bfloat16>& x, float* f) {
 }
 
 // The compressed keys' element type CK: float32, or bfloat16 rounded to nearest from the float32
-// mean (half the bytes for the scores to stream). Ck8: 8 elements of a row, loaded raw so that
-// several rows are in flight before any is converted.
-template <typename CK> struct Ck8;
-template <> struct Ck8<float> {
-  float4 a, b;
-  __device__ __forceinline__ void load(const float* p) {
-    a = __ldg(reinterpret_cast<const float4*>(p));
-    b = __ldg(reinterpret_cast<const float4*>(p) + 1);
-  }
-  __device__ __forceinline__ void zero() { a = b = make_float4(0.f, 0.f, 0.f, 0.f); }
-  __device__ __forceinline__ void get(float4& x, float4& y) const { x = a; y = b; }
-};
-template <> struct Ck8<__nv_bfloat16> {
-  uint4 u;
-  __device__ __forceinline__ void load(const __nv_bfloat16* p) {
-    u = __ldg(reinterpret_cast<const uint4*>(p));
-  }
-  __device__ __forceinline__ void zero() { u = make_uint4(0u, 0u, 0u, 0u); }  // +0.0 each
-  __device__ __forceinline__ void get(float4& x, float4& y) const {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-    const float2 p0 = __bfloat1622float2(h[0]), p1 = __bfloat1622float2(h[1]);
-    const float2 p2 = __bfloat1622float2(h[2]), p3 = __bfloat1622float2(h[3]);
-    x = make_float4(p0.x, p0.y, p1.x, p1.y);
-    y = make_float4(p2.x, p2.y, p3.x, p3.y);
-  }
-};
+// mean (half the bytes for the scores to stream). A row's 8 elements load as Raw8<CK> (several
+// rows in flight before any is converted), then widen to two float4.
+__device__ __forceinline__ void raw8_get(const Raw8<float>& x, float4& a, float4& b) {
+  a = reinterpret_cast<const float4*>(x.r)[0];
+  b = reinterpret_cast<const float4*>(x.r)[1];
+}
+__device__ __forceinline__ void raw8_get(const Raw8<__nv_bfloat16>& x, float4& a, float4& b) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(x.r);
+  const float2 p0 = __bfloat1622float2(h[0]), p1 = __bfloat1622float2(h[1]);
+  const float2 p2 = __bfloat1622float2(h[2]), p3 = __bfloat1622float2(h[3]);
+  a = make_float4(p0.x, p0.y, p1.x, p1.y);
+  b = make_float4(p2.x, p2.y, p3.x, p3.y);
+}
+// q . k over 8 dims (q pre-scaled), the FMA chain in dim order of both logits kernels.
+__device__ __forceinline__ float dot8(const float* q, float4 k0, float4 k1) {
+  float s = q[0] * k0.x;
+  s = fmaf(q[1], k0.y, s);
+  s = fmaf(q[2], k0.z, s);
+  s = fmaf(q[3], k0.w, s);
+  s = fmaf(q[4], k1.x, s);
+  s = fmaf(q[5], k1.y, s);
+  s = fmaf(q[6], k1.z, s);
+  s = fmaf(q[7], k1.w, s);
+  return s;
+}
 // 4 elements of a compressed-key row in shared memory, as floats.
 __device__ __forceinline__ float4 ld4_ck(const float* p) {
   return *reinterpret_cast<const float4*>(p);
@@ -263,35 +262,25 @@ infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
   const int64_t entry_stride = (int64_t)a.Hk * D, page_stride = (int64_t)pp * entry_stride;
   const CK* ckb = static_cast<const CK*>(a.ck) + (int64_t)hk * D + d0;
   for (int64_t base = e0; base < e_end; base += (int64_t)epp * UNROLL) {
-    Ck8<CK> kr[UNROLL];
+    Raw8<CK> kr[UNROLL];
     bool ok[UNROLL];
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       const int64_t e = base + (int64_t)u * epp + ent;
       ok[u] = e >= 1 && e < e_end;
       if (ok[u]) {
-        kr[u].load(ckb + s_page[e / pp - pg0] * page_stride + (e % pp) * entry_stride);
+        kr[u] = ld_raw8<CK>(ckb + s_page[e / pp - pg0] * page_stride + (e % pp) * entry_stride);
       } else {
-        kr[u].zero();
+        kr[u] = Raw8<CK>{};  // +0.0 in every element
       }
     }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       float4 k0, k1;
-      kr[u].get(k0, k1);
+      raw8_get(kr[u], k0, k1);
       float x[GMAX];
 #pragma unroll
-      for (int g = 0; g < GMAX; ++g) {
-        float s = qf[g][0] * k0.x;
-        s = fmaf(qf[g][1], k0.y, s);
-        s = fmaf(qf[g][2], k0.z, s);
-        s = fmaf(qf[g][3], k0.w, s);
-        s = fmaf(qf[g][4], k1.x, s);
-        s = fmaf(qf[g][5], k1.y, s);
-        s = fmaf(qf[g][6], k1.z, s);
-        s = fmaf(qf[g][7], k1.w, s);
-        x[g] = s;
-      }
+      for (int g = 0; g < GMAX; ++g) x[g] = dot8(qf[g], k0, k1);
       // Reduce-scatter: after the step at lane offset o the lane keeps half of its sums (the
       // upper half when its o bit is set) plus its partner's matching half.
 #pragma unroll
@@ -464,17 +453,7 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
       }
       float x[GMAX];
 #pragma unroll
-      for (int g = 0; g < GMAX; ++g) {
-        float v = qf[g][0] * k0.x;
-        v = fmaf(qf[g][1], k0.y, v);
-        v = fmaf(qf[g][2], k0.z, v);
-        v = fmaf(qf[g][3], k0.w, v);
-        v = fmaf(qf[g][4], k1.x, v);
-        v = fmaf(qf[g][5], k1.y, v);
-        v = fmaf(qf[g][6], k1.z, v);
-        v = fmaf(qf[g][7], k1.w, v);
-        x[g] = v;
-      }
+      for (int g = 0; g < GMAX; ++g) x[g] = dot8(qf[g], k0, k1);
 #pragma unroll
       for (int h = GMAX / 2, o = L / 2; h >= 1; h >>= 1, o >>= 1) {
         const bool hi = (lane_t & o) != 0;

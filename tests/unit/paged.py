@@ -42,6 +42,20 @@ class Paged:
             R.quest_update(kmin, kmax, self.k_buf[loc.long()], loc, torch.arange(L), self.page)
         return kmin, kmax
 
+    def method_summary(self, m):
+        """DSA method ``m``'s summaries (``methods.get(name)``) of every request, one update of
+        its whole prefill each, in the layout's dtypes (one layer, on the CPU)."""
+        n_pages = self.k_buf.shape[0] // self.page
+        Hk, D = self.k_buf.shape[1:]
+        summary = [t[0] for t in m.allocate(1, n_pages, Hk, D, self.page, torch.device("cpu"))]
+        for b in range(len(self.seq_lens)):
+            L = int(self.seq_lens[b])
+            loc = self.req_to_token[int(self.rows[b]), :L]
+            m.update(summary, self.k_buf[loc.long()], loc, torch.arange(L), self.page,
+                     decode=False, key_buffer=self.k_buf, req_to_token=self.req_to_token,
+                     token_req_idx=lambda b=b, L=L: torch.full((L,), int(self.rows[b])))
+        return summary
+
     def infllm_summary(self):
         n_pages = self.k_buf.shape[0] // self.page
         Hk, D = self.k_buf.shape[1:]

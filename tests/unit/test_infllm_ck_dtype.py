@@ -1,8 +1,8 @@
 """InfLLM-v2's compressed keys in bfloat16 (``SGLANG_PRR_INFLLM_CK=bf16``) on the CPU: the knob,
 the summaries' bytes, the reference update against an fp64 oracle (the float32 mean summed in
 position order, rounded to nearest once), the ops' contracts, the scores against the fp64
-oracle, and the decode step (PRR exact equals serial DSA over the method's own selection). The
-kernels' bits against this reference are ``tests/gpu/test_infllm_kernels.py``'s."""
+oracle; the decode step with them is ``test_methods_conformance.py``'s (its ``infllm_v2-bf16``
+case). The kernels' bits against this reference are ``tests/gpu/test_infllm_kernels.py``'s."""
 
 from __future__ import annotations
 
@@ -11,30 +11,14 @@ import torch
 
 import oracle
 from paged import make_paged, rel_err
-from sglang_prr import contracts, methods, ops
+from sglang_prr import methods, ops
 from sglang_prr import reference as ref
 from sglang_prr.methods import infllm_v2
-from sglang_prr.step import DecodeStep, new_layer_state
-
-CPU = torch.device("cpu")
 
 
 @pytest.fixture
 def bf16_ck(monkeypatch):
     monkeypatch.setenv(infllm_v2.ENV_CK, "bf16")
-
-
-def _summarise(m, P):
-    tensors = m.allocate(1, P.k_buf.shape[0] // P.page, P.k_buf.shape[1], P.k_buf.shape[2],
-                         P.page, CPU)
-    summary = [t[0] for t in tensors]
-    for b in range(len(P.seq_lens)):
-        L = int(P.seq_lens[b])
-        loc = P.req_to_token[int(P.rows[b]), :L]
-        m.update(summary, P.k_buf[loc.long()], loc, torch.arange(L), P.page, decode=False,
-                 key_buffer=P.k_buf, req_to_token=P.req_to_token,
-                 token_req_idx=lambda b=b, L=L: torch.full((L,), int(P.rows[b])))
-    return summary
 
 
 @pytest.mark.parametrize("value,dtype", [(None, torch.float32), ("fp32", torch.float32),
@@ -107,7 +91,7 @@ def test_scores_from_bf16_keys_match_the_fp64_oracle(bf16_ck, monkeypatch, seed)
     m = methods.get("infllm_v2")
     lens, page = [300, 140, 77], 16
     P = make_paged(seed, lens, hk=2, group=4, page=page)
-    summary = _summarise(m, P)
+    summary = P.method_summary(m)
     assert summary[0].dtype == torch.bfloat16
     got = m.scores(P.q, summary, table=P.table, seq_lens=P.seq_lens, page_size=page,
                    sm_scale=P.sm_scale)
@@ -121,30 +105,6 @@ def test_scores_from_bf16_keys_match_the_fp64_oracle(bf16_ck, monkeypatch, seed)
     widened = ops.infllm_scores(P.q, summary[0].float(), P.table, P.seq_lens, page, P.sm_scale)
     assert torch.equal(got, widened)  # bf16 keys are read as their float32 values
     monkeypatch.setenv(infllm_v2.ENV_CK, "fp32")
-    exact = m.scores(P.q, _summarise(m, P), table=P.table, seq_lens=P.seq_lens, page_size=page,
+    exact = m.scores(P.q, P.method_summary(m), table=P.table, seq_lens=P.seq_lens, page_size=page,
                      sm_scale=P.sm_scale)
     assert not torch.equal(got, exact)  # control: rounding the keys moved the scores
-
-
-def test_decode_step_with_bf16_keys_equals_serial_dsa(bf16_ck, seed):
-    m = methods.get("infllm_v2")
-    lens = [200, 97, 150]
-    P = make_paged(seed, lens, hk=2, group=4, page=16)
-    summary = _summarise(m, P)
-    R, hk, nb = P.req_to_token.shape[0], 2, P.nb
-    g = torch.Generator().manual_seed(seed + 1)
-    prr, serial = (DecodeStep("infllm_v2", 2, 3, 1, 1, 16, 0, exact=True, serial=s, device=CPU)
-                   for s in (False, True))
-    st = new_layer_state(R, hk, nb, 3 + 2, (0.5, 0.3, 0.4), CPU)
-    for t in range(4):
-        seq = torch.tensor([L - 6 + t for L in lens])
-        q = P.q + 3 * torch.randn(P.q.shape, generator=g)
-        stats = contracts.new_stats()
-        o = prr.run(q, P.k_buf, P.v_buf, summary, prr.plan(P.req_to_token, P.rows, seq), st,
-                    stats, P.sm_scale, torch.float32)
-        bs = serial.plan(P.req_to_token, P.rows, seq)
-        o_serial = serial.run(q, P.k_buf, P.v_buf, summary, bs, None, None, P.sm_scale,
-                              torch.float32)
-        assert rel_err(o, o_serial) < 1e-5, t
-        dense = ref.dense_attention(q, P.k_buf, P.v_buf, bs.table, seq, 16, P.sm_scale)
-        assert rel_err(dense, o_serial) > 1e-2, t  # control: the selection matters

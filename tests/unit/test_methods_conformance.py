@@ -29,7 +29,7 @@ import toy_method
 from paged import make_paged, rel_err
 from sglang_prr import config, contracts, methods
 from sglang_prr import reference as ref
-from sglang_prr.methods import SelectSpec
+from sglang_prr.methods import SelectSpec, infllm_v2
 from sglang_prr.step import DecodeStep, new_layer_state
 
 TOY = methods.register(toy_method.BlockMean())
@@ -62,21 +62,6 @@ def test_registry_agrees_with_config():
         methods.register(type("Other", (toy_method.BlockMean,), {})())
     with pytest.raises(ValueError, match="built-in"):
         methods.unregister("quest")
-
-
-def _summarise(m, P, layers=1):
-    """The method's summaries of every request of ``P``, whole prefill in one update each."""
-    n_pages = P.k_buf.shape[0] // P.page
-    hk, d = P.k_buf.shape[1:]
-    tensors = m.allocate(layers, n_pages, hk, d, P.page, CPU)
-    summary = [t[0] for t in tensors]
-    for b in range(len(P.seq_lens)):
-        L = int(P.seq_lens[b])
-        loc = P.req_to_token[int(P.rows[b]), :L]
-        m.update(summary, P.k_buf[loc.long()], loc, torch.arange(L), P.page, decode=False,
-                 key_buffer=P.k_buf, req_to_token=P.req_to_token,
-                 token_req_idx=lambda b=b, L=L: torch.full((L,), int(P.rows[b])))
-    return summary
 
 
 # ----------------------------------------------------------------------------- summaries
@@ -156,7 +141,7 @@ def test_scores_match_the_fp64_oracle(name, seed, lens, group, page):
     assert name in ORACLES, f"no fp64 oracle for the DSA method {name!r}: add one to ORACLES"
     fn, tol = ORACLES[name]
     P = make_paged(seed, lens, hk=2, group=group, page=page)
-    summary = _summarise(m, P)
+    summary = P.method_summary(m)
     got = m.scores(P.q, summary, table=P.table, seq_lens=P.seq_lens, page_size=page,
                    sm_scale=P.sm_scale)
     assert got.shape == (len(lens), 2, P.nb) and got.dtype == torch.float32
@@ -201,7 +186,7 @@ def test_selection_matches_the_oracle_with_pool_rows_dense_rows_and_counters(nam
     lens = [rnd.randint(6 * 16, 14 * 16) for _ in range(4)]
     lens[1] = rnd.randint(3 * 16, 6 * 16)  # the dense row: short, all of it fits in n_out
     P = make_paged(seed, lens, hk=2, group=4, page=16)
-    summary = _summarise(m, P)
+    summary = P.method_summary(m)
     B, hk = len(lens), 2
     spec = SelectSpec.of(K, SINK, LOCAL, 16, n_out=K + SINK + LOCAL + 2)
     dense = torch.tensor([False, True, False, False])
@@ -238,7 +223,7 @@ def test_select_predict_equals_select_then_the_predictor(name, seed):
     rnd = random.Random(seed)
     lens = [rnd.randint(5 * 16, 12 * 16) for _ in range(3)]
     P = make_paged(seed, lens, hk=2, group=4, page=16)
-    summary = _summarise(m, P)
+    summary = P.method_summary(m)
     R, hk, nb, width = 9, 2, P.nb, N_PRED + SINK + LOCAL + 1
     g = torch.Generator().manual_seed(seed)
     st = new_layer_state(R, hk, nb, width, (0.5, 0.3, 0.4), CPU)
@@ -270,12 +255,16 @@ def test_select_predict_equals_select_then_the_predictor(name, seed):
 
 
 # ----------------------------------------------------------------------------- the decode step
-@every_method
-def test_decode_step_equals_serial_dsa_over_the_methods_own_selection(name, seed):
+@pytest.mark.parametrize("name,keys", [(n, None) for n in methods.names()] +
+                         [("infllm_v2", "bf16")])  # its compressed keys in bfloat16
+def test_decode_step_equals_serial_dsa_over_the_methods_own_selection(name, keys, seed,
+                                                                      monkeypatch):
+    if keys is not None:
+        monkeypatch.setenv(infllm_v2.ENV_CK, keys)
     m = methods.get(name)
     lens = [200, 97, 150, 181]
     P = make_paged(seed, lens, hk=2, group=4, page=16)
-    summary = _summarise(m, P)  # over each request's whole length, past the steps below
+    summary = P.method_summary(m)  # over each request's whole length, past the steps below
     R, hk, nb = P.req_to_token.shape[0], 2, P.nb
     g = torch.Generator().manual_seed(seed + 1)
     prr, serial = (DecodeStep(name, K, N_PRED, SINK, LOCAL, 16, 0, exact=True, serial=s,
