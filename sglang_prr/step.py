@@ -95,7 +95,8 @@ def predictor_placement(method: str) -> str:
     placement. A method whose selection fuses the predictor (Quest) keeps it beside the repair:
     after it, it ran beside the next layer's GEMMs and the ITL rose 1.7% (128K / 1, run 53). A
     composed method (InfLLM-v2) puts it after: beside it, the repair's merge took 18.8 us instead
-    of 9.5 and the ITL was 3.7% higher (run 53)."""
+    of 9.5 and the ITL was 3.7% higher (run 53). At the next fork both were slower at 128K / 1
+    (the selection beside it took its length longer; run 55)."""
     order = os.environ.get(ENV_PREDICT_ORDER)
     if order is not None and order not in PREDICT_PLACES:
         raise ValueError(f"{ENV_PREDICT_ORDER}={order!r}: expected one of {PREDICT_PLACES}")
