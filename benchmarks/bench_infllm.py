@@ -12,8 +12,12 @@ before every replay (``us_cold_*``, ``common.L2Flush``). GB/s counts the compres
 must be read (``B x n_ck x Hk x D x`` 4 or 2 bytes) over the median (``GBps``, ``GBps_cold``).
 The kernel is checked against the reference on one input set before timing.
 
+``--ring serial ids-first`` times the scores with each form of the bulk logits pass's ring fill
+(``SGLANG_PRR_INFLLM_RING``: thread 0 looks each page up before its copy, or the chunk's page ids
+in one round trip first; the ``ring`` column), the update once.
+
     python benchmarks/bench_infllm.py [--batch 1 8] [--ctx 131072] [--ck-dtype fp32 bf16] \
-        [--csv out.csv]
+        [--ring serial ids-first] [--csv out.csv]
 
 Library: ``SGLANG_PRR_INFLLM_LIB`` (a library holding the InfLLM ops) or the full kernel library.
 """
@@ -39,6 +43,8 @@ from common import time_warm_cold  # noqa: E402  (the benchmarks' one graph time
 
 ROTATE_BYTES = 256 << 20
 CK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+ENV_RING = "SGLANG_PRR_INFLLM_RING"  # the bulk logits pass's ring fill, read at each launch
+RINGS = ("serial", "ids-first")
 DEVICE = "cuda"  # "cpu" only in the tests' dry run (kernels and timer stubbed)
 
 
@@ -66,8 +72,10 @@ def _times(t: dict) -> dict:
     return out
 
 
-def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32"):
+def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32",
+                 ring="serial"):
     dev = torch.device(DEVICE)
+    os.environ[ENV_RING] = ring  # before the first launch and the graphs' capture
     NB = ctx // page
     pp = page // 16
     n_ck = (ctx - 32) // 16 + 1
@@ -94,7 +102,8 @@ def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="f
                      ("reference", lambda r: ref.infllm_scores(qs[r], ck, tables[r], sl, page,
                                                                sm)))[:2 if with_ref else 1]:
         t = time_warm_cold([lambda r=r: fn(r) for r in range(R)], reps, device=DEVICE)
-        rows.append(dict(op="infllm_scores", variant=name, ck=ck_dtype, batch=B, ctx=ctx,
+        rows.append(dict(op="infllm_scores", variant=name, ck=ck_dtype, ring=ring, batch=B,
+                         ctx=ctx,
                          page=page, R=R, **_times(t), GBps=round(key_bytes / t["warm"][0] / 1e3, 1),
                          GBps_cold=round(key_bytes / t["cold"][0] / 1e3, 1),
                          max_rel_err=f"{err:.2e}" if name == "kernel" else ""))
@@ -121,7 +130,8 @@ def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32"
         t = time_warm_cold(
             [lambda p=p, l=l, fn=fn: fn(ck, k_buf, rtt, req, l, p, page) for p, l in sets], reps,
             device=DEVICE)
-        rows.append(dict(op="infllm_update", variant=name, ck=ck_dtype, batch=B, ctx=ctx,
+        rows.append(dict(op="infllm_update", variant=name, ck=ck_dtype, ring="", batch=B,
+                         ctx=ctx,
                          page=page, R=R, **_times(t), GBps="", GBps_cold="", max_rel_err=""))
 
 
@@ -135,14 +145,17 @@ def main():
     ap.add_argument("--no-reference", action="store_true", help="time the kernels only")
     ap.add_argument("--ck-dtype", nargs="+", choices=sorted(CK_DTYPES), default=["fp32"],
                     help="the compressed keys' dtypes, each timed in turn")
+    ap.add_argument("--ring", nargs="+", choices=RINGS, default=["serial"],
+                    help="the bulk logits pass's ring fills, each timed in turn (the scores)")
     args = ap.parse_args()
     load_lib()
     print(torch.cuda.get_device_name(), torch.__version__)
     rows = []
     for B in args.batch:
         for dt in args.ck_dtype:
-            bench_scores(B, args.ctx, args.page, 32, 8, 128, args.reps, rows,
-                         not args.no_reference, dt)
+            for i, ring in enumerate(args.ring):
+                bench_scores(B, args.ctx, args.page, 32, 8, 128, args.reps, rows,
+                             not args.no_reference and i == 0, dt, ring)
             bench_update(B, args.ctx, args.page, 8, 128, args.reps, rows,
                          not args.no_reference, dt)
             torch.cuda.empty_cache()

@@ -697,8 +697,9 @@ def _launch() -> str:
     ``carveout-max`` when every kernel asks for the SM's largest shared-memory carveout
     (``SGLANG_PRR_SMEM_CARVEOUT=max``), ``carveout-select`` when PRR's one-pass selection alone
     does (``=select``), ``ck-bf16`` when InfLLM-v2's compressed keys are stored in bfloat16
-    (``SGLANG_PRR_INFLLM_CK=bf16``; Quest's rows carry it too, unchanged by it), joined by ``+``,
-    else ``""``."""
+    (``SGLANG_PRR_INFLLM_CK=bf16``; Quest's rows carry it too, unchanged by it), ``ring-ids-first``
+    when InfLLM-v2's bulk logits pass loads its chunk's page ids first
+    (``SGLANG_PRR_INFLLM_RING=ids-first``), joined by ``+``, else ``""``."""
     parts = ["pdl"] if os.environ.get("SGLANG_PRR_PDL") == "1" else []
     if os.environ.get("SGLANG_PRR_FOLD_NEW_KEYS") == "0":
         parts.append("update-first")
@@ -717,6 +718,8 @@ def _launch() -> str:
         parts.append(f"carveout-{carveout}")
     if os.environ.get("SGLANG_PRR_INFLLM_CK") == "bf16":
         parts.append("ck-bf16")
+    if os.environ.get("SGLANG_PRR_INFLLM_RING") == "ids-first":
+        parts.append("ring-ids-first")
     return "+".join(parts)
 
 

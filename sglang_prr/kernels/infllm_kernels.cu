@@ -5,7 +5,8 @@
 // Graph-safe: static launch shapes, device-side counts (seq_lens, positions), no host reads.
 // Tuning switches (host-side, read once; timing comparisons only): SGLANG_PRR_INFLLM_VARIANT=regs
 // (register-load logits pass everywhere), SGLANG_PRR_INFLLM_STAGE_KB (bulk ring size),
-// SGLANG_PRR_INFLLM_STAGE=logits (skip the pool pass: the scores are then not computed).
+// SGLANG_PRR_INFLLM_STAGE=logits (skip the pool pass: the scores are then not computed);
+// SGLANG_PRR_INFLLM_RING=ids-first (read at each launch: the bulk ring's page ids in one round trip).
 // Measurements and versions: benchmarks/NOTES-kernels.md ("InfLLM-v2").
 #include "infllm_kernels.h"
 #include "common.cuh"
@@ -370,7 +371,7 @@ __device__ __forceinline__ void ld4_any(const void* base, int64_t off, int dt, f
 
 template <typename CK, int D, int GMAX>
 __global__ void __launch_bounds__(kScoreThreads)
-infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
+infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S, bool ids_first) {
   pdl_begin();  // before any global-memory access (PDL)
   constexpr int L = D / 8;
   constexpr int SPLIT = L / GMAX;
@@ -381,6 +382,7 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
   const int pp = a.page_size / kInfllmStride;
   const int64_t pf = (int64_t)pp * a.Hk * D;                        // elements per page
   float* s_x = reinterpret_cast<float*>(stage + (int64_t)S * pf);   // [Hk * GMAX][chunk]
+  int64_t* s_pid = reinterpret_cast<int64_t*>(s_x + (int64_t)a.Hk * GMAX * chunk);  // [chunk/pp]
   const CK* ck = static_cast<const CK*>(a.ck);
 
   const int c = blockIdx.x, b = blockIdx.z;
@@ -390,30 +392,52 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
   const int64_t qrow0 = (int64_t)b * a.Hq;
   const int tid = threadIdx.x;
   float2* stats = reinterpret_cast<float2*>(a.stats);
+  const int64_t e0 = (int64_t)c * chunk;  // a page boundary (chunk % pp == 0)
+  const int64_t pg0 = e0 / pp;
+  const int64_t trow = (int64_t)b * a.table_stride + pg0;
+  // ids_first: the chunk's page ids are loaded by one thread each beside the request's length
+  // (one round trip, whatever the length), so that the ring's copies go out at once, each from
+  // its own thread, and a refill needs no lookup. Else thread 0 looks each page up before its
+  // copy: a copy's asm orders memory, so its next lookup waits for it, and the S lookups of the
+  // fill are S round trips one after another (a measuring knob's old form).
+  RawIndex pid_raw{};
+  if (ids_first && tid < chunk / pp && pg0 + tid < a.NB)
+    pid_raw = ld_index_raw(a.table, trow + tid, a.table64);
 
   int64_t nvalid = complete_keys(ld_index(a.seq_lens, b, a.seq64));
   if (nvalid > E - 1) nvalid = E - 1;
-  const int64_t e0 = (int64_t)c * chunk;  // a page boundary (chunk % pp == 0)
   const int64_t e_end = e0 + chunk < nvalid + 1 ? e0 + chunk : nvalid + 1;
   if (e_end <= (e0 > 1 ? e0 : 1)) {
     for (int t = tid; t < a.Hq; t += kScoreThreads)
       stats[(qrow0 + t) * NC + c] = make_float2(-INFINITY, 0.f);
     return;
   }
-  const int64_t pg0 = e0 / pp;
   const int npg = (int)((e_end - 1) / pp - pg0 + 1);
   const uint32_t page_bytes = (uint32_t)(pf * sizeof(CK));
-  const int64_t trow = (int64_t)b * a.table_stride + pg0;
-  if (tid == 0) {
-    for (int i = 0; i < S; ++i) mbar_init(&bars[i], 1);
-    mbar_fence_init();
-  }
-  __syncthreads();
-  if (tid == 0) {
-    const int n0 = npg < S ? npg : S;
-    for (int i = 0; i < n0; ++i) {
-      const int64_t page = in_pool(ld_index(a.table, trow + i, a.table64), a.num_pages);
-      bulk_load(stage + i * pf, ck + page * pf, page_bytes, &bars[i]);
+  const int n0 = npg < S ? npg : S;  // the ring's first fill
+  if (ids_first) {
+    int64_t page = 0;
+    if (tid < npg) {
+      page = in_pool(index_of(pid_raw, a.table64), a.num_pages);
+      s_pid[tid] = page;
+    }
+    if (tid < n0) {
+      mbar_init(&bars[tid], 1);
+      mbar_fence_init();
+    }
+    __syncthreads();  // the barriers initialised, before any thread waits on one
+    if (tid < n0) bulk_load(stage + tid * pf, ck + page * pf, page_bytes, &bars[tid]);
+  } else {
+    if (tid == 0) {
+      for (int i = 0; i < S; ++i) mbar_init(&bars[i], 1);
+      mbar_fence_init();
+    }
+    __syncthreads();
+    if (tid == 0) {
+      for (int i = 0; i < n0; ++i) {
+        const int64_t page = in_pool(ld_index(a.table, trow + i, a.table64), a.num_pages);
+        bulk_load(stage + i * pf, ck + page * pf, page_bytes, &bars[i]);
+      }
     }
   }
 
@@ -472,7 +496,9 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S) {
     }
     __syncthreads();  // stage st consumed by every thread
     if (tid == 0 && i + S < npg) {
-      const int64_t page = in_pool(ld_index(a.table, trow + i + S, a.table64), a.num_pages);
+      const int64_t page = ids_first ? s_pid[i + S]
+                                     : in_pool(ld_index(a.table, trow + i + S, a.table64),
+                                               a.num_pages);
       bulk_load(stage + st * pf, ck + page * pf, page_bytes, &bars[st]);
     }
   }
@@ -578,6 +604,15 @@ int variant_override() {
   return v;
 }
 
+// Whether the bulk variant loads its chunk's page ids first, one a thread, and fills its ring
+// from S threads at once (SGLANG_PRR_INFLLM_RING=ids-first), or thread 0 looks each page up before
+// its copy (the default until measured). A measuring knob read at each launch (a captured graph
+// keeps its value); any other value asks for the default.
+bool ring_ids_first() {
+  const char* e = std::getenv("SGLANG_PRR_INFLLM_RING");
+  return e != nullptr && std::strcmp(e, "ids-first") == 0;
+}
+
 // Bytes of the bulk variant's stage ring (SGLANG_PRR_INFLLM_STAGE_KB, for tuning).
 size_t stage_bytes() {
   static const size_t v = [] {
@@ -599,16 +634,18 @@ cudaError_t launch_logits(const InfllmScoresArgs& a, int NC, int hc, int chunk, 
     if (S > chunk / pp) S = chunk / pp;
     if (S < 2) S = 2;
     const size_t smem = kMaxStages * 8 + (size_t)S * page_bytes +
-                        (size_t)a.Hk * GMAX * chunk * sizeof(float);
+                        (size_t)a.Hk * GMAX * chunk * sizeof(float) +
+                        (size_t)(chunk / pp) * sizeof(int64_t);  // the page ids (ids-first)
     auto kern = infllm_logits_bulk_kernel<CK, D, GMAX>;
     static bool attr_set = false;  // host-side, once per instantiation
     if (!attr_set) {
-      cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           kMaxStages * 8 + kStageBytesMax + kMaxQRows * kChunkMax * 4);
+      cudaError_t e = cudaFuncSetAttribute(
+          kern, cudaFuncAttributeMaxDynamicSharedMemorySize,
+          kMaxStages * 8 + kStageBytesMax + kMaxQRows * kChunkMax * 4 + kChunkMax * 8);
       if (e != cudaSuccess) return e;
       attr_set = true;
     }
-    launch_kernel(kern, dim3(NC, 1, a.B), kScoreThreads, smem, s, a, chunk, S);
+    launch_kernel(kern, dim3(NC, 1, a.B), kScoreThreads, smem, s, a, chunk, S, ring_ids_first());
     return cudaGetLastError();
   }
   const size_t smem = (kChunkMax + 1) * sizeof(int64_t) + (size_t)hc * GMAX * kChunkMax * sizeof(float);

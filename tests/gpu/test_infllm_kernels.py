@@ -306,6 +306,39 @@ def test_infllm_scores_long_context():
         check_scores(out, ref.infllm_scores(q, ck, table, sl, page, sm))
 
 
+@pytest.mark.parametrize("ck_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page", [16, 64, 128])
+def test_bulk_ring_with_its_page_ids_first_gives_the_same_bits(monkeypatch, page, ck_dtype):
+    """The bulk logits pass with ``SGLANG_PRR_INFLLM_RING=ids-first`` (the chunk's page ids in one
+    round trip, the ring filled from S threads, refills from shared memory) writes the bits of
+    thread 0's lookups, both the reference's values: rings that refill (page 16: 16 stages of
+    32-128 pages; float32 at page 64: 4 stages of 8) and rings that hold the whole chunk (bf16 at
+    page 64), requests of many chunks with a partial last one. Control: two page ids of request 0
+    swapped in the table change its output (the kernel reads the ids it is given)."""
+    seeded(f"ring ids-first page={page} ck {ck_dtype}")
+    B, Hq, Hk, D = 2, 32, 8, 128
+    seq_lens = [random.randint(300, 600) * page + random.randint(1, page - 1),
+                random.randint(40, 200) * page]
+    q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, torch.bfloat16, seq_lens, page != 64,
+                                         ck_dtype)
+    sm = 1.0 / math.sqrt(D)
+    qd, ckd, td, sld = q.to(DEV), ck.to(DEV), table.to(DEV), sl.to(DEV)
+    outs = {}
+    for ring in ("serial", "ids-first"):
+        monkeypatch.setenv("SGLANG_PRR_INFLLM_RING", ring)
+        poison(((B, Hk, NB), torch.float32), ((B, Hq, NB * (page // 16)), torch.float32))
+        outs[ring] = torch.ops.sglang_prr_cuda.infllm_scores(qd, ckd, td, sld, page, sm)
+    assert torch.equal(outs["ids-first"], outs["serial"])
+    check_scores(outs["ids-first"], ref.infllm_scores(q, ck, table, sl, page, sm))
+    # control: the same ring with two of request 0's page ids swapped
+    t2 = table.clone()
+    i, j = random.sample(range(1, seq_lens[0] // page), 2)
+    t2[0, i], t2[0, j] = table[0, j], table[0, i]
+    out2 = torch.ops.sglang_prr_cuda.infllm_scores(qd, ckd, t2.to(DEV), sld, page, sm)
+    assert not torch.equal(out2[0], outs["ids-first"][0])
+    check_scores(out2, ref.infllm_scores(q, ck, t2, sl, page, sm))
+
+
 def test_infllm_scores_graph_replay():
     """Captured in a CUDA graph; replays with new q and changed seq_lens (more and fewer
     complete keys, one request with none) match the reference each time."""

@@ -24,6 +24,8 @@ def dry(monkeypatch):
         return {"warm": (2.0, 1.5, 2.5), "cold": (3.0, 2.5, 3.5)}
 
     monkeypatch.setattr(mod, "DEVICE", "cpu")
+    # bench_scores sets the ring knob in os.environ: restored (unset) after each test
+    monkeypatch.setenv(mod.ENV_RING, "serial")
     monkeypatch.setattr(mod, "ROTATE_BYTES", 1)
     monkeypatch.setattr(mod, "time_warm_cold", fake_warm_cold)
     monkeypatch.setattr(mod, "cuda_ops", lambda: types.SimpleNamespace(
@@ -62,3 +64,25 @@ def test_dry_run_bf16_keys_count_half_the_bytes(dry):
         ("infllm_scores", "bf16"), ("infllm_update", "bf16")]
     assert rows[2]["GBps"] == pytest.approx(rows[0]["GBps"] / 2, abs=0.05)
     assert float(rows[2]["max_rel_err"]) == 0.0
+
+
+def test_dry_run_ring_fill_sets_the_knob_and_its_column(dry, monkeypatch):
+    """``--ring``: each scores row says its ring fill and the knob holds it while the row is
+    timed (the kernel reads it at each launch); the update's rows leave the column empty."""
+    seen = []
+    scores = dry.cuda_ops().infllm_scores
+
+    def spy(*args):
+        seen.append(dry.os.environ.get(dry.ENV_RING))
+        return scores(*args)
+
+    monkeypatch.setattr(dry, "cuda_ops", lambda: types.SimpleNamespace(
+        infllm_scores=spy, infllm_update=ref.infllm_update))
+    rows = []
+    for ring in dry.RINGS:
+        dry.bench_scores(1, 1024, 64, 8, 2, 32, reps=2, rows=rows, with_ref=False, ring=ring)
+    dry.bench_update(1, 1024, 64, 2, 32, reps=2, rows=rows, with_ref=False)
+    assert [(r["op"], r["ring"]) for r in rows] == [
+        ("infllm_scores", "serial"), ("infllm_scores", "ids-first"), ("infllm_update", "")]
+    assert set(seen) == {"serial", "ids-first"} and seen[-1] == "ids-first"
+    assert seen.index("ids-first") > 0  # control: the serial row's launches saw "serial"
