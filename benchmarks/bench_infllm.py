@@ -12,12 +12,14 @@ before every replay (``us_cold_*``, ``common.L2Flush``). GB/s counts the compres
 must be read (``B x n_ck x Hk x D x`` 4 or 2 bytes) over the median (``GBps``, ``GBps_cold``).
 The kernel is checked against the reference on one input set before timing.
 
-``--ring serial ids-first`` times the scores with each form of the bulk logits pass's ring fill
-(``SGLANG_PRR_INFLLM_RING``: thread 0 looks each page up before its copy, or the chunk's page ids
-in one round trip first; the ``ring`` column), the update once.
+``--loads default ring pool both`` times the scores with each form of their loads (the
+``loads`` column): ``ring``, the bulk logits pass's page ids in one round trip first
+(``SGLANG_PRR_INFLLM_RING=ids-first``; by default thread 0 looks each page up before its copy);
+``pool``, the pool's length, statistics and logits in one round trip
+(``SGLANG_PRR_INFLLM_POOL=loads-first``; three by default); ``both``; the update once.
 
     python benchmarks/bench_infllm.py [--batch 1 8] [--ctx 131072] [--ck-dtype fp32 bf16] \
-        [--ring serial ids-first] [--csv out.csv]
+        [--loads default ring pool both] [--csv out.csv]
 
 Library: ``SGLANG_PRR_INFLLM_LIB`` (a library holding the InfLLM ops) or the full kernel library.
 """
@@ -43,8 +45,10 @@ from common import time_warm_cold  # noqa: E402  (the benchmarks' one graph time
 
 ROTATE_BYTES = 256 << 20
 CK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-ENV_RING = "SGLANG_PRR_INFLLM_RING"  # the bulk logits pass's ring fill, read at each launch
-RINGS = ("serial", "ids-first")
+# The scores' load forms: (SGLANG_PRR_INFLLM_RING, SGLANG_PRR_INFLLM_POOL), read at each launch.
+LOAD_FORMS = {"default": ("serial", "late"), "ring": ("ids-first", "late"),
+              "pool": ("serial", "loads-first"), "both": ("ids-first", "loads-first")}
+ENV_RING, ENV_POOL = "SGLANG_PRR_INFLLM_RING", "SGLANG_PRR_INFLLM_POOL"
 DEVICE = "cuda"  # "cpu" only in the tests' dry run (kernels and timer stubbed)
 
 
@@ -73,9 +77,10 @@ def _times(t: dict) -> dict:
 
 
 def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32",
-                 ring="serial"):
+                 loads="default"):
     dev = torch.device(DEVICE)
-    os.environ[ENV_RING] = ring  # before the first launch and the graphs' capture
+    # before the first launch and the graphs' capture
+    os.environ[ENV_RING], os.environ[ENV_POOL] = LOAD_FORMS[loads]
     NB = ctx // page
     pp = page // 16
     n_ck = (ctx - 32) // 16 + 1
@@ -102,7 +107,7 @@ def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="f
                      ("reference", lambda r: ref.infllm_scores(qs[r], ck, tables[r], sl, page,
                                                                sm)))[:2 if with_ref else 1]:
         t = time_warm_cold([lambda r=r: fn(r) for r in range(R)], reps, device=DEVICE)
-        rows.append(dict(op="infllm_scores", variant=name, ck=ck_dtype, ring=ring, batch=B,
+        rows.append(dict(op="infllm_scores", variant=name, ck=ck_dtype, loads=loads, batch=B,
                          ctx=ctx,
                          page=page, R=R, **_times(t), GBps=round(key_bytes / t["warm"][0] / 1e3, 1),
                          GBps_cold=round(key_bytes / t["cold"][0] / 1e3, 1),
@@ -130,7 +135,7 @@ def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32"
         t = time_warm_cold(
             [lambda p=p, l=l, fn=fn: fn(ck, k_buf, rtt, req, l, p, page) for p, l in sets], reps,
             device=DEVICE)
-        rows.append(dict(op="infllm_update", variant=name, ck=ck_dtype, ring="", batch=B,
+        rows.append(dict(op="infllm_update", variant=name, ck=ck_dtype, loads="", batch=B,
                          ctx=ctx,
                          page=page, R=R, **_times(t), GBps="", GBps_cold="", max_rel_err=""))
 
@@ -145,17 +150,17 @@ def main():
     ap.add_argument("--no-reference", action="store_true", help="time the kernels only")
     ap.add_argument("--ck-dtype", nargs="+", choices=sorted(CK_DTYPES), default=["fp32"],
                     help="the compressed keys' dtypes, each timed in turn")
-    ap.add_argument("--ring", nargs="+", choices=RINGS, default=["serial"],
-                    help="the bulk logits pass's ring fills, each timed in turn (the scores)")
+    ap.add_argument("--loads", nargs="+", choices=list(LOAD_FORMS), default=["default"],
+                    help="the scores' load forms, each timed in turn")
     args = ap.parse_args()
     load_lib()
     print(torch.cuda.get_device_name(), torch.__version__)
     rows = []
     for B in args.batch:
         for dt in args.ck_dtype:
-            for i, ring in enumerate(args.ring):
+            for i, form in enumerate(args.loads):
                 bench_scores(B, args.ctx, args.page, 32, 8, 128, args.reps, rows,
-                             not args.no_reference and i == 0, dt, ring)
+                             not args.no_reference and i == 0, dt, form)
             bench_update(B, args.ctx, args.page, 8, 128, args.reps, rows,
                          not args.no_reference, dt)
             torch.cuda.empty_cache()

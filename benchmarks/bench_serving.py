@@ -699,7 +699,9 @@ def _launch() -> str:
     does (``=select``), ``ck-bf16`` when InfLLM-v2's compressed keys are stored in bfloat16
     (``SGLANG_PRR_INFLLM_CK=bf16``; Quest's rows carry it too, unchanged by it), ``ring-ids-first``
     when InfLLM-v2's bulk logits pass loads its chunk's page ids first
-    (``SGLANG_PRR_INFLLM_RING=ids-first``), joined by ``+``, else ``""``."""
+    (``SGLANG_PRR_INFLLM_RING=ids-first``), ``pool-loads-first`` when its pool loads the length,
+    statistics and logits together (``SGLANG_PRR_INFLLM_POOL=loads-first``), joined by ``+``,
+    else ``""``."""
     parts = ["pdl"] if os.environ.get("SGLANG_PRR_PDL") == "1" else []
     if os.environ.get("SGLANG_PRR_FOLD_NEW_KEYS") == "0":
         parts.append("update-first")
@@ -720,6 +722,8 @@ def _launch() -> str:
         parts.append("ck-bf16")
     if os.environ.get("SGLANG_PRR_INFLLM_RING") == "ids-first":
         parts.append("ring-ids-first")
+    if os.environ.get("SGLANG_PRR_INFLLM_POOL") == "loads-first":
+        parts.append("pool-loads-first")
     return "+".join(parts)
 
 

@@ -6,7 +6,8 @@
 // Tuning switches (host-side, read once; timing comparisons only): SGLANG_PRR_INFLLM_VARIANT=regs
 // (register-load logits pass everywhere), SGLANG_PRR_INFLLM_STAGE_KB (bulk ring size),
 // SGLANG_PRR_INFLLM_STAGE=logits (skip the pool pass: the scores are then not computed);
-// SGLANG_PRR_INFLLM_RING=ids-first (read at each launch: the bulk ring's page ids in one round trip).
+// SGLANG_PRR_INFLLM_RING=ids-first (the bulk ring's page ids in one round trip) and
+// SGLANG_PRR_INFLLM_POOL=loads-first (the pool's loads in one round trip), read at each launch.
 // Measurements and versions: benchmarks/NOTES-kernels.md ("InfLLM-v2").
 #include "infllm_kernels.h"
 #include "common.cuh"
@@ -328,30 +329,6 @@ constexpr int kStageBytes = 64 * 1024;       // shared-memory ring per CTA (defa
 constexpr int kStageBytesMax = 128 * 1024;   // SGLANG_PRR_INFLLM_STAGE_KB may raise it to this
 constexpr int kMaxStages = 16;
 
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return (uint32_t)__cvta_generic_to_shared(p);
-}
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count));
-}
-__device__ __forceinline__ void mbar_fence_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;"
-               ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_addr(dst)), "l"(src), "r"(bytes), "r"(smem_addr(bar)) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_addr(bar)), "r"(parity) : "memory");
-}
 __device__ __forceinline__ void ld4_any(const void* base, int64_t off, int dt, float* f) {
   if (dt == kInfF32) {
     const float4 x = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(base) + off));
@@ -516,6 +493,67 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S, bool ids_first) 
   }
 }
 
+// The pool's loads issued first (SGLANG_PRR_INFLLM_POOL=loads-first): kPoolEnt entries a
+// thread (every head of the group) and kPoolStat chunk statistics a lane in registers.
+constexpr int kPoolEnt = 2;
+constexpr int kPoolStat = 8;
+static_assert(kInfllmMaxGroup <= kPoolThreads / 32, "a warp a head of the group");
+
+// A head's (max, sum of exp2(x - max)) over its NC chunk statistics `st`, by one warp: lane-strided
+// in ascending chunk order (the first kPoolStat of a lane from `pre` where has_pre: loaded
+// already), then a fixed xor tree; the same order either way, so the same bits.
+__device__ __forceinline__ float2 head_stats(const float2* st, int NC, int lane,
+                                             const float2* pre, bool has_pre) {
+  const int k0 = has_pre ? lane + 32 * kPoolStat : lane;
+  float m = -INFINITY;
+  if (has_pre) {
+#pragma unroll
+    for (int j = 0; j < kPoolStat; ++j)
+      if (lane + 32 * j < NC) m = fmaxf(m, pre[j].x);
+  }
+  for (int k = k0; k < NC; k += 32) m = fmaxf(m, st[k].x);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+  float l = 0.f;
+  if (has_pre) {
+#pragma unroll
+    for (int j = 0; j < kPoolStat; ++j)
+      if (lane + 32 * j < NC && pre[j].x != -INFINITY) l += pre[j].y * exp2f(pre[j].x - m);
+  }
+  for (int k = k0; k < NC; k += 32) {
+    const float2 v = st[k];
+    if (v.x != -INFINITY) l += v.y * exp2f(v.x - m);
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+  return make_float2(m, l);
+}
+
+// Entry e's softmax probability summed over the group's G heads in head order (logit(g): head
+// g's logit), -inf outside [lo, hi]; kRegs: the loop unrolled (logit reads registers).
+template <bool kRegs, typename F>
+__device__ __forceinline__ float pooled_prob(int64_t e, int64_t lo, int64_t hi, int G,
+                                             const float* s_M, const float* s_iL, F logit) {
+  if (e < lo || e > hi) return -INFINITY;
+  float p = 0.f;
+  const auto add = [&](int g) {
+    if (s_iL[g] != 0.f) p += exp2f(logit(g) - s_M[g]) * s_iL[g];
+  };
+  if constexpr (kRegs) {
+#pragma unroll
+    for (int g = 0; g < kInfllmMaxGroup; ++g)
+      if (g < G) add(g);
+  } else {
+    for (int g = 0; g < G; ++g) add(g);
+  }
+  return p;
+}
+
+// kLoadsFirst: the request's length, the group's chunk statistics and the CTA's logits are
+// loaded together (one round trip) where they fit the registers (kPoolEnt, kPoolStat), instead of
+// the length, then the statistics, then the logits after the barrier (three round trips). A
+// template argument, so that the default form keeps its registers.
+template <bool kLoadsFirst>
 __global__ void __launch_bounds__(kPoolThreads)
 infllm_pool_kernel(InfllmScoresArgs a, int bpc, int NC) {
   pdl_begin();  // before any global-memory access (PDL)
@@ -530,7 +568,28 @@ infllm_pool_kernel(InfllmScoresArgs a, int bpc, int NC) {
   const int64_t n0 = (int64_t)cb * bpc;
   const int64_t n1 = n0 + bpc < a.NB ? n0 + bpc : a.NB;
   float* out = a.out + row * a.NB;
-  int64_t nvalid = complete_keys(ld_index(a.seq_lens, b, a.seq64));
+  const float2* stats = reinterpret_cast<const float2*>(a.stats);
+  const int warp = tid / 32, lane = tid % 32;
+  const int ne = (int)((n1 - n0) * pp + 1);
+  const bool early = kLoadsFirst && ne <= kPoolEnt * kPoolThreads;  // uniform over the CTA
+  const RawIndex sl_raw = ld_index_raw(a.seq_lens, b, a.seq64);
+  float xv[kPoolEnt][kInfllmMaxGroup];  // early: head g's logit of entry tid + u kPoolThreads
+  float2 sv[kPoolStat];                 // early: this lane's first statistics of head `warp`
+  if (early) {
+#pragma unroll
+    for (int u = 0; u < kPoolEnt; ++u) {
+      const int t = tid + u * kPoolThreads;
+      const int64_t e = n0 * pp + t;
+#pragma unroll
+      for (int g = 0; g < kInfllmMaxGroup; ++g)
+        xv[u][g] = (t < ne && e < E && g < G) ? a.logits[(row * G + g) * E + e] : 0.f;
+    }
+    const float2* st = stats + (row * G + warp) * NC;
+#pragma unroll
+    for (int j = 0; j < kPoolStat; ++j)
+      sv[j] = (warp < G && lane + 32 * j < NC) ? st[lane + 32 * j] : make_float2(-INFINITY, 0.f);
+  }
+  int64_t nvalid = complete_keys(index_of(sl_raw, a.seq64));
   if (nvalid > E - 1) nvalid = E - 1;
   const int64_t lo = n0 * pp > 1 ? n0 * pp : 1;
   const int64_t hi = n1 * pp < nvalid ? n1 * pp : nvalid;  // inclusive
@@ -538,36 +597,28 @@ infllm_pool_kernel(InfllmScoresArgs a, int bpc, int NC) {
     for (int64_t n = n0 + tid; n < n1; n += kPoolThreads) out[n] = -INFINITY;
     return;
   }
-  const float2* stats = reinterpret_cast<const float2*>(a.stats);
-  const int warp = tid / 32, lane = tid % 32;
-  for (int g = warp; g < G; g += kPoolThreads / 32) {
-    const float2* st = stats + (row * G + g) * NC;
-    float m = -INFINITY;
-    for (int k = lane; k < NC; k += 32) m = fmaxf(m, st[k].x);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-    float l = 0.f;
-    for (int k = lane; k < NC; k += 32) {
-      const float2 v = st[k];
-      if (v.x != -INFINITY) l += v.y * exp2f(v.x - m);
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
+  for (int g = warp; g < G; g += kPoolThreads / 32) {  // (G <= the warps: one head a warp)
+    const float2 ml = head_stats(stats + (row * G + g) * NC, NC, lane, sv, early);
+    const float l = ml.y;
     // 1/l, or 0 for a head dropped from the group: a non-finite logit (l NaN) or no finite one
     // (l 0: every valid logit -inf), whose softmax row the reference turns into zeros.
-    if (lane == 0) { s_M[g] = m; s_iL[g] = l > 0.f && l < INFINITY ? 1.f / l : 0.f; }
+    if (lane == 0) { s_M[g] = ml.x; s_iL[g] = l > 0.f && l < INFINITY ? 1.f / l : 0.f; }
   }
   __syncthreads();
-  const int ne = (int)((n1 - n0) * pp + 1);
-  for (int t = tid; t < ne; t += kPoolThreads) {
-    const int64_t e = n0 * pp + t;
-    float p = -INFINITY;
-    if (e >= lo && e <= hi) {
-      p = 0.f;
-      for (int g = 0; g < G; ++g)
-        if (s_iL[g] != 0.f) p += exp2f(a.logits[(row * G + g) * E + e] - s_M[g]) * s_iL[g];
+  if (early) {
+#pragma unroll
+    for (int u = 0; u < kPoolEnt; ++u) {
+      const int t = tid + u * kPoolThreads;
+      if (t < ne)
+        s_p[t] = pooled_prob<true>(n0 * pp + t, lo, hi, G, s_M, s_iL,
+                                   [&](int g) { return xv[u][g]; });
     }
-    s_p[t] = p;
+  } else {
+    for (int t = tid; t < ne; t += kPoolThreads) {
+      const int64_t e = n0 * pp + t;
+      s_p[t] = pooled_prob<false>(e, lo, hi, G, s_M, s_iL,
+                                  [&](int g) { return a.logits[(row * G + g) * E + e]; });
+    }
   }
   __syncthreads();
   for (int64_t n = n0 + tid; n < n1; n += kPoolThreads) {
@@ -604,13 +655,18 @@ int variant_override() {
   return v;
 }
 
-// Whether the bulk variant loads its chunk's page ids first, one a thread, and fills its ring
-// from S threads at once (SGLANG_PRR_INFLLM_RING=ids-first), or thread 0 looks each page up before
-// its copy (the default until measured). A measuring knob read at each launch (a captured graph
-// keeps its value); any other value asks for the default.
+// The bulk variant's page ids first (SGLANG_PRR_INFLLM_RING=ids-first), else thread 0's lookups
+// (the default until measured). A measuring knob read at each launch (a captured graph keeps it).
 bool ring_ids_first() {
   const char* e = std::getenv("SGLANG_PRR_INFLLM_RING");
   return e != nullptr && std::strcmp(e, "ids-first") == 0;
+}
+
+// The pool's loads in one round trip (SGLANG_PRR_INFLLM_POOL=loads-first), else three (the
+// default until measured). A measuring knob read at each launch (a captured graph keeps it).
+bool pool_loads_first() {
+  const char* e = std::getenv("SGLANG_PRR_INFLLM_POOL");
+  return e != nullptr && std::strcmp(e, "loads-first") == 0;
 }
 
 // Bytes of the bulk variant's stage ring (SGLANG_PRR_INFLLM_STAGE_KB, for tuning).
@@ -734,7 +790,10 @@ cudaError_t launch_infllm_scores(const InfllmScoresArgs& a, cudaStream_t s) {
   const size_t smem = ((size_t)bpc * pp + 1) * sizeof(float);
   if (smem > 48 * 1024) return cudaErrorInvalidValue;  // pages of more than 196K tokens
   const dim3 grid2((a.NB + bpc - 1) / bpc, a.Hk, a.B);
-  launch_kernel(infllm_pool_kernel, grid2, kPoolThreads, smem, s, a, bpc, NC);
+  if (pool_loads_first())
+    launch_kernel(infllm_pool_kernel<true>, grid2, kPoolThreads, smem, s, a, bpc, NC);
+  else
+    launch_kernel(infllm_pool_kernel<false>, grid2, kPoolThreads, smem, s, a, bpc, NC);
   return cudaGetLastError();
 }
 

@@ -306,16 +306,38 @@ def test_infllm_scores_long_context():
         check_scores(out, ref.infllm_scores(q, ck, table, sl, page, sm))
 
 
+# The scores' measuring knobs whose forms must write the same bits: (the bulk logits pass's
+# ring fill, the pool's loads), defaults first.
+LOAD_FORMS = [("serial", "late"), ("ids-first", "late"), ("serial", "loads-first"),
+              ("ids-first", "loads-first")]
+
+
+def _scores_in_every_load_form(monkeypatch, args):
+    """The scores under each of LOAD_FORMS (``SGLANG_PRR_INFLLM_RING`` / ``_POOL``, read at each
+    launch), the outputs poisoned before each."""
+    outs = []
+    q, ck, table, sl, page, sm = args
+    B, Hq, Hk, NB = q.shape[0], q.shape[1], ck.shape[2], table.shape[1]
+    for ring, pool in LOAD_FORMS:
+        monkeypatch.setenv("SGLANG_PRR_INFLLM_RING", ring)
+        monkeypatch.setenv("SGLANG_PRR_INFLLM_POOL", pool)
+        poison(((B, Hk, NB), torch.float32), ((B, Hq, NB * (page // 16)), torch.float32))
+        outs.append(torch.ops.sglang_prr_cuda.infllm_scores(q, ck, table, sl, page, sm))
+    return outs
+
+
 @pytest.mark.parametrize("ck_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("page", [16, 64, 128])
-def test_bulk_ring_with_its_page_ids_first_gives_the_same_bits(monkeypatch, page, ck_dtype):
+def test_scores_with_their_loads_first_give_the_same_bits(monkeypatch, page, ck_dtype):
     """The bulk logits pass with ``SGLANG_PRR_INFLLM_RING=ids-first`` (the chunk's page ids in one
-    round trip, the ring filled from S threads, refills from shared memory) writes the bits of
-    thread 0's lookups, both the reference's values: rings that refill (page 16: 16 stages of
-    32-128 pages; float32 at page 64: 4 stages of 8) and rings that hold the whole chunk (bf16 at
-    page 64), requests of many chunks with a partial last one. Control: two page ids of request 0
-    swapped in the table change its output (the kernel reads the ids it is given)."""
-    seeded(f"ring ids-first page={page} ck {ck_dtype}")
+    round trip, the ring filled from S threads, refills from shared memory) and the pool with
+    ``SGLANG_PRR_INFLLM_POOL=loads-first`` (the length, statistics and logits in one round trip)
+    write the bits of the default forms, all the reference's values: rings that refill (page
+    16: 16 stages of 32-128 pages; float32 at page 64: 4 stages of 8) and rings that hold the
+    whole chunk (bf16 at page 64), requests of many chunks with a partial last one. Control: two
+    page ids of request 0 swapped in the table change its output (the kernels read the ids they
+    are given)."""
+    seeded(f"load forms page={page} ck {ck_dtype}")
     B, Hq, Hk, D = 2, 32, 8, 128
     seq_lens = [random.randint(300, 600) * page + random.randint(1, page - 1),
                 random.randint(40, 200) * page]
@@ -323,20 +345,35 @@ def test_bulk_ring_with_its_page_ids_first_gives_the_same_bits(monkeypatch, page
                                          ck_dtype)
     sm = 1.0 / math.sqrt(D)
     qd, ckd, td, sld = q.to(DEV), ck.to(DEV), table.to(DEV), sl.to(DEV)
-    outs = {}
-    for ring in ("serial", "ids-first"):
-        monkeypatch.setenv("SGLANG_PRR_INFLLM_RING", ring)
-        poison(((B, Hk, NB), torch.float32), ((B, Hq, NB * (page // 16)), torch.float32))
-        outs[ring] = torch.ops.sglang_prr_cuda.infllm_scores(qd, ckd, td, sld, page, sm)
-    assert torch.equal(outs["ids-first"], outs["serial"])
-    check_scores(outs["ids-first"], ref.infllm_scores(q, ck, table, sl, page, sm))
-    # control: the same ring with two of request 0's page ids swapped
+    outs = _scores_in_every_load_form(monkeypatch, (qd, ckd, td, sld, page, sm))
+    for form, out in zip(LOAD_FORMS[1:], outs[1:]):
+        assert torch.equal(out, outs[0]), form
+    check_scores(outs[-1], ref.infllm_scores(q, ck, table, sl, page, sm))
+    # control: both loads-first forms with two of request 0's page ids swapped
     t2 = table.clone()
     i, j = random.sample(range(1, seq_lens[0] // page), 2)
     t2[0, i], t2[0, j] = table[0, j], table[0, i]
     out2 = torch.ops.sglang_prr_cuda.infllm_scores(qd, ckd, t2.to(DEV), sld, page, sm)
-    assert not torch.equal(out2[0], outs["ids-first"][0])
+    assert not torch.equal(out2[0], outs[-1][0])
     check_scores(out2, ref.infllm_scores(q, ck, t2, sl, page, sm))
+
+
+def test_scores_loads_first_past_the_pools_prefetch(monkeypatch):
+    """A request of over 320 chunks (~164K tokens at block 64): the pool's statistics past the
+    kPoolStat = 8 a lane it loads first (NC > 256) come from its loop, in the same order, so
+    every load form writes the default's bits, the reference's values."""
+    seeded("load forms long")
+    B, Hq, Hk, D, page = 1, 32, 8, 128, 64
+    seq_lens = [163840 + random.randint(1, 4000)]
+    q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, torch.bfloat16, seq_lens, True)
+    # batch 1 takes the smallest chunk, 32 entries (the grid aims at 528 CTAs): NC > 256 chunks
+    assert NB * (page // 16) > 256 * 32, NB
+    sm = 1.0 / math.sqrt(D)
+    outs = _scores_in_every_load_form(
+        monkeypatch, (q.to(DEV), ck.to(DEV), table.to(DEV), sl.to(DEV), page, sm))
+    for form, out in zip(LOAD_FORMS[1:], outs[1:]):
+        assert torch.equal(out, outs[0]), form
+    check_scores(outs[-1], ref.infllm_scores(q, ck, table, sl, page, sm))
 
 
 def test_infllm_scores_graph_replay():

@@ -24,8 +24,9 @@ def dry(monkeypatch):
         return {"warm": (2.0, 1.5, 2.5), "cold": (3.0, 2.5, 3.5)}
 
     monkeypatch.setattr(mod, "DEVICE", "cpu")
-    # bench_scores sets the ring knob in os.environ: restored (unset) after each test
+    # bench_scores sets the load knobs in os.environ: restored (unset) after each test
     monkeypatch.setenv(mod.ENV_RING, "serial")
+    monkeypatch.setenv(mod.ENV_POOL, "late")
     monkeypatch.setattr(mod, "ROTATE_BYTES", 1)
     monkeypatch.setattr(mod, "time_warm_cold", fake_warm_cold)
     monkeypatch.setattr(mod, "cuda_ops", lambda: types.SimpleNamespace(
@@ -66,23 +67,24 @@ def test_dry_run_bf16_keys_count_half_the_bytes(dry):
     assert float(rows[2]["max_rel_err"]) == 0.0
 
 
-def test_dry_run_ring_fill_sets_the_knob_and_its_column(dry, monkeypatch):
-    """``--ring``: each scores row says its ring fill and the knob holds it while the row is
-    timed (the kernel reads it at each launch); the update's rows leave the column empty."""
+def test_dry_run_load_forms_set_the_knobs_and_their_column(dry, monkeypatch):
+    """``--loads``: each scores row says its load form and both knobs hold it while the row is
+    timed (the kernels read them at each launch); the update's rows leave the column empty."""
     seen = []
     scores = dry.cuda_ops().infllm_scores
 
     def spy(*args):
-        seen.append(dry.os.environ.get(dry.ENV_RING))
+        seen.append((dry.os.environ.get(dry.ENV_RING), dry.os.environ.get(dry.ENV_POOL)))
         return scores(*args)
 
     monkeypatch.setattr(dry, "cuda_ops", lambda: types.SimpleNamespace(
         infllm_scores=spy, infllm_update=ref.infllm_update))
     rows = []
-    for ring in dry.RINGS:
-        dry.bench_scores(1, 1024, 64, 8, 2, 32, reps=2, rows=rows, with_ref=False, ring=ring)
+    for form in dry.LOAD_FORMS:
+        dry.bench_scores(1, 1024, 64, 8, 2, 32, reps=2, rows=rows, with_ref=False, loads=form)
     dry.bench_update(1, 1024, 64, 2, 32, reps=2, rows=rows, with_ref=False)
-    assert [(r["op"], r["ring"]) for r in rows] == [
-        ("infllm_scores", "serial"), ("infllm_scores", "ids-first"), ("infllm_update", "")]
-    assert set(seen) == {"serial", "ids-first"} and seen[-1] == "ids-first"
-    assert seen.index("ids-first") > 0  # control: the serial row's launches saw "serial"
+    assert [(r["op"], r["loads"]) for r in rows] == [
+        ("infllm_scores", "default"), ("infllm_scores", "ring"), ("infllm_scores", "pool"),
+        ("infllm_scores", "both"), ("infllm_update", "")]
+    assert list(dict.fromkeys(seen)) == [("serial", "late"), ("ids-first", "late"),
+                                         ("serial", "loads-first"), ("ids-first", "loads-first")]
