@@ -39,12 +39,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sglang_prr import reference as ref  # noqa: E402
+from sglang_prr.methods.infllm_v2 import CK_DTYPES  # noqa: E402  (the knob's dtypes)
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import time_warm_cold  # noqa: E402  (the benchmarks' one graph timer)
 
 ROTATE_BYTES = 256 << 20
-CK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The scores' load forms: (SGLANG_PRR_INFLLM_RING, SGLANG_PRR_INFLLM_POOL), read at each launch.
 LOAD_FORMS = {"default": ("serial", "late"), "ring": ("ids-first", "late"),
               "pool": ("serial", "loads-first"), "both": ("ids-first", "loads-first")}
@@ -108,8 +108,8 @@ def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="f
                                                                sm)))[:2 if with_ref else 1]:
         t = time_warm_cold([lambda r=r: fn(r) for r in range(R)], reps, device=DEVICE)
         rows.append(dict(op="infllm_scores", variant=name, ck=ck_dtype, loads=loads, batch=B,
-                         ctx=ctx,
-                         page=page, R=R, **_times(t), GBps=round(key_bytes / t["warm"][0] / 1e3, 1),
+                         ctx=ctx, page=page, R=R, **_times(t),
+                         GBps=round(key_bytes / t["warm"][0] / 1e3, 1),
                          GBps_cold=round(key_bytes / t["cold"][0] / 1e3, 1),
                          max_rel_err=f"{err:.2e}" if name == "kernel" else ""))
     del ck, tables
@@ -136,8 +136,8 @@ def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32"
             [lambda p=p, l=l, fn=fn: fn(ck, k_buf, rtt, req, l, p, page) for p, l in sets], reps,
             device=DEVICE)
         rows.append(dict(op="infllm_update", variant=name, ck=ck_dtype, loads="", batch=B,
-                         ctx=ctx,
-                         page=page, R=R, **_times(t), GBps="", GBps_cold="", max_rel_err=""))
+                         ctx=ctx, page=page, R=R, **_times(t), GBps="", GBps_cold="",
+                         max_rel_err=""))
 
 
 def main():

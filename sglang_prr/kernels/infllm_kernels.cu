@@ -505,25 +505,21 @@ static_assert(kInfllmMaxGroup <= kPoolThreads / 32, "a warp a head of the group"
 __device__ __forceinline__ float2 head_stats(const float2* st, int NC, int lane,
                                              const float2* pre, bool has_pre) {
   const int k0 = has_pre ? lane + 32 * kPoolStat : lane;
-  float m = -INFINITY;
-  if (has_pre) {
+  // f(v) for the lane's statistics in ascending chunk order
+  const auto each = [&](auto f) {
+    if (has_pre) {
 #pragma unroll
-    for (int j = 0; j < kPoolStat; ++j)
-      if (lane + 32 * j < NC) m = fmaxf(m, pre[j].x);
-  }
-  for (int k = k0; k < NC; k += 32) m = fmaxf(m, st[k].x);
+      for (int j = 0; j < kPoolStat; ++j)
+        if (lane + 32 * j < NC) f(pre[j]);
+    }
+    for (int k = k0; k < NC; k += 32) f(st[k]);
+  };
+  float m = -INFINITY;
+  each([&](float2 v) { m = fmaxf(m, v.x); });
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
   float l = 0.f;
-  if (has_pre) {
-#pragma unroll
-    for (int j = 0; j < kPoolStat; ++j)
-      if (lane + 32 * j < NC && pre[j].x != -INFINITY) l += pre[j].y * exp2f(pre[j].x - m);
-  }
-  for (int k = k0; k < NC; k += 32) {
-    const float2 v = st[k];
-    if (v.x != -INFINITY) l += v.y * exp2f(v.x - m);
-  }
+  each([&](float2 v) { if (v.x != -INFINITY) l += v.y * exp2f(v.x - m); });
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) l += __shfl_xor_sync(0xffffffffu, l, o);
   return make_float2(m, l);
