@@ -182,8 +182,9 @@ __device__ __forceinline__ int64_t index_of(const RawIndex& r, bool is64) {
   return is64 ? r.v64 : (int64_t)r.v32;
 }
 
-// load8_any in two steps (as ld_index_raw / index_of): 8 consecutive elements of dtype `dt` as
-// loaded (16 bytes, or 32 for float32) and, later, as floats.
+// load8_any / load4_any in two steps (as ld_index_raw / index_of): the elements as loaded, and
+// later as floats, so that a kernel's loads of q all go out before any is used (a load in a
+// dtype branch that is used at once is one round trip per load).
 struct Raw8Any { uint4 a, b; };
 __device__ __forceinline__ Raw8Any ld8_raw(const void* base, int64_t off, int dt) {
   const bool f32 = dt == kF32;
@@ -194,21 +195,37 @@ __device__ __forceinline__ Raw8Any ld8_raw(const void* base, int64_t off, int dt
   r.b = f32 ? __ldg(p + 1) : make_uint4(0u, 0u, 0u, 0u);
   return r;
 }
-__device__ __forceinline__ void raw8_floats(const Raw8Any& r, int dt, float* f) {
+// 4 elements: 16 bytes for float32, else 8 (in .x, .y).
+__device__ __forceinline__ uint4 ld4_raw(const void* base, int64_t off, int dt) {
+  const bool f32 = dt == kF32;
+  const uint2* p =
+      reinterpret_cast<const uint2*>(reinterpret_cast<const char*>(base) + off * (f32 ? 4 : 2));
+  const uint2 lo = __ldg(p);
+  const uint2 hi = f32 ? __ldg(p + 1) : make_uint2(0u, 0u);
+  return make_uint4(lo.x, lo.y, hi.x, hi.y);
+}
+// The n = 4 or 8 elements of `w` (n words for float32, n / 2 words of two 16-bit values) as floats.
+template <int N>
+__device__ __forceinline__ void raw_words_floats(const uint32_t* w, int dt, float* f) {
   if (dt == kF32) {
-    const float* x = reinterpret_cast<const float*>(&r);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) f[i] = x[i];
+    for (int i = 0; i < N; ++i) f[i] = __uint_as_float(w[i]);
     return;
   }
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t w = (&r.a.x)[i];
-    const float2 x = dt == kF16 ? __half22float2(*reinterpret_cast<const __half2*>(&w))
-                                : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w));
+  for (int i = 0; i < N / 2; ++i) {
+    const float2 x = dt == kF16
+                         ? __half22float2(*reinterpret_cast<const __half2*>(&w[i]))
+                         : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[i]));
     f[2 * i] = x.x;
     f[2 * i + 1] = x.y;
   }
+}
+__device__ __forceinline__ void raw8_floats(const Raw8Any& r, int dt, float* f) {
+  raw_words_floats<8>(reinterpret_cast<const uint32_t*>(&r), dt, f);
+}
+__device__ __forceinline__ void raw4_floats(const uint4& r, int dt, float* f) {
+  raw_words_floats<4>(&r.x, dt, f);
 }
 
 // Load 8 consecutive elements of a tensor of dtype `dt` as floats (16- or 32-byte aligned).

@@ -21,25 +21,6 @@
 namespace prr {
 namespace {
 
-// 8 consecutive elements of dtype `dt` as floats (16-byte aligned).
-__device__ __forceinline__ void ld8_any(const void* base, int64_t off, int dt, float* f) {
-  if (dt == kInfF32) {
-    const float4* p = reinterpret_cast<const float4*>(reinterpret_cast<const float*>(base) + off);
-    const float4 x = __ldg(p), y = __ldg(p + 1);
-    f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w; f[4] = y.x; f[5] = y.y; f[6] = y.z; f[7] = y.w;
-  } else if (dt == kInfF16) {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const __half*>(base) + off));
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) { const float2 v = __half22float2(h[i]); f[2 * i] = v.x; f[2 * i + 1] = v.y; }
-  } else {
-    const uint4 u = __ldg(reinterpret_cast<const uint4*>(reinterpret_cast<const __nv_bfloat16*>(base) + off));
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-    for (int i = 0; i < 4; ++i) { const float2 v = __bfloat1622float2(h[i]); f[2 * i] = v.x; f[2 * i + 1] = v.y; }
-  }
-}
-
 // Raw8 / ld_raw8 (common.cuh): several rows in flight before any is converted.
 __device__ __forceinline__ void add8(const Raw8<float>& x, float* f) {
   const float* p = reinterpret_cast<const float*>(x.r);
@@ -226,6 +207,16 @@ infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
   const int64_t qrow0 = (int64_t)b * a.Hq + (int64_t)hk0 * G;  // first query head of the CTA
   const int tid = threadIdx.x;
   float2* stats = reinterpret_cast<float2*>(a.stats);
+  const int lanes = L * hc;                 // lanes per entry
+  const int epp = kScoreThreads / lanes;    // entries per pass
+  const int ent = tid / lanes, hh = (tid % lanes) / L, lane_t = tid % L, d0 = lane_t * 8;
+  const int hk = hk0 + hh;
+  // q and the request's length in one round trip (q's heads past G load head G - 1, unused).
+  Raw8Any qr[GMAX];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g)
+    qr[g] = ld8_raw(a.q, ((int64_t)b * a.Hq + (int64_t)hk * G + (g < G ? g : G - 1)) * D + d0,
+                    a.q_dtype);
 
   int64_t nvalid = complete_keys(ld_index(a.seq_lens, b, a.seq64));
   if (nvalid > E - 1) nvalid = E - 1;
@@ -242,22 +233,13 @@ infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
     s_page[t] = in_pool(ld_index(a.table, (int64_t)b * a.table_stride + pg0 + t, a.table64),
                         a.num_pages);
 
-  const int lanes = L * hc;                 // lanes per entry
-  const int epp = kScoreThreads / lanes;    // entries per pass
-  const int ent = tid / lanes, hh = (tid % lanes) / L, lane_t = tid % L, d0 = lane_t * 8;
-  const int hk = hk0 + hh;
   float qf[GMAX][8];
   const float qs = a.sm_scale * kLog2e;
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
-    if (g < G) {
-      ld8_any(a.q, ((int64_t)b * a.Hq + (int64_t)hk * G + g) * D + d0, a.q_dtype, qf[g]);
+    raw8_floats(qr[g], a.q_dtype, qf[g]);
 #pragma unroll
-      for (int t = 0; t < 8; ++t) qf[g][t] *= qs;
-    } else {
-#pragma unroll
-      for (int t = 0; t < 8; ++t) qf[g][t] = 0.f;
-    }
+    for (int t = 0; t < 8; ++t) qf[g][t] = g < G ? qf[g][t] * qs : 0.f;
   }
   __syncthreads();
 
@@ -329,23 +311,6 @@ constexpr int kStageBytes = 64 * 1024;       // shared-memory ring per CTA (defa
 constexpr int kStageBytesMax = 128 * 1024;   // SGLANG_PRR_INFLLM_STAGE_KB may raise it to this
 constexpr int kMaxStages = 16;
 
-__device__ __forceinline__ void ld4_any(const void* base, int64_t off, int dt, float* f) {
-  if (dt == kInfF32) {
-    const float4 x = __ldg(reinterpret_cast<const float4*>(reinterpret_cast<const float*>(base) + off));
-    f[0] = x.x; f[1] = x.y; f[2] = x.z; f[3] = x.w;
-  } else if (dt == kInfF16) {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __half*>(base) + off));
-    const __half2* h = reinterpret_cast<const __half2*>(&u);
-    const float2 a = __half22float2(h[0]), b = __half22float2(h[1]);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-  } else {
-    const uint2 u = __ldg(reinterpret_cast<const uint2*>(reinterpret_cast<const __nv_bfloat16*>(base) + off));
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-    const float2 a = __bfloat1622float2(h[0]), b = __bfloat1622float2(h[1]);
-    f[0] = a.x; f[1] = a.y; f[2] = b.x; f[3] = b.y;
-  }
-}
-
 template <typename CK, int D, int GMAX>
 __global__ void __launch_bounds__(kScoreThreads)
 infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S, bool ids_first) {
@@ -380,6 +345,18 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S, bool ids_first) 
   RawIndex pid_raw{};
   if (ids_first && tid < chunk / pp && pg0 + tid < a.NB)
     pid_raw = ld_index_raw(a.table, trow + tid, a.table64);
+  // q in the same round trip (q's heads past G load head G - 1, unused).
+  const int lanes = L * a.Hk;               // lanes per entry (all heads)
+  const int epp = kScoreThreads / lanes;    // entries per pass
+  const int ent = tid / lanes, hh = (tid % lanes) / L, lane_t = tid % L;
+  const int da = lane_t * 4, db = D / 2 + lane_t * 4;
+  uint4 qr[GMAX][2];
+#pragma unroll
+  for (int g = 0; g < GMAX; ++g) {
+    const int64_t qo = ((int64_t)b * a.Hq + (int64_t)hh * G + (g < G ? g : G - 1)) * D;
+    qr[g][0] = ld4_raw(a.q, qo + da, a.q_dtype);
+    qr[g][1] = ld4_raw(a.q, qo + db, a.q_dtype);
+  }
 
   int64_t nvalid = complete_keys(ld_index(a.seq_lens, b, a.seq64));
   if (nvalid > E - 1) nvalid = E - 1;
@@ -418,24 +395,14 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S, bool ids_first) 
     }
   }
 
-  const int lanes = L * a.Hk;               // lanes per entry (all heads)
-  const int epp = kScoreThreads / lanes;    // entries per pass
-  const int ent = tid / lanes, hh = (tid % lanes) / L, lane_t = tid % L;
-  const int da = lane_t * 4, db = D / 2 + lane_t * 4;
   float qf[GMAX][8];
   const float qs = a.sm_scale * kLog2e;
 #pragma unroll
   for (int g = 0; g < GMAX; ++g) {
-    if (g < G) {
-      const int64_t qo = ((int64_t)b * a.Hq + (int64_t)hh * G + g) * D;
-      ld4_any(a.q, qo + da, a.q_dtype, qf[g]);
-      ld4_any(a.q, qo + db, a.q_dtype, qf[g] + 4);
+    raw4_floats(qr[g][0], a.q_dtype, qf[g]);
+    raw4_floats(qr[g][1], a.q_dtype, qf[g] + 4);
 #pragma unroll
-      for (int t = 0; t < 8; ++t) qf[g][t] *= qs;
-    } else {
-#pragma unroll
-      for (int t = 0; t < 8; ++t) qf[g][t] = 0.f;
-    }
+    for (int t = 0; t < 8; ++t) qf[g][t] = g < G ? qf[g][t] * qs : 0.f;
   }
 
   for (int i = 0; i < npg; ++i) {

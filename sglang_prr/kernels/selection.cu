@@ -221,12 +221,27 @@ quest_scores_stream_kernel(QuestArgs a, int groups) {
   float qp[V], qn[V];  // per dim: the sums of the group's q >= 0 (and NaN), and of its q < 0
 #pragma unroll
   for (int v = 0; v < V; ++v) qp[v] = qn[v] = 0.f;
+  // q's pieces raw, kQBatch heads at a time (a load converted at once in a dtype branch would
+  // be one round trip per head): one round trip for groups of up to kQBatch heads.
+  constexpr int kQBatch = 4;
 #pragma unroll
-  for (int g = 0; g < kMaxGroup; ++g) {
-    if (g < G) {
-      float qv[V];
-      load_q_piece<V>(a.q, q0 + (int64_t)g * a.D, a.q_dtype, qv);
-      quest_fold_q<V>(qv, qp, qn);
+  for (int g0 = 0; g0 < kMaxGroup; g0 += kQBatch) {
+    if (g0 < G) {
+      uint4 raw[kQBatch][V / 4];  // V elements: V / 4 words of 16 bytes for float32 q
+#pragma unroll
+      for (int j = 0; j < kQBatch; ++j)
+#pragma unroll
+        for (int w = 0; w < V / 4; ++w)
+          if (g0 + j < G) raw[j][w] = ld4_raw(a.q, q0 + (int64_t)(g0 + j) * a.D + 4 * w, a.q_dtype);
+#pragma unroll
+      for (int j = 0; j < kQBatch; ++j) {
+        if (g0 + j < G) {
+          float qv[V];
+#pragma unroll
+          for (int w = 0; w < V / 4; ++w) raw4_floats(raw[j][w], a.q_dtype, qv + 4 * w);
+          quest_fold_q<V>(qv, qp, qn);
+        }
+      }
     }
   }
   const int nb = clamp_count(index_of(nb_raw, a.nblk64), NB);

@@ -216,14 +216,18 @@ def test_sparse_attn_through_ops_and_strided_kv():
 # (3 KV heads of 64 dims: one piece group, 24 of its lanes), one head of 256 dims; "cap" caps a
 # request's CTAs (SGLANG_PRR_SELECT_GRID) so that each warp streams hundreds of blocks (the ring
 # wraps, the pages come in many batches of 32). Float32 summaries of 256 dims take the warp kernel.
-@pytest.mark.parametrize("B,Hq,Hk,D,NB,sdt,cap", [
-    (1, 32, 8, 128, 2048, "f32", ""), (3, 8, 8, 64, 77, "f32", ""),
-    (17, 32, 4, 128, 300, "f32", ""), (8, 32, 8, 128, 2051, "bf16", ""),
-    (5, 64, 8, 128, 700, "bf16", "1"), (2, 9, 3, 64, 1000, "bf16", "2"),
-    (3, 16, 2, 256, 333, "bf16", ""), (2, 8, 2, 256, 90, "f32", "")])
+# q in each dtype: its loads go out together, in raw form, then convert (G = 8: two batches).
+@pytest.mark.parametrize("B,Hq,Hk,D,NB,sdt,cap,qdt", [
+    (1, 32, 8, 128, 2048, "f32", "", torch.bfloat16), (3, 8, 8, 64, 77, "f32", "", torch.float16),
+    (17, 32, 4, 128, 300, "f32", "", torch.float32),
+    (8, 32, 8, 128, 2051, "bf16", "", torch.bfloat16),
+    (5, 64, 8, 128, 700, "bf16", "1", torch.float32),
+    (2, 9, 3, 64, 1000, "bf16", "2", torch.float16),
+    (3, 16, 2, 256, 333, "bf16", "", torch.bfloat16),
+    (2, 8, 2, 256, 90, "f32", "", torch.float32)])
 @pytest.mark.parametrize("scores_kernel", ["stream", "warp"])
-def test_quest_scores(B, Hq, Hk, D, NB, sdt, cap, scores_kernel, monkeypatch):
-    seeded(f"quest_scores B={B} NB={NB} {sdt} cap={cap} {scores_kernel}")
+def test_quest_scores(B, Hq, Hk, D, NB, sdt, cap, qdt, scores_kernel, monkeypatch):
+    seeded(f"quest_scores B={B} NB={NB} {sdt} cap={cap} {qdt} {scores_kernel}")
     monkeypatch.delenv("SGLANG_PRR_SELECT_GRID", raising=False)
     if cap:
         monkeypatch.setenv("SGLANG_PRR_SELECT_GRID", cap)
@@ -236,7 +240,7 @@ def test_quest_scores(B, Hq, Hk, D, NB, sdt, cap, scores_kernel, monkeypatch):
     table = torch.randint(1, P, (B, NB))
     nblk = torch.randint(1, NB + 1, (B,))
     nblk[0] = NB
-    q = torch.randn(B, Hq, D, dtype=torch.bfloat16)
+    q = torch.randn(B, Hq, D).to(qdt)
     s_ref = ref.quest_scores(q, kmin, kmax, table, nblk)
     poison(((B, Hk, NB), torch.float32))
     n0 = kernels.scores_stream_launches()
