@@ -17,9 +17,12 @@ The kernel is checked against the reference on one input set before timing.
 (``SGLANG_PRR_INFLLM_RING=ids-first``; by default thread 0 looks each page up before its copy);
 ``pool``, the pool's length, statistics and logits in one round trip
 (``SGLANG_PRR_INFLLM_POOL=loads-first``; three by default); ``both``; the update once.
+``--logits pick mma bulk regs`` times the scores with each logits variant (the ``logits``
+column, ``SGLANG_PRR_INFLLM_VARIANT``): ``pick``, the launcher's choice (the tensor cores for
+bf16 keys and q); ``mma``, ``bulk`` or ``regs`` forced where it applies.
 
     python benchmarks/bench_infllm.py [--batch 1 8] [--ctx 131072] [--ck-dtype fp32 bf16] \
-        [--loads default ring pool both] [--csv out.csv]
+        [--loads default ring pool both] [--logits pick mma bulk regs] [--csv out.csv]
 
 Library: ``SGLANG_PRR_INFLLM_LIB`` (a library holding the InfLLM ops) or the full kernel library.
 """
@@ -49,6 +52,9 @@ ROTATE_BYTES = 256 << 20
 LOAD_FORMS = {"default": ("serial", "late"), "ring": ("ids-first", "late"),
               "pool": ("serial", "loads-first"), "both": ("ids-first", "loads-first")}
 ENV_RING, ENV_POOL = "SGLANG_PRR_INFLLM_RING", "SGLANG_PRR_INFLLM_POOL"
+# The logits variants (SGLANG_PRR_INFLLM_VARIANT, read at each launch; "" lets the launcher pick).
+LOGITS = {"pick": "", "mma": "mma", "bulk": "bulk", "regs": "regs"}
+ENV_VARIANT = "SGLANG_PRR_INFLLM_VARIANT"
 DEVICE = "cuda"  # "cpu" only in the tests' dry run (kernels and timer stubbed)
 
 
@@ -77,10 +83,11 @@ def _times(t: dict) -> dict:
 
 
 def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32",
-                 loads="default"):
+                 loads="default", logits="pick"):
     dev = torch.device(DEVICE)
     # before the first launch and the graphs' capture
     os.environ[ENV_RING], os.environ[ENV_POOL] = LOAD_FORMS[loads]
+    os.environ[ENV_VARIANT] = LOGITS[logits]
     NB = ctx // page
     pp = page // 16
     n_ck = (ctx - 32) // 16 + 1
@@ -107,7 +114,8 @@ def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="f
                      ("reference", lambda r: ref.infllm_scores(qs[r], ck, tables[r], sl, page,
                                                                sm)))[:2 if with_ref else 1]:
         t = time_warm_cold([lambda r=r: fn(r) for r in range(R)], reps, device=DEVICE)
-        rows.append(dict(op="infllm_scores", variant=name, ck=ck_dtype, loads=loads, batch=B,
+        rows.append(dict(op="infllm_scores", variant=name, ck=ck_dtype, loads=loads,
+                         logits=logits if name == "kernel" else "", batch=B,
                          ctx=ctx, page=page, R=R, **_times(t),
                          GBps=round(key_bytes / t["warm"][0] / 1e3, 1),
                          GBps_cold=round(key_bytes / t["cold"][0] / 1e3, 1),
@@ -135,7 +143,8 @@ def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32"
         t = time_warm_cold(
             [lambda p=p, l=l, fn=fn: fn(ck, k_buf, rtt, req, l, p, page) for p, l in sets], reps,
             device=DEVICE)
-        rows.append(dict(op="infllm_update", variant=name, ck=ck_dtype, loads="", batch=B,
+        rows.append(dict(op="infllm_update", variant=name, ck=ck_dtype, loads="", logits="",
+                         batch=B,
                          ctx=ctx, page=page, R=R, **_times(t), GBps="", GBps_cold="",
                          max_rel_err=""))
 
@@ -152,15 +161,18 @@ def main():
                     help="the compressed keys' dtypes, each timed in turn")
     ap.add_argument("--loads", nargs="+", choices=list(LOAD_FORMS), default=["default"],
                     help="the scores' load forms, each timed in turn")
+    ap.add_argument("--logits", nargs="+", choices=list(LOGITS), default=["pick"],
+                    help="the logits variants, each timed in turn (with every load form)")
     args = ap.parse_args()
     load_lib()
     print(torch.cuda.get_device_name(), torch.__version__)
     rows = []
     for B in args.batch:
         for dt in args.ck_dtype:
-            for i, form in enumerate(args.loads):
+            forms = [(f, v) for v in args.logits for f in args.loads]
+            for i, (form, variant) in enumerate(forms):
                 bench_scores(B, args.ctx, args.page, 32, 8, 128, args.reps, rows,
-                             not args.no_reference and i == 0, dt, form)
+                             not args.no_reference and i == 0, dt, form, variant)
             bench_update(B, args.ctx, args.page, 8, 128, args.reps, rows,
                          not args.no_reference, dt)
             torch.cuda.empty_cache()

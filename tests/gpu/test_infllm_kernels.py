@@ -231,6 +231,8 @@ SCORE_CASES = [
     (2, 8, 2, 256, 32, torch.bfloat16),    # head dim 256
     (3, 12, 4, 128, 48, torch.bfloat16),   # GQA 3, 3 compressed keys per page
     (1, 8, 1, 128, 16, torch.float32),     # GQA 8, fp32 q
+    (2, 6, 6, 64, 32, torch.bfloat16),     # GQA 1, 6 KV heads (two a CTA), head dim 64
+    (3, 9, 3, 64, 16, torch.bfloat16),     # SmolLM2's heads: GQA 3, one KV head a CTA
 ]
 
 
@@ -338,6 +340,7 @@ def test_scores_with_their_loads_first_give_the_same_bits(monkeypatch, page, ck_
     page ids of request 0 swapped in the table change its output (the kernels read the ids they
     are given)."""
     seeded(f"load forms page={page} ck {ck_dtype}")
+    monkeypatch.setenv("SGLANG_PRR_INFLLM_VARIANT", "bulk")  # bf16 keys: the ring, not the MMAs
     B, Hq, Hk, D = 2, 32, 8, 128
     seq_lens = [random.randint(300, 600) * page + random.randint(1, page - 1),
                 random.randint(40, 200) * page]
@@ -356,6 +359,52 @@ def test_scores_with_their_loads_first_give_the_same_bits(monkeypatch, page, ck_
     out2 = torch.ops.sglang_prr_cuda.infllm_scores(qd, ckd, t2.to(DEV), sld, page, sm)
     assert not torch.equal(out2[0], outs[-1][0])
     check_scores(out2, ref.infllm_scores(q, ck, t2, sl, page, sm))
+
+
+# bf16 keys and bf16 q take the tensor-core logits by default; the CUDA-core variants stay
+# reachable through SGLANG_PRR_INFLLM_VARIANT (read at each launch).
+@pytest.mark.parametrize("B,Hq,Hk,D,page", [
+    (2, 32, 8, 128, 64),    # Llama-3-8B's heads: GQA 4, all 8 KV heads a CTA
+    (3, 64, 8, 128, 48),    # GQA 8, 3 entries a page (chunks start inside a page)
+    (2, 8, 2, 256, 16),     # head dim 256 (one tile a warp at a time), pages of one entry
+    (3, 9, 3, 64, 128),     # GQA 3, one KV head a CTA (8 warps a head)
+])
+def test_bf16_logits_on_tensor_cores_match_the_cuda_core_variants(monkeypatch, B, Hq, Hk, D,
+                                                                  page):
+    """The MMA logits (A: 16 entries' keys straight from global memory, k permuted within 32
+    dims; B: the group's q with the same permutation) give the reference's scores as the bulk and
+    register variants do, over requests of many chunks with a partial last page, one of no
+    complete key, one at a key boundary. The variants sum in different orders, so their bits
+    differ (the control that the knob picks another kernel); a key aligned with q changes its
+    block's score under the MMAs (the control that they read the keys they are given)."""
+    seeded(f"mma logits B={B} Hq={Hq} Hk={Hk} D={D} page={page}")
+    seq_lens = [random.randint(40, 90) * page + random.randint(1, page - 1) for _ in range(B)]
+    seq_lens[1] = random.randint(1, 31)
+    if B > 2:
+        seq_lens[2] = 32 + 16 * random.randint(0, 3)
+    q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, torch.bfloat16, seq_lens, B == 2,
+                                         torch.bfloat16)
+    sm = 1.0 / math.sqrt(D)
+    exp = ref.infllm_scores(q, ck, table, sl, page, sm)
+    qd, ckd, td, sld = q.to(DEV), ck.to(DEV), table.to(DEV), sl.to(DEV)
+    outs = {}
+    for variant in ("mma", "bulk", "regs"):
+        monkeypatch.setenv("SGLANG_PRR_INFLLM_VARIANT", variant)
+        poison(((B, Hk, NB), torch.float32), ((B, Hq, NB * (page // 16)), torch.float32))
+        outs[variant] = torch.ops.sglang_prr_cuda.infllm_scores(qd, ckd, td, sld, page, sm).cpu()
+        check_scores(outs[variant], exp)
+    monkeypatch.delenv("SGLANG_PRR_INFLLM_VARIANT")
+    default = torch.ops.sglang_prr_cuda.infllm_scores(qd, ckd, td, sld, page, sm).cpu()
+    assert torch.equal(default, outs["mma"]), "bf16 keys and q take the MMAs by default"
+    assert not torch.equal(outs["mma"], outs["regs"])
+    # control: entry e of request 0 set to 3 q of its KV head 0's first query head
+    e = random.randint(1, (seq_lens[0] - 32) // 16 + 1)
+    blk, j = divmod(e, page // 16)
+    ck2 = ck.clone()
+    ck2[int(table[0, blk]), j, 0] = (q[0, 0].float() * 3.0).to(torch.bfloat16)
+    out2 = torch.ops.sglang_prr_cuda.infllm_scores(qd, ck2.to(DEV), td, sld, page, sm).cpu()
+    assert not torch.allclose(out2[0, 0], default[0, 0], rtol=1e-3, atol=1e-5)
+    check_scores(out2, ref.infllm_scores(q, ck2, table, sl, page, sm))
 
 
 def test_scores_loads_first_past_the_pools_prefetch(monkeypatch):
@@ -423,17 +472,19 @@ def test_infllm_fallback_and_errors():
                                                 64, 0.1)
 
 
+@pytest.mark.parametrize("ck_dtype", [torch.float32, torch.bfloat16])  # bf16: the MMA logits
 @pytest.mark.parametrize("B,Hq,Hk,D,page,qdtype", [SCORE_CASES[0], SCORE_CASES[2],
                                                     SCORE_CASES[6]])
-def test_a_non_finite_logit_drops_its_query_head_from_the_group(B, Hq, Hk, D, page, qdtype):
+def test_a_non_finite_logit_drops_its_query_head_from_the_group(B, Hq, Hk, D, page, qdtype,
+                                                                ck_dtype):
     """A NaN or +inf in a query head, or a NaN in one compressed key, leaves those heads with no
     softmax: the kernels drop them from their group's sum as the reference does (scores with
     no NaN, the same -inf pattern), and the KV heads they do not touch keep the clean run's
     bits."""
-    seeded(f"scores non-finite B={B} Hq={Hq} Hk={Hk} page={page}")
+    seeded(f"scores non-finite B={B} Hq={Hq} Hk={Hk} page={page} ck {ck_dtype}")
     seq_lens = [random.randint(3 * page, 40 * page) for _ in range(B)]
     seq_lens[0] = 37 * page + random.randint(1, page - 1)  # several chunks of the logits pass
-    q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, qdtype, seq_lens, False)
+    q, ck, table, sl, NB = _score_inputs(B, Hq, Hk, D, page, qdtype, seq_lens, False, ck_dtype)
     sm, G = 1.0 / math.sqrt(D), Hq // Hk
     td, sld = table.to(DEV), sl.to(DEV)
     clean = torch.ops.sglang_prr_cuda.infllm_scores(q.to(DEV), ck.to(DEV), td, sld, page,

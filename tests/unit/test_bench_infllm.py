@@ -27,6 +27,7 @@ def dry(monkeypatch):
     # bench_scores sets the load knobs in os.environ: restored (unset) after each test
     monkeypatch.setenv(mod.ENV_RING, "serial")
     monkeypatch.setenv(mod.ENV_POOL, "late")
+    monkeypatch.setenv(mod.ENV_VARIANT, "")
     monkeypatch.setattr(mod, "ROTATE_BYTES", 1)
     monkeypatch.setattr(mod, "time_warm_cold", fake_warm_cold)
     monkeypatch.setattr(mod, "cuda_ops", lambda: types.SimpleNamespace(
@@ -88,3 +89,25 @@ def test_dry_run_load_forms_set_the_knobs_and_their_column(dry, monkeypatch):
         ("infllm_scores", "both"), ("infllm_update", "")]
     assert list(dict.fromkeys(seen)) == [("serial", "late"), ("ids-first", "late"),
                                          ("serial", "loads-first"), ("ids-first", "loads-first")]
+
+
+def test_dry_run_logits_variants_set_the_knob_and_their_column(dry, monkeypatch):
+    """``--logits``: each kernel row says its logits variant and SGLANG_PRR_INFLLM_VARIANT holds
+    it while the row is timed ("" lets the launcher pick); reference rows leave it empty."""
+    seen = []
+    scores = dry.cuda_ops().infllm_scores
+
+    def spy(*args):
+        seen.append(dry.os.environ.get(dry.ENV_VARIANT))
+        return scores(*args)
+
+    monkeypatch.setattr(dry, "cuda_ops", lambda: types.SimpleNamespace(
+        infllm_scores=spy, infllm_update=ref.infllm_update))
+    rows = []
+    for i, variant in enumerate(dry.LOGITS):
+        dry.bench_scores(1, 1024, 64, 8, 2, 32, reps=2, rows=rows, with_ref=i == 0,
+                         ck_dtype="bf16", logits=variant)
+    assert [(r["variant"], r["logits"]) for r in rows] == [
+        ("kernel", "pick"), ("reference", ""), ("kernel", "mma"), ("kernel", "bulk"),
+        ("kernel", "regs")]
+    assert list(dict.fromkeys(seen)) == ["", "mma", "bulk", "regs"]
