@@ -700,8 +700,9 @@ def _launch() -> str:
     (``SGLANG_PRR_INFLLM_CK=bf16``; Quest's rows carry it too, unchanged by it), ``ring-ids-first``
     when InfLLM-v2's bulk logits pass loads its chunk's page ids first
     (``SGLANG_PRR_INFLLM_RING=ids-first``), ``pool-loads-first`` when its pool loads the length,
-    statistics and logits together (``SGLANG_PRR_INFLLM_POOL=loads-first``), joined by ``+``,
-    else ``""``."""
+    statistics and logits together (``SGLANG_PRR_INFLLM_POOL=loads-first``), ``logits-regs`` /
+    ``logits-bulk`` / ``logits-mma`` when its logits variant is forced
+    (``SGLANG_PRR_INFLLM_VARIANT``), joined by ``+``, else ``""``."""
     parts = ["pdl"] if os.environ.get("SGLANG_PRR_PDL") == "1" else []
     if os.environ.get("SGLANG_PRR_FOLD_NEW_KEYS") == "0":
         parts.append("update-first")
@@ -724,6 +725,9 @@ def _launch() -> str:
         parts.append("ring-ids-first")
     if os.environ.get("SGLANG_PRR_INFLLM_POOL") == "loads-first":
         parts.append("pool-loads-first")
+    variant = os.environ.get("SGLANG_PRR_INFLLM_VARIANT", "")
+    if variant in ("regs", "bulk", "mma"):
+        parts.append(f"logits-{variant}")
     return "+".join(parts)
 
 

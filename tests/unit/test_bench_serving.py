@@ -154,6 +154,9 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     ({"SGLANG_PRR_INFLLM_RING": "serial"}, ""),
     ({"SGLANG_PRR_INFLLM_POOL": "loads-first"}, "pool-loads-first"),
     ({"SGLANG_PRR_INFLLM_POOL": "late"}, ""),
+    ({"SGLANG_PRR_INFLLM_CK": "bf16", "SGLANG_PRR_INFLLM_VARIANT": "bulk"}, "ck-bf16+logits-bulk"),
+    ({"SGLANG_PRR_INFLLM_VARIANT": "mma"}, "logits-mma"),
+    ({"SGLANG_PRR_INFLLM_VARIANT": "pick"}, ""),  # only the launcher's three names force one
     ({"SGLANG_PRR_INFLLM_CK": "bf16", "SGLANG_PRR_INFLLM_RING": "ids-first",
       "SGLANG_PRR_INFLLM_POOL": "loads-first"}, "ck-bf16+ring-ids-first+pool-loads-first"),
     ({"SGLANG_PRR_PDL": "1", "SGLANG_PRR_FOLD_NEW_KEYS": "0",
@@ -165,7 +168,8 @@ def test_launch_column_names_the_knobs(bench, monkeypatch, env, want):
               "SGLANG_PRR_ATTN_GRID", "SGLANG_PRR_ATTN_MERGE", "SGLANG_PRR_SELECT_GRID",
               "SGLANG_PRR_SMEM_CARVEOUT", "SGLANG_PRR_ATTN_SPREAD", "SGLANG_PRR_SCORES_KERNEL",
               "SGLANG_PRR_TOPK", "SGLANG_PRR_ATTN_MERGE_SPLITS", "SGLANG_PRR_ATTN_PACK",
-              "SGLANG_PRR_INFLLM_CK", "SGLANG_PRR_INFLLM_RING", "SGLANG_PRR_INFLLM_POOL"):
+              "SGLANG_PRR_INFLLM_CK", "SGLANG_PRR_INFLLM_RING", "SGLANG_PRR_INFLLM_POOL",
+              "SGLANG_PRR_INFLLM_VARIANT"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
