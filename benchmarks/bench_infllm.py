@@ -144,8 +144,7 @@ def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32"
             [lambda p=p, l=l, fn=fn: fn(ck, k_buf, rtt, req, l, p, page) for p, l in sets], reps,
             device=DEVICE)
         rows.append(dict(op="infllm_update", variant=name, ck=ck_dtype, loads="", logits="",
-                         batch=B,
-                         ctx=ctx, page=page, R=R, **_times(t), GBps="", GBps_cold="",
+                         batch=B, ctx=ctx, page=page, R=R, **_times(t), GBps="", GBps_cold="",
                          max_rel_err=""))
 
 

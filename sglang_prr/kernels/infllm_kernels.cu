@@ -196,10 +196,9 @@ infllm_pool_kernel(InfllmScoresArgs a, int bpc, int NC) {
     for (int j = 0; j < kPoolStat; ++j)
       sv[j] = (warp < G && lane + 32 * j < NC) ? st[lane + 32 * j] : make_float2(-INFINITY, 0.f);
   }
-  int64_t nvalid = complete_keys(index_of(sl_raw, a.seq64));
-  if (nvalid > E - 1) nvalid = E - 1;
+  const int64_t last = last_entry(index_of(sl_raw, a.seq64), E);
   const int64_t lo = n0 * pp > 1 ? n0 * pp : 1;
-  const int64_t hi = n1 * pp < nvalid ? n1 * pp : nvalid;  // inclusive
+  const int64_t hi = n1 * pp < last ? n1 * pp : last;  // inclusive
   if (lo > hi) {
     for (int64_t n = n0 + tid; n < n1; n += kPoolThreads) out[n] = -INFINITY;
     return;

@@ -18,6 +18,11 @@ namespace {
 __device__ __forceinline__ int64_t complete_keys(int64_t sl) {
   return sl >= kInfllmWindow ? (sl - kInfllmWindow) / kInfllmStride + 1 : 0;
 }
+// The request's last valid entry (entry e holds key e - 1) in a table of E entries.
+__device__ __forceinline__ int64_t last_entry(int64_t sl, int64_t E) {
+  const int64_t n = complete_keys(sl);
+  return n < E - 1 ? n : E - 1;
+}
 
 // The compressed keys' element type CK: float32, or bfloat16 rounded to nearest from the float32
 // mean (half the bytes for the scores to stream). A row's 8 elements load as Raw8<CK> (several
@@ -126,6 +131,21 @@ __device__ __forceinline__ float group_dot(const float (*qf)[8], float4 k0, floa
   return x[0];
 }
 
+// The end (exclusive) of chunk [e0, e0 + chunk) among the valid entries 1..last.
+__device__ __forceinline__ int64_t chunk_end(int64_t last, int64_t e0, int chunk) {
+  return e0 + chunk < last + 1 ? e0 + chunk : last + 1;
+}
+// Whether the chunk holds no valid entry; if so its `rows` query heads' statistics say so
+// (-inf, 0), by every thread of the CTA, and the CTA returns.
+__device__ __forceinline__ bool empty_chunk(const InfllmScoresArgs& a, int64_t e0, int64_t e_end,
+                                            int64_t qrow0, int rows, int NC, int c) {
+  if (e_end > (e0 > 1 ? e0 : 1)) return false;
+  float2* stats = reinterpret_cast<float2*>(a.stats);
+  for (int r = threadIdx.x; r < rows; r += kScoreThreads)
+    stats[(qrow0 + r) * NC + c] = make_float2(-INFINITY, 0.f);
+  return true;
+}
+
 // A logits pass's tail, by every thread of the CTA: the chunk's n logits of `rows` query heads
 // (row r at s_x[((r / G) * GMAX + r % G) * stride]) to the workspace, and each row's chunk
 // statistics.
@@ -164,7 +184,6 @@ infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
   const int64_t E = (int64_t)a.NB * pp;
   const int64_t qrow0 = (int64_t)b * a.Hq + (int64_t)hk0 * G;  // first query head of the CTA
   const int tid = threadIdx.x;
-  float2* stats = reinterpret_cast<float2*>(a.stats);
   const int lanes = L * hc;                 // lanes per entry
   const int epp = kScoreThreads / lanes;    // entries per pass
   const int ent = tid / lanes, hh = (tid % lanes) / L, lane_t = tid % L, d0 = lane_t * 8;
@@ -176,15 +195,9 @@ infllm_logits_kernel(InfllmScoresArgs a, int hc, int chunk) {
     qr[g] = ld8_raw(a.q, ((int64_t)b * a.Hq + (int64_t)hk * G + (g < G ? g : G - 1)) * D + d0,
                     a.q_dtype);
 
-  int64_t nvalid = complete_keys(ld_index(a.seq_lens, b, a.seq64));
-  if (nvalid > E - 1) nvalid = E - 1;
   const int64_t e0 = (int64_t)c * chunk;
-  const int64_t e_end = e0 + chunk < nvalid + 1 ? e0 + chunk : nvalid + 1;  // exclusive
-  if (e_end <= (e0 > 1 ? e0 : 1)) {  // no valid entry in this chunk
-    for (int t = tid; t < hc * G; t += kScoreThreads)
-      stats[(qrow0 + t) * NC + c] = make_float2(-INFINITY, 0.f);
-    return;
-  }
+  const int64_t e_end = chunk_end(last_entry(ld_index(a.seq_lens, b, a.seq64), E), e0, chunk);
+  if (empty_chunk(a, e0, e_end, qrow0, hc * G, NC, c)) return;
   const int64_t pg0 = e0 / pp;
   const int npg = (int)((e_end - 1) / pp - pg0 + 1);
   for (int t = tid; t < npg; t += kScoreThreads)
@@ -264,7 +277,6 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S, bool ids_first) 
   const int64_t E = (int64_t)a.NB * pp;
   const int64_t qrow0 = (int64_t)b * a.Hq;
   const int tid = threadIdx.x;
-  float2* stats = reinterpret_cast<float2*>(a.stats);
   const int64_t e0 = (int64_t)c * chunk;  // a page boundary (chunk % pp == 0)
   const int64_t pg0 = e0 / pp;
   const int64_t trow = (int64_t)b * a.table_stride + pg0;
@@ -289,14 +301,8 @@ infllm_logits_bulk_kernel(InfllmScoresArgs a, int chunk, int S, bool ids_first) 
     qr[g][1] = ld4_raw(a.q, qo + db, a.q_dtype);
   }
 
-  int64_t nvalid = complete_keys(ld_index(a.seq_lens, b, a.seq64));
-  if (nvalid > E - 1) nvalid = E - 1;
-  const int64_t e_end = e0 + chunk < nvalid + 1 ? e0 + chunk : nvalid + 1;
-  if (e_end <= (e0 > 1 ? e0 : 1)) {
-    for (int t = tid; t < a.Hq; t += kScoreThreads)
-      stats[(qrow0 + t) * NC + c] = make_float2(-INFINITY, 0.f);
-    return;
-  }
+  const int64_t e_end = chunk_end(last_entry(ld_index(a.seq_lens, b, a.seq64), E), e0, chunk);
+  if (empty_chunk(a, e0, e_end, qrow0, a.Hq, NC, c)) return;
   const int npg = (int)((e_end - 1) / pp - pg0 + 1);
   const uint32_t page_bytes = (uint32_t)(pf * sizeof(CK));
   const int n0 = npg < S ? npg : S;  // the ring's first fill
@@ -424,15 +430,8 @@ infllm_logits_mma_kernel(InfllmScoresArgs a, int hc, int chunk) {
   RawIndex pid_raw{};
   if (tid < npg && pg0 + tid < a.NB)
     pid_raw = ld_index_raw(a.table, (int64_t)b * a.table_stride + pg0 + tid, a.table64);
-  int64_t nvalid = complete_keys(ld_index(a.seq_lens, b, a.seq64));
-  if (nvalid > E - 1) nvalid = E - 1;
-  const int64_t e_end = e0 + chunk < nvalid + 1 ? e0 + chunk : nvalid + 1;  // exclusive
-  if (e_end <= (e0 > 1 ? e0 : 1)) {  // no valid entry in this chunk
-    float2* stats = reinterpret_cast<float2*>(a.stats);
-    for (int r = tid; r < hc * G; r += kScoreThreads)
-      stats[(qrow0 + r) * NC + c] = make_float2(-INFINITY, 0.f);
-    return;
-  }
+  const int64_t e_end = chunk_end(last_entry(ld_index(a.seq_lens, b, a.seq64), E), e0, chunk);
+  if (empty_chunk(a, e0, e_end, qrow0, hc * G, NC, c)) return;
   if (tid < npg && pg0 + tid < a.NB)
     s_page[tid] = in_pool(index_of(pid_raw, a.table64), a.num_pages);
   __syncthreads();
