@@ -1,8 +1,8 @@
 """InfLLM-v2 kernels beside the torch reference on one GPU: ``infllm_scores`` (block scores from the
 compressed keys) and ``infllm_update`` (one decode step's compressed keys).
 
-Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16 q and keys, compressed keys in float32
-or, with ``--ck-dtype bf16``, bfloat16 (``SGLANG_PRR_INFLLM_CK``); both side by side with
+Llama-3-8B layer (32 q / 8 KV heads, head dim 128, bf16 q and keys, compressed keys in bfloat16
+or, with ``--ck-dtype fp32``, float32 (``SGLANG_PRR_INFLLM_CK``); both side by side with
 ``--ck-dtype fp32 bf16``: the ``ck`` column), block 64, 128K context (8191 complete compressed
 keys per request), batch 1 and 8 by default.
 Every variant is captured in a CUDA graph that calls it over R rotating input sets (different
@@ -82,7 +82,7 @@ def _times(t: dict) -> dict:
     return out
 
 
-def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32",
+def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="bf16",
                  loads="default", logits="pick"):
     dev = torch.device(DEVICE)
     # before the first launch and the graphs' capture
@@ -123,7 +123,7 @@ def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="f
     del ck, tables
 
 
-def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True, ck_dtype="fp32"):
+def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True, ck_dtype="bf16"):
     dev = torch.device(DEVICE)
     NB = ctx // page
     R = 16
@@ -156,7 +156,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--csv", type=str, default="")
     ap.add_argument("--no-reference", action="store_true", help="time the kernels only")
-    ap.add_argument("--ck-dtype", nargs="+", choices=sorted(CK_DTYPES), default=["fp32"],
+    ap.add_argument("--ck-dtype", nargs="+", choices=sorted(CK_DTYPES), default=["bf16"],
                     help="the compressed keys' dtypes, each timed in turn")
     ap.add_argument("--loads", nargs="+", choices=list(LOAD_FORMS), default=["default"],
                     help="the scores' load forms, each timed in turn")

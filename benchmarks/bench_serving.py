@@ -696,8 +696,8 @@ def _launch() -> str:
     (``SGLANG_PRR_ATTN_PACK=1``), ``pages-one`` when one entry a CTA always (``=0``),
     ``carveout-max`` when every kernel asks for the SM's largest shared-memory carveout
     (``SGLANG_PRR_SMEM_CARVEOUT=max``), ``carveout-select`` when PRR's one-pass selection alone
-    does (``=select``), ``ck-bf16`` when InfLLM-v2's compressed keys are stored in bfloat16
-    (``SGLANG_PRR_INFLLM_CK=bf16``; Quest's rows carry it too, unchanged by it), ``ring-ids-first``
+    does (``=select``), ``ck-fp32`` when InfLLM-v2's compressed keys are stored in float32
+    (``SGLANG_PRR_INFLLM_CK=fp32``; Quest's rows carry it too, unchanged by it), ``ring-ids-first``
     when InfLLM-v2's bulk logits pass loads its chunk's page ids first
     (``SGLANG_PRR_INFLLM_RING=ids-first``), ``pool-loads-first`` when its pool loads the length,
     statistics and logits together (``SGLANG_PRR_INFLLM_POOL=loads-first``), ``logits-regs`` /
@@ -719,8 +719,8 @@ def _launch() -> str:
     carveout = os.environ.get("SGLANG_PRR_SMEM_CARVEOUT", "")
     if carveout in ("max", "select"):
         parts.append(f"carveout-{carveout}")
-    if os.environ.get("SGLANG_PRR_INFLLM_CK") == "bf16":
-        parts.append("ck-bf16")
+    if os.environ.get("SGLANG_PRR_INFLLM_CK") == "fp32":
+        parts.append("ck-fp32")
     if os.environ.get("SGLANG_PRR_INFLLM_RING") == "ids-first":
         parts.append("ring-ids-first")
     if os.environ.get("SGLANG_PRR_INFLLM_POOL") == "loads-first":

@@ -1,12 +1,12 @@
 """InfLLM-v2 (MiniCPM4, 2025): compressed keys over overlapping windows, scored by attention.
 
 Summary of a page: the compressed keys stored with it, ``ck: [page // INFLLM_STRIDE, Hk, D]``
-float32, or bfloat16 with ``SGLANG_PRR_INFLLM_CK=bf16`` (the float32 mean rounded to nearest: half
-the bytes the scores stream and the KV pool gives up; a measuring knob until the server has
-measured it). Compressed key ``i`` is the mean of the keys at positions ``[16 i, 16 i + 32)``
-(``INFLLM_STRIDE``, ``INFLLM_WINDOW``), stored with the page of its last token; it depends on
-that page and the previous one only, so pages shared through the radix cache share it
-(``reference.infllm_update``).
+bfloat16 (the float32 mean rounded to nearest: half float32's bytes, for the scores to stream and
+the KV pool to give up, and with a 16-bit q the logits run on tensor cores), or float32 with
+``SGLANG_PRR_INFLLM_CK=fp32``. Compressed key ``i`` is the mean of the keys at positions
+``[16 i, 16 i + 32)`` (``INFLLM_STRIDE``, ``INFLLM_WINDOW``), stored with the page of its last
+token; it depends on that page and the previous one only, so pages shared through the radix cache
+share it (``reference.infllm_update``).
 
 Scores: the softmax of ``q . ck`` over the request's complete compressed keys, summed over the
 GQA group, max-pooled to every block a compressed key overlaps (``ops.infllm_scores``).
@@ -32,9 +32,9 @@ CK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def ck_dtype() -> torch.dtype:
-    """The compressed keys' dtype: ``SGLANG_PRR_INFLLM_CK`` (``fp32``, the default, or ``bf16``);
+    """The compressed keys' dtype: ``SGLANG_PRR_INFLLM_CK`` (``bf16``, the default, or ``fp32``);
     any other value is refused with its name."""
-    value = os.environ.get(ENV_CK, "fp32")
+    value = os.environ.get(ENV_CK, "bf16")
     if value not in CK_DTYPES:
         raise ValueError(f"{ENV_CK}={value!r}: expected one of {sorted(CK_DTYPES)}")
     return CK_DTYPES[value]

@@ -149,16 +149,16 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     ({"SGLANG_PRR_SMEM_CARVEOUT": "max"}, "carveout-max"),
     ({"SGLANG_PRR_SMEM_CARVEOUT": "select"}, "carveout-select"),
     ({"SGLANG_PRR_SMEM_CARVEOUT": "1"}, ""),  # only "max" / "select" ask, as in the launcher
-    ({"SGLANG_PRR_INFLLM_CK": "bf16"}, "ck-bf16"), ({"SGLANG_PRR_INFLLM_CK": "fp32"}, ""),
+    ({"SGLANG_PRR_INFLLM_CK": "fp32"}, "ck-fp32"), ({"SGLANG_PRR_INFLLM_CK": "bf16"}, ""),
     ({"SGLANG_PRR_INFLLM_RING": "ids-first"}, "ring-ids-first"),
     ({"SGLANG_PRR_INFLLM_RING": "serial"}, ""),
     ({"SGLANG_PRR_INFLLM_POOL": "loads-first"}, "pool-loads-first"),
     ({"SGLANG_PRR_INFLLM_POOL": "late"}, ""),
-    ({"SGLANG_PRR_INFLLM_CK": "bf16", "SGLANG_PRR_INFLLM_VARIANT": "bulk"}, "ck-bf16+logits-bulk"),
+    ({"SGLANG_PRR_INFLLM_CK": "fp32", "SGLANG_PRR_INFLLM_VARIANT": "bulk"}, "ck-fp32+logits-bulk"),
     ({"SGLANG_PRR_INFLLM_VARIANT": "mma"}, "logits-mma"),
     ({"SGLANG_PRR_INFLLM_VARIANT": "pick"}, ""),  # only the launcher's three names force one
-    ({"SGLANG_PRR_INFLLM_CK": "bf16", "SGLANG_PRR_INFLLM_RING": "ids-first",
-      "SGLANG_PRR_INFLLM_POOL": "loads-first"}, "ck-bf16+ring-ids-first+pool-loads-first"),
+    ({"SGLANG_PRR_INFLLM_CK": "fp32", "SGLANG_PRR_INFLLM_RING": "ids-first",
+      "SGLANG_PRR_INFLLM_POOL": "loads-first"}, "ck-fp32+ring-ids-first+pool-loads-first"),
     ({"SGLANG_PRR_PDL": "1", "SGLANG_PRR_FOLD_NEW_KEYS": "0",
       "SGLANG_PRR_SELECT_KERNEL": "rowtail"}, "pdl+update-first+select-rowtail")])
 def test_launch_column_names_the_knobs(bench, monkeypatch, env, want):

@@ -21,7 +21,7 @@ def bf16_ck(monkeypatch):
     monkeypatch.setenv(infllm_v2.ENV_CK, "bf16")
 
 
-@pytest.mark.parametrize("value,dtype", [(None, torch.float32), ("fp32", torch.float32),
+@pytest.mark.parametrize("value,dtype", [(None, torch.bfloat16), ("fp32", torch.float32),
                                          ("bf16", torch.bfloat16)])
 def test_the_knob_sets_the_layout_and_its_bytes(monkeypatch, value, dtype):
     if value is None:
