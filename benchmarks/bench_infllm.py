@@ -42,7 +42,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from sglang_prr import reference as ref  # noqa: E402
-from sglang_prr.methods.infllm_v2 import CK_DTYPES  # noqa: E402  (the knob's dtypes)
+from sglang_prr.methods.infllm_v2 import CK_DTYPES, DEFAULT_CK  # noqa: E402  (the knob's)
 
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import time_warm_cold  # noqa: E402  (the benchmarks' one graph timer)
@@ -82,7 +82,7 @@ def _times(t: dict) -> dict:
     return out
 
 
-def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="bf16",
+def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype=DEFAULT_CK,
                  loads="default", logits="pick"):
     dev = torch.device(DEVICE)
     # before the first launch and the graphs' capture
@@ -123,7 +123,7 @@ def bench_scores(B, ctx, page, Hq, Hk, D, reps, rows, with_ref=True, ck_dtype="b
     del ck, tables
 
 
-def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True, ck_dtype="bf16"):
+def bench_update(B, ctx, page, Hk, D, reps, rows, with_ref=True, ck_dtype=DEFAULT_CK):
     dev = torch.device(DEVICE)
     NB = ctx // page
     R = 16
@@ -156,7 +156,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--csv", type=str, default="")
     ap.add_argument("--no-reference", action="store_true", help="time the kernels only")
-    ap.add_argument("--ck-dtype", nargs="+", choices=sorted(CK_DTYPES), default=["bf16"],
+    ap.add_argument("--ck-dtype", nargs="+", choices=sorted(CK_DTYPES), default=[DEFAULT_CK],
                     help="the compressed keys' dtypes, each timed in turn")
     ap.add_argument("--loads", nargs="+", choices=list(LOAD_FORMS), default=["default"],
                     help="the scores' load forms, each timed in turn")

@@ -149,6 +149,7 @@ import profile_trace  # noqa: E402
 from knobs import attn_launch, selection_forms  # noqa: E402
 
 from sglang_prr.serving import harness  # noqa: E402  (start, readiness, stop, log)
+from sglang_prr.methods.infllm_v2 import CK_DTYPES, DEFAULT_CK, ENV_CK  # noqa: E402
 from sglang_prr.step import predictor_placement  # noqa: E402
 
 # Llama-3-8B: 32 layers, 32 query / 8 KV heads of 128, hidden 4096, MLP 14336.
@@ -696,9 +697,9 @@ def _launch() -> str:
     (``SGLANG_PRR_ATTN_PACK=1``), ``pages-one`` when one entry a CTA always (``=0``),
     ``carveout-max`` when every kernel asks for the SM's largest shared-memory carveout
     (``SGLANG_PRR_SMEM_CARVEOUT=max``), ``carveout-select`` when PRR's one-pass selection alone
-    does (``=select``), ``ck-fp32`` when InfLLM-v2's compressed keys are stored in float32
-    (``SGLANG_PRR_INFLLM_CK=fp32``; Quest's rows carry it too, unchanged by it), ``ring-ids-first``
-    when InfLLM-v2's bulk logits pass loads its chunk's page ids first
+    does (``=select``), ``ck-fp32`` when InfLLM-v2's compressed keys are stored in float32,
+    not its default bf16 (``SGLANG_PRR_INFLLM_CK=fp32``; Quest's rows carry it too, unchanged by
+    it), ``ring-ids-first`` when InfLLM-v2's bulk logits pass loads its chunk's page ids first
     (``SGLANG_PRR_INFLLM_RING=ids-first``), ``pool-loads-first`` when its pool loads the length,
     statistics and logits together (``SGLANG_PRR_INFLLM_POOL=loads-first``), ``logits-regs`` /
     ``logits-bulk`` / ``logits-mma`` when its logits variant is forced
@@ -719,8 +720,9 @@ def _launch() -> str:
     carveout = os.environ.get("SGLANG_PRR_SMEM_CARVEOUT", "")
     if carveout in ("max", "select"):
         parts.append(f"carveout-{carveout}")
-    if os.environ.get("SGLANG_PRR_INFLLM_CK") == "fp32":
-        parts.append("ck-fp32")
+    ck = os.environ.get(ENV_CK, DEFAULT_CK)
+    if ck in CK_DTYPES and ck != DEFAULT_CK:
+        parts.append(f"ck-{ck}")
     if os.environ.get("SGLANG_PRR_INFLLM_RING") == "ids-first":
         parts.append("ring-ids-first")
     if os.environ.get("SGLANG_PRR_INFLLM_POOL") == "loads-first":

@@ -29,12 +29,13 @@ from .base import DSAMethod, SummaryTensor
 
 ENV_CK = "SGLANG_PRR_INFLLM_CK"
 CK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULT_CK = "bf16"  # measured against float32 in the server (benchmarks/RUNS.md, run 61)
 
 
 def ck_dtype() -> torch.dtype:
     """The compressed keys' dtype: ``SGLANG_PRR_INFLLM_CK`` (``bf16``, the default, or ``fp32``);
     any other value is refused with its name."""
-    value = os.environ.get(ENV_CK, "bf16")
+    value = os.environ.get(ENV_CK, DEFAULT_CK)
     if value not in CK_DTYPES:
         raise ValueError(f"{ENV_CK}={value!r}: expected one of {sorted(CK_DTYPES)}")
     return CK_DTYPES[value]
