@@ -95,7 +95,7 @@ __device__ void block_attn_packed(const AttnArgs& a, int cta, int hk, int b, int
   }
   stamp(a, kTlLists);
   if (any) packed_partials<T, D>(a, b, hk, n0, P, row0, slot0, ntok, nq, s_dyn);
-  if (a.sem) merge_tail(a, b, hk, cta, s_dyn, group, D);
+  if (a.sem) merge_tail(a, b, hk, cta, s_dyn, group, D, false);
 }
 
 // HeadsX: the grid's x runs over KV heads and its y over list entries (launch_partials), else the
@@ -121,32 +121,40 @@ block_attn_kernel(AttnArgs a, int nq) {
   const int blk = list[n];
   const int64_t sl = ld_index(a.seq_lens, b, a.seq64);
   const int earlier = tid < n ? list[tid] : 0;
-  // Fused merge: only the listed entries compute a partial (entry 0 alone for an empty list, so
-  // the first source is still merged). The CTAs of the other entries exit at once or, where the
-  // merge is spread over the row (a.spread == 2), take their share of it: a repair over one
-  // block would else merge its entries' rows in one CTA (5.3 us against 2.4 for a share, run 27).
+  // A fused merge's row with an empty list (count <= 0: a repair where P covered A) merges at
+  // once: no partial to compute or wait for, its CTAs merge their shares without a ticket
+  // (merge_tail). (Its lists are not loaded here beside the count: the general path would then
+  // hold them across the partial, 79 -> 95 registers at D = 128.)
+  const bool alone = a.sem && c <= 0;
+  // Fused merge: only the listed entries compute a partial. The CTAs of the other entries exit
+  // at once or, where the merge is spread over the row (a.spread == 2, or a row merged alone),
+  // take their share of it: a repair over one block would else merge its entries' rows in one
+  // CTA (5.3 us against 2.4 for a share, run 27).
   const int parts = max(min(c, a.N), 1);
-  const int group = a.spread == 2 ? a.N : parts;
+  const int group = (a.spread == 2 || alone) ? a.N : parts;
   if (a.sem && n >= group) return probe_exit(a);
-  const bool repeat = repeats_earlier(list, n, blk, earlier);
-  stamp(a, kTlLists);
-  int ntok = 0;
-  int64_t page = 0;
-  if (n < c && !repeat && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
-    page = in_pool(ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64), a.num_pages);
-    const int64_t rem = sl - (int64_t)blk * a.page_size;
-    ntok = clamp_count(rem, a.page_size);
-  }
-  if (a.sem && n >= parts) {
-    // a share of the merge only: no partial (the merge reads the entries below the count)
-  } else if (ntok == 0) {  // padding entry or block past the request
-    write_empty_partial<D>(a, row0, n, G);
-  } else {
-    block_partial<T, D>(a, b, hk, n, row0, page, ntok, nq, s_dyn);
+  if (!alone) {  // uniform over the CTA (the repeat check's barrier)
+    const bool repeat = repeats_earlier(list, n, blk, earlier);
+    stamp(a, kTlLists);
+    int ntok = 0;
+    int64_t page = 0;
+    if (n < c && !repeat && blk >= 0 && blk < a.NB) {  // ids outside the table are padding
+      page =
+          in_pool(ld_index(a.table, (int64_t)b * a.table_stride + blk, a.table64), a.num_pages);
+      const int64_t rem = sl - (int64_t)blk * a.page_size;
+      ntok = clamp_count(rem, a.page_size);
+    }
+    if (a.sem && n >= parts) {
+      // a share of the merge only: no partial (the merge reads the entries below the count)
+    } else if (ntok == 0) {  // padding entry or block past the request
+      write_empty_partial<D>(a, row0, n, G);
+    } else {
+      block_partial<T, D>(a, b, hk, n, row0, page, ntok, nq, s_dyn);
+    }
   }
   // One call site: the merge's code is in the kernel once (its instructions run cold). Its
   // first barrier orders the combine's s_o reads before the merge's arrays reuse s_dyn.
-  if (a.sem) merge_tail(a, b, hk, n, s_dyn, group, D);
+  if (a.sem) merge_tail(a, b, hk, n, s_dyn, group, D, alone);
   probe_exit(a);
 }
 

@@ -370,18 +370,23 @@ __device__ void merge_rows(const AttnArgs& a, int b, int hk, unsigned char* smem
 // not one CTA's sort and its pull of every row. A member that waits longer than a.spread_wait
 // clocks withdraws (group_wait), and the last CTA, whose ticket counts the withdrawals, then
 // merges every item: the members that did not withdraw write the same bits for their own items,
-// so the output is the same whoever merges what. The same sort, weights and sums either way (one
-// copy of their code), so the same bits. Arrays at 0, the row stage after them. Called by every
-// thread of CTA n (n < group).
+// so the output is the same whoever merges what. A group `alone` (its list empty: no partial of
+// its own to wait for) has no ticket and no barrier: CTA n merges its share at once. The same
+// sort, weights and sums every way (one copy of their code), so the same bits. Arrays at 0, the
+// row stage after them. Called by every thread of CTA n (n < group).
 __device__ void merge_tail(const AttnArgs& a, int b, int hk, int n, unsigned char* smem,
-                           int group, int D) {
+                           int group, int D, bool alone) {
   const MergeLoads l = merge_loads(a, b, hk);
   const MergeShape m(a);
   int* counter = a.sem + (int64_t)b * a.Hk + hk;
   const int items = m.G * (D / 4);
   int lo = 0, hi = items;
   bool wait = false;
-  if (a.spread) {
+  if (alone) {
+    lo = (int)((int64_t)items * n / group);
+    hi = (int)((int64_t)items * (n + 1) / group);
+    if (lo == hi) return;  // more CTAs than items: nothing of this one's
+  } else if (a.spread) {
     const int prev = group_ticket(counter, group, kGroupArrivals);
     const bool last = (prev & kGroupArrivals) == group - 1;
     if (!(last && prev >= kGroupWithdrawal)) {  // else a member withdrew: merge every item
