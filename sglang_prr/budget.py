@@ -9,7 +9,7 @@ holds depends on the GPU, the layer's shape, the context and above all the batch
 
     {"version": 2, "gpu": "NVIDIA H200",
      "shape": {"method": "quest", "num_qo_heads": 32, "num_kv_heads": 8, "head_dim": 128,
-               "page_size": 64, "top_k_tokens": 2048},
+               "page_size": 64, "top_k_tokens": 2048, "summaries": "bfloat16,bfloat16"},
      "hit_rate": 0.7, "layers": 4, ...,
      "layer_us": [{"batch": 1, "context": 32768, "delta": 0.0, "us": 151.2}, ...]}
 
@@ -46,6 +46,11 @@ DEFAULT_DELTAS = (0.0, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 # profile, and serial DSA has no side stream to get wrong.
 SPECULATE_MARGIN = 0.99
 SHAPE_KEYS = ("method", "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "top_k_tokens")
+# A shape key profiles record from now on but need not hold (older ones lack it): the summaries'
+# dtypes (``DSAMethod.summary_dtypes``). A server whose summaries differ warns, as for the
+# predictor's placement: the choice may not be its best, but the profile still describes its
+# layer.
+SUMMARIES_KEY = "summaries"
 # describe()'s value for a batch size that decodes with dense attention.
 DENSE = "dense"
 
@@ -56,9 +61,16 @@ def layer_shape(cfg: PRRConfig, page_size: int, head_dim: int,
                 num_qo_heads: Optional[int] = None) -> Dict[str, object]:
     """The ``SHAPE_KEYS`` a profile is checked against (``BudgetProfile.check_shape``): the
     method, the layer's head sizes (those known: a key left out is not compared), the page and
-    K in tokens."""
+    K in tokens; and ``SUMMARIES_KEY``, the method's summary dtypes at this page (left out where
+    the method refuses the page: the config's checks name that)."""
+    from . import methods  # the methods import torch; the launcher's early checks do not need it
+
     shape: Dict[str, object] = dict(method=cfg.method, head_dim=head_dim, page_size=page_size,
                                     top_k_tokens=cfg.top_k_blocks * page_size)
+    try:
+        shape[SUMMARIES_KEY] = methods.get(cfg.method).summary_dtypes(page_size)
+    except ValueError:
+        pass
     if num_kv_heads is not None:
         shape["num_kv_heads"] = num_kv_heads
     if num_qo_heads is not None:
@@ -300,6 +312,13 @@ class BudgetPolicy:
                 logger.warning("sglang_prr: the profile %s was measured with --prr-predictor %s, "
                                "this server runs %s: its choices may not be this server's best",
                                cfg.profile, measured_with, cfg.predictor)
+            theirs = self.profile.shape.get(SUMMARIES_KEY)
+            ours = (shape or {}).get(SUMMARIES_KEY)
+            if theirs is not None and ours is not None and theirs != ours:
+                logger.warning("sglang_prr: the profile %s was measured with %s summaries, this "
+                               "server stores %s: its choices may not be this server's best "
+                               "(remake it with python -m sglang_prr.profile_budget)",
+                               cfg.profile, theirs, ours)
             bound = cfg.max_context_blocks
             self.contexts = self.profile.contexts_upto(
                 None if bound is None else int(bound) * cfg.block_size)

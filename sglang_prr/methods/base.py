@@ -153,6 +153,13 @@ class DSAMethod:
                        for t in self.layout(page_size, num_kv_heads, head_dim))
         return int(math.ceil(num_layers * per_page / page_size))
 
+    def summary_dtypes(self, page_size: int) -> str:
+        """The dtypes of ``layout``'s tensors, comma-joined (Quest: ``bfloat16,bfloat16``): a
+        budget profile records them with its layer shape, since the selection's time follows
+        its summaries' bytes (InfLLM-v2's compressed keys are bf16 or float32 by
+        ``SGLANG_PRR_INFLLM_CK``)."""
+        return ",".join(str(t.dtype).replace("torch.", "") for t in self.layout(page_size, 1, 1))
+
     def allocate(self, num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,
                  page_size: int, device) -> List[Tensor]:
         """Every layer's summaries of every page, empty: ``[L, P, *per_page]`` per tensor of

@@ -36,7 +36,8 @@ it; ``--no-dense`` skips it), so ``--prr-budget auto`` can run dense where it is
 
 Every flag of the server's ``--prr-*`` family is accepted (method, K, block size, kept blocks,
 max budget); the profile records the shape it was measured for and the server refuses a profile
-of another shape.
+of another shape. It records the summaries' dtypes too (InfLLM-v2's compressed keys follow
+``SGLANG_PRR_INFLLM_CK``), and a server that stores others logs a warning.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .. import contracts, ops, summaries
-from ..budget import DEFAULT_DELTAS, PROFILE_VERSION, BudgetProfile
+from ..budget import DEFAULT_DELTAS, PROFILE_VERSION, BudgetProfile, layer_shape
 from ..config import PRRConfig
 from ..flags import add_prr_args, pop_prr_args
 from ..step import DecodeStep, LayerState
@@ -396,9 +397,7 @@ def measure(a) -> BudgetProfile:
     print(file=sys.stderr)
     gpu = (torch.cuda.get_device_name(torch.device(a.device))
            if torch.device(a.device).type == "cuda" else "cpu")
-    shape = dict(method=cfg.method, num_qo_heads=a.num_qo_heads, num_kv_heads=a.num_kv_heads,
-                 head_dim=a.head_dim, page_size=cfg.block_size,
-                 top_k_tokens=cfg.top_k_blocks * cfg.block_size)
+    shape = layer_shape(cfg, cfg.block_size, a.head_dim, a.num_kv_heads, a.num_qo_heads)
     meta = dict(gpu=gpu, hit_rate=a.hit_rate,
                 hit_rate_source=getattr(a, "hit_rate_source", "given"), layers=a.layers,
                 hidden_size=a.hidden_size, intermediate_size=a.intermediate_size, tp=a.tp,

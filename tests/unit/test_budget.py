@@ -13,7 +13,8 @@ import torch
 
 from sglang_prr import ops
 from sglang_prr.tools import profile_budget
-from sglang_prr.budget import SPECULATE_MARGIN, BudgetPolicy, BudgetProfile, check_profile
+from sglang_prr.budget import (SPECULATE_MARGIN, BudgetPolicy, BudgetProfile, check_profile,
+                               layer_shape)
 from sglang_prr.config import PRRConfig, PRRConfigError
 from sglang_prr.step import DecodeStep, new_layer_state
 from sglang_prr.tools.synthetic import paged_kv
@@ -132,6 +133,44 @@ def test_profile_of_another_shape_is_refused(tmp_path):
         BudgetPolicy(_cfg(path), {**SHAPE, "head_dim": 64})
 
 
+def test_layer_shape_records_the_summaries_dtypes(monkeypatch):
+    """The shape a profile records and a server checks names the summaries' dtypes: Quest's
+    bounds, InfLLM-v2's compressed keys as SGLANG_PRR_INFLLM_CK stores them."""
+    monkeypatch.delenv("SGLANG_PRR_INFLLM_CK", raising=False)
+    def cfg(method):
+        return PRRConfig(method=method, top_k=2048, top_k_unit="tokens", block_size=64).validate()
+
+    quest = layer_shape(cfg("quest"), 64, 128, 8, 32)
+    assert quest["summaries"] == "bfloat16,bfloat16"
+    assert {k: quest[k] for k in SHAPE} == SHAPE  # the other keys as before
+    inf = cfg("infllm_v2")
+    bf16 = layer_shape(inf, 64, 128, 8, 32)["summaries"]
+    monkeypatch.setenv("SGLANG_PRR_INFLLM_CK", "fp32")
+    fp32 = layer_shape(inf, 64, 128, 8, 32)["summaries"]
+    assert (bf16, fp32) == ("bfloat16", "float32")
+    # A page the method refuses leaves the key out (the config's own check names the page).
+    assert "summaries" not in layer_shape(inf, 40, 128, 8, 32)
+
+
+def test_profile_of_other_summaries_warns(tmp_path, caplog):
+    """A profile measured with other summary dtypes is used with a warning naming both; one with
+    the server's, or one that does not record them (older profiles), without."""
+    server = {**SHAPE, "summaries": "bfloat16"}
+
+    def warnings_for(profile_shape):
+        path = _write(tmp_path, _profile({1: {1.5: 0.9}}, shape=profile_shape))
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sglang_prr"):
+            pol = BudgetPolicy(_cfg(path), server)
+        assert pol.delta(1) == 1.5  # still the profile's choice
+        return [r.getMessage() for r in caplog.records if "summaries" in r.getMessage()]
+
+    (msg,) = warnings_for({**SHAPE, "summaries": "float32"})
+    assert "float32" in msg and "bfloat16" in msg and "profile_budget" in msg
+    assert warnings_for({**SHAPE, "summaries": "bfloat16"}) == []  # control: the same dtypes
+    assert warnings_for(SHAPE) == []
+
+
 def test_profile_round_trip(tmp_path):
     prof = BudgetProfile.from_dict(_profile({1: {1.0: 1.1}, 4: {1.5: 0.9}}))
     prof.save(str(tmp_path / "p.json"))
@@ -237,7 +276,7 @@ def test_profiler_plumbing_on_cpu(tmp_path, capsys):
     assert prof.batch_sizes == [1, 2] and prof.contexts == [200]
     assert sorted({d for _, _, d in prof.layer_us}) == [0.0, 1.0, 2.0]  # serial added
     assert prof.shape == dict(method="quest", num_qo_heads=4, num_kv_heads=2, head_dim=16,
-                              page_size=16, top_k_tokens=48)
+                              page_size=16, top_k_tokens=48, summaries="bfloat16,bfloat16")
     text = capsys.readouterr().out
     assert "cells: layer time / serial DSA's at hit rate 0.9 / 0.5" in text
     pol = BudgetPolicy(_cfg(str(out), top_k=3, top_k_unit="blocks", block_size=16),
