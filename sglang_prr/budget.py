@@ -46,9 +46,9 @@ DEFAULT_DELTAS = (0.0, 1.0, 1.25, 1.5, 2.0, 3.0, 4.0)
 # profile, and serial DSA has no side stream to get wrong.
 SPECULATE_MARGIN = 0.99
 SHAPE_KEYS = ("method", "num_qo_heads", "num_kv_heads", "head_dim", "page_size", "top_k_tokens")
-# A shape key profiles record from now on but need not hold (older ones lack it): the summaries'
-# dtypes (``DSAMethod.summary_dtypes``). A server whose summaries differ warns, as for the
-# predictor's placement: the choice may not be its best, but the profile still describes its
+# A shape key that profile_budget records but a profile need not hold (older ones lack it): the
+# summaries' dtypes (``DSAMethod.summary_dtypes``). A server whose summaries differ warns, as for
+# the predictor's placement: the choice may not be its best, but the profile still describes its
 # layer.
 SUMMARIES_KEY = "summaries"
 # describe()'s value for a batch size that decodes with dense attention.

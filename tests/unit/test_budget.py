@@ -137,6 +137,7 @@ def test_layer_shape_records_the_summaries_dtypes(monkeypatch):
     """The shape a profile records and a server checks names the summaries' dtypes: Quest's
     bounds, InfLLM-v2's compressed keys as SGLANG_PRR_INFLLM_CK stores them."""
     monkeypatch.delenv("SGLANG_PRR_INFLLM_CK", raising=False)
+
     def cfg(method):
         return PRRConfig(method=method, top_k=2048, top_k_unit="tokens", block_size=64).validate()
 
