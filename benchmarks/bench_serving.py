@@ -739,12 +739,13 @@ def _predictor(srv: Server, a) -> str:
     speculate), ``side-late`` when that launch goes after the repair (InfLLM-v2's placement,
     or any method's with ``SGLANG_PRR_PREDICT_ORDER=repair``, which the servers inherit:
     ``step.predictor_placement``), ``side-next`` when it goes at the next layer's fork
-    (``SGLANG_PRR_PREDICT_ORDER=next``), else ``""`` (fused in the selection's epilogue, or a
+    (``SGLANG_PRR_PREDICT_ORDER=next``), ``side-early`` when it is forked as soon as the scores
+    exist (``SGLANG_PRR_PREDICT_ORDER=scores``), else ``""`` (fused in the selection's epilogue, or a
     server that does not speculate)."""
     if getattr(a, "predictor", "side") != "side" or srv.variant not in ("prr", "auto"):
         return ""
-    return {"repair": "side-late", "next": "side-next"}.get(predictor_placement(srv.method),
-                                                            "side")
+    return {"repair": "side-late", "next": "side-next",
+            "scores": "side-early"}.get(predictor_placement(srv.method), "side")
 
 
 def _library(srv: Server) -> str:
@@ -767,7 +768,8 @@ def _tree_hash() -> str:
 
 
 PREDICTOR_LABELS = {"side": "side predictor", "side-late": "side predictor after the repair",
-                    "side-next": "side predictor at the next layer's fork"}
+                    "side-next": "side predictor at the next layer's fork",
+                    "side-early": "side predictor forked after the scores"}
 
 
 def _label(srv: Server, a) -> str:

@@ -37,7 +37,9 @@ InfLLM-v2's composes its scores, then its top-K, M and counters in one launch
 after the last sparse layer: ``run(..., join=True)``) after the repair (``predictor_placement``:
 beside the repair, it slowed a merge-alone repair twofold), or, with
 ``SGLANG_PRR_PREDICT_ORDER=next``, on the main stream at the next sparse layer's fork, before its
-speculative pass: beside that layer's selection rather than beside its GEMMs.
+speculative pass: beside that layer's selection rather than beside its GEMMs; with
+``SGLANG_PRR_PREDICT_ORDER=scores``, on a stream of its own forked as soon as the scores exist,
+beside the selection's top-K and the repair.
 
 The repair's merge visits the partials of A in ascending block id whichever pass computed
 them, so PRR (exact) gives serial DSA's output bits.
@@ -82,13 +84,15 @@ def _env_choice(name: str, default: str, other: str) -> str:
     return value
 
 
-PREDICT_PLACES = ("selection", "repair", "next")
+PREDICT_PLACES = ("selection", "repair", "next", "scores")
 
 
 def predictor_placement(method: str) -> str:
     """Where PRR's predictor step goes where it is a launch of its own (not the selection's
     epilogue): ``selection``, on the side stream right after the selection, beside the repair;
-    ``repair``, on the side stream after the repair, beside the layer's next kernels; ``next``,
+    ``repair``, on the side stream after the repair, beside the layer's next kernels;
+    ``scores``, on a stream of its own as soon as the scores exist (a composed selection's first
+    op: beside its top-K and the repair; a one-launch selection's: as ``selection``); ``next``,
     on the main stream at the next sparse layer's fork, before that layer's speculative pass and
     beside its selection (the forward's last sparse layer, which joins, after its repair).
     ``SGLANG_PRR_PREDICT_ORDER`` forces one (a measuring knob), else the method's measured
@@ -204,8 +208,9 @@ class DecodeStep:
         self.store_beside = _env_choice(ENV_KV_STORE, "first", "beside") == "beside"
         # The predictor's own launch (where it is not in the selection's epilogue) on the side
         # stream right after the selection, beside the repair, after the repair, beside the
-        # layer's next kernels, or at the next sparse layer's fork (predictor_placement). P(t+1)
-        # is read at the next step only, and the forward's join waits for it in every placement.
+        # layer's next kernels, on a stream of its own once the scores exist, or at the next
+        # sparse layer's fork (predictor_placement). P(t+1) is read at the next step only, and
+        # the forward's join waits for it in every placement.
         self.predict_at = predictor_placement(method)
         # A layer's predictor step deferred to the next sparse layer's fork (``next``): set by
         # ``run``, launched by the next ``run``, dropped by ``plan`` (a forward's own).
@@ -218,6 +223,10 @@ class DecodeStep:
             self.selected = torch.cuda.Event()
             self.side_done = torch.cuda.Event()
             self.stored = torch.cuda.Event()
+            # ``scores``: the predictor's stream, forked from the side one after the scores
+            self.pred = torch.cuda.Stream(device=self.device)
+            self.scored = torch.cuda.Event()
+            self.pred_done = torch.cuda.Event()
 
     # ------------------------------------------------------------------ once per forward
     def plan(self, req_to_token: Tensor, req_pool_indices: Tensor,
@@ -308,13 +317,15 @@ class DecodeStep:
             raise ValueError(f"state.p_idx has {st.p_idx.shape[0]} rows, expected 2 x "
                              f"{st.level.shape[0]} (P is double-buffered: rows 2r and 2r + 1)")
         fused = self.fused
+        early = self.cuda and not fused and self.predict_at == "scores"
 
         def select():
             if fused:  # the predictor's step in the selection's epilogue
                 return dsa.select_predict(q, summary, nblk_next=b.nblk_next, state=st,
                                           rows=b.rows, p_rows=b.p_cur, p_next_rows=b.p_nxt,
                                           n_pred=b.n_pred, **sel)
-            return dsa.select(q, summary, p_idx=st.p_idx, p_cnt=st.p_cnt, p_rows=b.p_cur, **sel)
+            return dsa.select(q, summary, p_idx=st.p_idx, p_cnt=st.p_cnt, p_rows=b.p_cur,
+                              on_scores=predict_early if early else None, **sel)
 
         def predict(scores):  # P(t+1) into the other half of P's double buffer
             ops.predict_update_rows(level=st.level, trend=st.trend, n_init=st.n_init,
@@ -322,6 +333,16 @@ class DecodeStep:
                                     scores=scores, nblk=b.nblk, nblk_next=b.nblk_next,
                                     n_pred=b.n_pred, sink_blocks=self.sink,
                                     local_blocks=self.local, p_rows=b.p_nxt)
+
+        def predict_early(scores):  # ``scores``: forked from the side stream onto its own
+            # The top-K and M read P(t) and the scores, the predictor writes P(t + 1) and the
+            # Holt state: nothing the rest of the selection reads, so they run side by side.
+            self.scored.record(self.side)
+            with torch.cuda.stream(self.pred):
+                self.pred.wait_event(self.scored)
+                scores.record_stream(self.pred)
+                predict(scores)
+                self.pred_done.record(self.pred)
 
         def speculate():  # Reuse: the speculative pass over P(t), beside the selection on CUDA
             return ops.sparse_attn_partials(q, k_buf, v_buf, b.table, b.seq_lens, st.p_idx,
@@ -366,7 +387,7 @@ class DecodeStep:
                                      lse_spec=lse_s, p_idx=st.p_idx, p_cnt=st.p_cnt,
                                      a_idx=a.a_idx, a_cnt=a.a_cnt, nb=b.table.shape[1],
                                      exact=self.exact, p_rows=b.p_cur, **attn)
-        if self.cuda and not fused and self.predict_at != "selection":
+        if self.cuda and not fused and self.predict_at not in ("selection", "scores"):
             if self.predict_at == "next" and not join:  # at the next sparse layer's fork
                 a.scores.record_stream(main)
                 self._deferred = lambda: predict(a.scores)
@@ -374,6 +395,8 @@ class DecodeStep:
                 self._beside(lambda: predict(a.scores), (), self.side_done)
         if self.cuda and join and (side_update or not fused):
             main.wait_event(self.side_done)
+        if early and join:
+            main.wait_event(self.pred_done)
         return o
 
     def _beside(self, fn: Callable[[], None], keep: Sequence[Optional[Tensor]],

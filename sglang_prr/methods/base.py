@@ -198,14 +198,20 @@ class DSAMethod:
                spec: SelectSpec, sm_scale: float, nblk: Optional[Tensor] = None,
                p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None,
                p_rows: Optional[Tensor] = None, dense_row: Optional[Tensor] = None,
-               stats: Optional[Tensor] = None, new_keys: Optional[NewKeys] = None) -> Selected:
+               stats: Optional[Tensor] = None, new_keys: Optional[NewKeys] = None,
+               on_scores: Optional[Callable[[Tensor], None]] = None) -> Selected:
         """The decode step's selection: ``scores``, then ``select_from_scores`` (A, M = A \\ P,
         the counters). Arguments as in ``scores`` and ``select_from_scores``; ``new_keys`` only
-        where the method ``folds_new_keys``."""
+        where the method ``folds_new_keys``; ``on_scores(scores)``, where given, is called as
+        soon as the scores exist and before anything else is launched (a composed selection
+        calls it between its two ops, a one-launch selection after it): the decode step forks
+        the predictor's step there."""
         self._no_new_keys(new_keys)
         nblk = ref.num_blocks(seq_lens, spec.page_size) if nblk is None else nblk
         s = self.scores(q, summary, table=table, seq_lens=seq_lens, page_size=spec.page_size,
                         sm_scale=sm_scale, nblk=nblk)
+        if on_scores is not None:
+            on_scores(s)
         return select_from_scores(s, nblk=nblk, nb=table.shape[1], spec=spec, p_idx=p_idx,
                                   p_cnt=p_cnt, p_rows=p_rows, dense_row=dense_row, stats=stats)
 

@@ -17,7 +17,7 @@ selection's own stores, a few bytes a row, and no launch of its own.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -62,13 +62,17 @@ class Quest(DSAMethod):
                spec: SelectSpec, sm_scale: float, nblk: Optional[Tensor] = None,
                p_idx: Optional[Tensor] = None, p_cnt: Optional[Tensor] = None,
                p_rows: Optional[Tensor] = None, dense_row: Optional[Tensor] = None,
-               stats: Optional[Tensor] = None, new_keys: Optional[NewKeys] = None) -> Selected:
+               stats: Optional[Tensor] = None, new_keys: Optional[NewKeys] = None,
+               on_scores: Optional[Callable[[Tensor], None]] = None) -> Selected:
         nblk = ref.num_blocks(seq_lens, spec.page_size) if nblk is None else nblk
-        return Selected(*ops.quest_select(
+        sel = Selected(*ops.quest_select(
             q=q, kmin=summary[0], kmax=summary[1], table=table, nblk=nblk, p_idx=p_idx,
             p_cnt=p_cnt, k=spec.k, sink_blocks=spec.sink_blocks, local_blocks=spec.local_blocks,
             n_out=spec.n_out, p_rows=p_rows, dense_row=dense_row, stats=stats,
             **_fold_args(new_keys, spec)))
+        if on_scores is not None:  # one launch: its scores exist when it ends
+            on_scores(sel.scores)
+        return sel
 
     def select_predict(self, q: Tensor, summary: Sequence[Tensor], *, table: Tensor,
                        seq_lens: Tensor, nblk: Tensor, nblk_next: Tensor, spec: SelectSpec,

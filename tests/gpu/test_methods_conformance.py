@@ -130,9 +130,10 @@ def test_update_scores_and_selection_kernels_equal_the_reference(name, B, group,
 
 
 # Where PRR's predictor step runs: the selection's epilogue (a method that has it), its own launch
-# right after the selection (beside the repair), after the repair, or at the next sparse layer's
-# fork (SGLANG_PRR_PREDICT_ORDER).
-PLACES = [(n, p) for n in KERNEL_METHODS for p in ("epilogue", "selection", "repair", "next")
+# right after the selection (beside the repair), after the repair, on its own stream once the
+# scores exist, or at the next sparse layer's fork (SGLANG_PRR_PREDICT_ORDER).
+PLACES = [(n, p) for n in KERNEL_METHODS
+          for p in ("epilogue", "selection", "repair", "next", "scores")
           if p != "epilogue" or methods.get(n).fuses_predictor]
 LAYERS = 2  # a forward of two sparse layers: the first's step may wait for the second's fork
 
@@ -141,8 +142,8 @@ LAYERS = 2  # a forward of two sparse layers: the first's step may wait for the 
 def test_decode_step_graph_replay_gives_serial_dsa_bits(name, place):
     """PRR's step in a CUDA graph of a two-layer forward, replayed at a growing length, gives
     serial DSA's output bits in every layer and counts the P(t) of the length's parity, wherever
-    its predictor runs (``place``); after the repair or at the next layer's fork, the states and
-    the outputs equal those of the predictor's launch right after the selection, bit for bit,
+    its predictor runs (``place``); after the repair, forked after the scores or at the next
+    layer's fork, the states and the outputs equal those of the predictor's launch right after the selection, bit for bit,
     replay for replay (a predictor step never launched, or launched over another layer's scores,
     leaves a state that differs)."""
     g = torch.Generator().manual_seed(seeded(f"{name} step {place}"))
@@ -180,7 +181,7 @@ def test_decode_step_graph_replay_gives_serial_dsa_bits(name, place):
 
     new_queries()
     graph = capture(lambda: forward(prr, states, outs, stats))
-    twinned = place in ("repair", "next")  # the twin: the launch right after the selection
+    twinned = place in ("repair", "next", "scores")  # the twin: the launch right after the selection
     twin_graph = capture(lambda: forward(twin, twin_states, twin_outs, None)) if twinned else None
     stats.zero_()
     for t in range(4):

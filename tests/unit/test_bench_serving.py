@@ -112,6 +112,9 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     assert bench._predictor(bench.Server("prr", "infllm_v2", "m"), a) == "side-late"
     monkeypatch.setenv("SGLANG_PRR_PREDICT_ORDER", "selection")
     assert bench._predictor(bench.Server("prr", "infllm_v2", "m"), a) == "side"
+    monkeypatch.setenv("SGLANG_PRR_PREDICT_ORDER", "scores")  # forked after the scores
+    assert bench._label(bench.Server("prr", "infllm_v2", "m"), a) == \
+        "PRR (exact), InfLLM-v2, side predictor forked after the scores"
     monkeypatch.setenv("SGLANG_PRR_PREDICT_ORDER", "next")  # at the next layer's fork
     assert bench._label(bench.Server("prr", "infllm_v2", "m"), a) == \
         "PRR (exact), InfLLM-v2, side predictor at the next layer's fork"

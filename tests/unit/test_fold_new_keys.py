@@ -333,7 +333,7 @@ def test_step_knobs_are_read_and_checked(monkeypatch, name, attr, other, default
 
 @pytest.mark.parametrize("value,quest,infllm", [
     (None, "selection", "repair"), ("selection", "selection", "selection"),
-    ("repair", "repair", "repair"), ("next", "next", "next")])
+    ("repair", "repair", "repair"), ("next", "next", "next"), ("scores", "scores", "scores")])
 def test_the_predictors_own_launch_follows_the_repair_for_composed_methods(monkeypatch, value,
                                                                           quest, infllm):
     """Unset, ``SGLANG_PRR_PREDICT_ORDER`` leaves the predictor's own launch right after the

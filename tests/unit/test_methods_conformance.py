@@ -23,6 +23,7 @@ import random
 
 import pytest
 import torch
+from torch import Tensor
 
 import oracle
 import toy_method
@@ -223,6 +224,35 @@ def test_selection_matches_the_oracle_with_pool_rows_dense_rows_and_counters(nam
             if not dense[b] and b == 0 and h == 0:  # control: one more block changes A
                 assert oracle.topk_set(row, nb, K + 1, SINK, LOCAL) != a
     assert stats.tolist() == want
+
+
+@every_method
+def test_on_scores_gets_the_scores_before_the_top_k(name, seed, monkeypatch):
+    """``select(..., on_scores=f)`` calls ``f`` once with the selection's scores; a composed
+    selection (the base class's) calls it before its top-K op, so the decode step can fork the
+    predictor there. Control: another query's scores differ."""
+    from sglang_prr import custom_ops
+    from sglang_prr.methods.base import DSAMethod
+    m = methods.get(name)
+    rnd = random.Random(seed)
+    lens = [rnd.randint(5 * 16, 12 * 16) for _ in range(3)]
+    P = make_paged(seed, lens, hk=2, group=4, page=16)
+    summary = P.method_summary(m)
+    calls = []
+    lists = custom_ops.select_lists
+    monkeypatch.setattr(custom_ops, "select_lists",
+                        lambda *a, **k: calls.append("lists") or lists(*a, **k))
+    sel = m.select(P.q, summary, table=P.table, seq_lens=P.seq_lens,
+                   spec=SelectSpec.of(K, SINK, LOCAL, 16), sm_scale=P.sm_scale,
+                   on_scores=lambda s: calls.append(s.clone()))
+    seen = [c for c in calls if not isinstance(c, str)]
+    assert len(seen) == 1
+    torch.testing.assert_close(seen[0], sel.scores, rtol=0, atol=0, equal_nan=True)
+    if type(m).select is DSAMethod.select:
+        assert isinstance(calls[0], Tensor) and calls[1:] == ["lists"], calls
+    other = m.scores(-P.q, summary, table=P.table, seq_lens=P.seq_lens, page_size=16,
+                     sm_scale=P.sm_scale)
+    assert not torch.equal(seen[0], other), "control: another query scores otherwise"
 
 
 @every_method
