@@ -703,7 +703,9 @@ def _launch() -> str:
     (``SGLANG_PRR_INFLLM_RING=ids-first``), ``pool-loads-first`` when its pool loads the length,
     statistics and logits together (``SGLANG_PRR_INFLLM_POOL=loads-first``), ``logits-regs`` /
     ``logits-bulk`` / ``logits-mma`` when its logits variant is forced
-    (``SGLANG_PRR_INFLLM_VARIANT``), joined by ``+``, else ``""``."""
+    (``SGLANG_PRR_INFLLM_VARIANT``), ``predict-smem-<n>`` when PRR's predictor CTAs ask for n
+    KB of shared memory (``SGLANG_PRR_PREDICT_SMEM_KB=<n>``, n > 0), joined by ``+``, else
+    ``""``."""
     parts = ["pdl"] if os.environ.get("SGLANG_PRR_PDL") == "1" else []
     if os.environ.get("SGLANG_PRR_FOLD_NEW_KEYS") == "0":
         parts.append("update-first")
@@ -730,6 +732,9 @@ def _launch() -> str:
     variant = os.environ.get("SGLANG_PRR_INFLLM_VARIANT", "")
     if variant in ("regs", "bulk", "mma"):
         parts.append(f"logits-{variant}")
+    smem = os.environ.get("SGLANG_PRR_PREDICT_SMEM_KB", "")
+    if smem.isdigit() and int(smem) > 0:
+        parts.append(f"predict-smem-{int(smem)}")
     return "+".join(parts)
 
 

@@ -156,12 +156,37 @@ __global__ void holt_ninit_kernel(HoltArgs a) {
   }
 }
 
+// SGLANG_PRR_PREDICT_SMEM_KB=N (a measuring knob, read once per process): the predictor's CTAs
+// ask for N KB of dynamic shared memory (at most what the device's per-block limit leaves beside
+// the kernel's static arrays) however few their keys need, so that no CTA needing more than what
+// is left of an SM's shared memory lands beside one: from N = 201, at 2048 blocks, not the top-K's
+// (15 KB) nor the repair's. Beside the predictor's 8 CTAs (batch 1) the top-K's 8 took 11.3 us
+// instead of 6.4 and the repair's 14.2 instead of 7.3 (run 66): CTAs sharing SMs with it would
+// explain that. Unset or 0: the keys' bytes.
+size_t predict_smem_floor() {
+  static const size_t v = [] {
+    const char* e = std::getenv("SGLANG_PRR_PREDICT_SMEM_KB");
+    const long kb = e != nullptr ? std::strtol(e, nullptr, 10) : 0;
+    int dev = 0, most = 0;
+    cudaFuncAttributes fa = {};
+    if (kb <= 0 || cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&most, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) !=
+            cudaSuccess ||
+        cudaFuncGetAttributes(&fa, predict_update_kernel) != cudaSuccess ||
+        (size_t)most <= fa.sharedSizeBytes)
+      return (size_t)0;
+    return std::min((size_t)kb * 1024, (size_t)most - fa.sharedSizeBytes);
+  }();
+  return v;
+}
+
 }  // namespace
 
 cudaError_t launch_predict_update(const PredictArgs& a, cudaStream_t s) {
   if (a.NB > kTopkMaxBlocks) return cudaErrorInvalidValue;
   if (a.B == 0 || a.Hk == 0) return cudaSuccess;
-  const size_t smem = (size_t)(a.NB > 0 ? a.NB : 1) * sizeof(uint32_t);
+  const size_t smem =
+      std::max((size_t)(a.NB > 0 ? a.NB : 1) * sizeof(uint32_t), predict_smem_floor());
   cudaError_t e = set_smem_limit(predict_update_kernel, smem);
   if (e != cudaSuccess) return e;
   launch_kernel(predict_update_kernel, dim3(a.Hk, a.B), kTopkThreads, smem, s, a);

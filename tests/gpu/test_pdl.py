@@ -1,6 +1,7 @@
 """Programmatic dependent launch (``SGLANG_PRR_PDL=1``) on the GPU: the same bits as without it;
 likewise the largest shared-memory carveout (``SGLANG_PRR_SMEM_CARVEOUT=max`` for every kernel,
-``=select`` for PRR's one-pass selection alone).
+``=select`` for PRR's one-pass selection alone) and the predictor's shared-memory floor
+(``SGLANG_PRR_PREDICT_SMEM_KB``).
 
 With PDL a kernel may be scheduled while the kernel before it still runs, and only its
 ``griddepcontrol.wait`` (``pdl_begin`` in common.cuh) orders it after its inputs; a kernel that
@@ -98,3 +99,61 @@ def test_decode_graph_with_the_largest_carveout_gives_the_same_bits(tmp_path, ca
     assert torch.equal(on["stats"], off["stats"]) and int(on["stats"][3]) > 0
     other = _run(tmp_path, seed + 1, "0", steps=1, carveout=carveout)
     assert not torch.equal(other["outs"][0]["ser"], on["outs"][0]["ser"])
+
+
+# One process: the predictor's step over rows of 2048 blocks (the 128K / block-64 shape) from the
+# seed, its state and P(t+1) saved; the reference's beside them.
+PREDICT_SCRIPT = r"""
+import sys, torch
+from sglang_prr import custom_ops as ops, kernels
+from sglang_prr import reference as ref
+assert kernels.load(), kernels.load_error()
+seed, out_path = int(sys.argv[1]), sys.argv[2]
+g = torch.Generator().manual_seed(seed)
+R, B, Hk, NB, n_pred = 5, 3, 8, 2048, 48
+state = [torch.randn(R, Hk, NB, generator=g), torch.randn(R, Hk, NB, generator=g) * 0.1,
+         torch.randint(NB // 2, NB, (R,), generator=g),
+         torch.full((2 * R, Hk, n_pred + 2), -1, dtype=torch.int32),
+         torch.zeros(2 * R, Hk, dtype=torch.int32)]
+theta = torch.rand(R, 3, generator=g) * 0.8 + 0.1
+rows = torch.tensor([3, 1, 4])
+scores = torch.randn(B, Hk, NB, generator=g)
+nblk = torch.randint(NB - 300, NB - 1, (B,), generator=g)
+want = [t.clone() for t in state]
+ref.predict_update_rows(*want, theta, rows, scores, nblk, nblk + 1, n_pred, 1, 1,
+                        p_rows=2 * rows + 1)
+got = [t.cuda() for t in state]
+ops.predict_update_rows(*got, theta.cuda(), rows.cuda(), scores.cuda(), nblk.cuda(),
+                        (nblk + 1).cuda(), n_pred, 1, 1, p_rows=(2 * rows + 1).cuda())
+torch.save({"got": [t.cpu() for t in got], "want": want}, out_path)
+"""
+
+
+def _predict(tmp_path: Path, seed: int, smem_kb: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "SGLANG_PRR_PREDICT_SMEM_KB"}
+    if smem_kb:
+        env["SGLANG_PRR_PREDICT_SMEM_KB"] = smem_kb
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    out = tmp_path / f"predict_smem{smem_kb or 'default'}_seed{seed}.pt"
+    r = subprocess.run([sys.executable, "-c", PREDICT_SCRIPT, str(seed), str(out)], env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return torch.load(out)
+
+
+@pytest.mark.parametrize("smem_kb", ["212", "100000"])
+def test_predictor_with_a_shared_memory_floor_gives_the_same_bits(tmp_path, smem_kb):
+    """``SGLANG_PRR_PREDICT_SMEM_KB`` (the predictor's CTAs ask for that much shared memory, so
+    that no other kernel's CTA needing more than what is left shares their SMs; a floor above the
+    device's limit is cut to it) launches without error and changes no bit of the state or of
+    P(t+1), which equal the reference's; another seed is the negative control."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    print(f"[predict smem={smem_kb}] seed={seed}")
+    on, off = _predict(tmp_path, seed, smem_kb), _predict(tmp_path, seed, "")
+    for name, a, b, w in zip(("level", "trend", "n_init", "p_idx", "p_cnt"), on["got"],
+                             off["got"], on["want"]):
+        assert torch.equal(a, b), name
+        assert torch.equal(a, w), name  # rounded op by op like the reference
+    assert int(on["got"][4].sum()) > 0  # P(t+1) was written
+    other = _predict(tmp_path, seed + 1, smem_kb)
+    assert not torch.equal(other["got"][3], on["got"][3]), "control: another seed"

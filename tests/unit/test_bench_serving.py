@@ -160,6 +160,8 @@ def test_side_predictor_reaches_the_speculating_servers_only(bench, tmp_path, ca
     ({"SGLANG_PRR_INFLLM_CK": "fp32", "SGLANG_PRR_INFLLM_VARIANT": "bulk"}, "ck-fp32+logits-bulk"),
     ({"SGLANG_PRR_INFLLM_VARIANT": "mma"}, "logits-mma"),
     ({"SGLANG_PRR_INFLLM_VARIANT": "pick"}, ""),  # only the launcher's three names force one
+    ({"SGLANG_PRR_PREDICT_SMEM_KB": "200"}, "predict-smem-200"),
+    ({"SGLANG_PRR_PREDICT_SMEM_KB": "0"}, ""), ({"SGLANG_PRR_PREDICT_SMEM_KB": "-3"}, ""),
     ({"SGLANG_PRR_INFLLM_CK": "fp32", "SGLANG_PRR_INFLLM_RING": "ids-first",
       "SGLANG_PRR_INFLLM_POOL": "loads-first"}, "ck-fp32+ring-ids-first+pool-loads-first"),
     ({"SGLANG_PRR_PDL": "1", "SGLANG_PRR_FOLD_NEW_KEYS": "0",
@@ -172,7 +174,7 @@ def test_launch_column_names_the_knobs(bench, monkeypatch, env, want):
               "SGLANG_PRR_SMEM_CARVEOUT", "SGLANG_PRR_ATTN_SPREAD", "SGLANG_PRR_SCORES_KERNEL",
               "SGLANG_PRR_TOPK", "SGLANG_PRR_ATTN_MERGE_SPLITS", "SGLANG_PRR_ATTN_PACK",
               "SGLANG_PRR_INFLLM_CK", "SGLANG_PRR_INFLLM_RING", "SGLANG_PRR_INFLLM_POOL",
-              "SGLANG_PRR_INFLLM_VARIANT"):
+              "SGLANG_PRR_INFLLM_VARIANT", "SGLANG_PRR_PREDICT_SMEM_KB"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
