@@ -68,8 +68,8 @@ class PRRConfig:
     predictor: str = field(default="side", metadata=_meta(
         "Where PRR's predictor step (Holt update, P(t+1)) runs: side, as its own launch after the "
         "selection on the side stream (off the layer's critical path); fused, in the selection's "
-        "epilogue (one launch fewer, on the critical path). The same bits either way. Methods "
-        "without a fused selection (infllm_v2) always run it on the side.", choices=PREDICTORS))
+        "launch (one launch fewer, on the critical path: quest's epilogue, infllm_v2's CTAs "
+        "beside its top-K's). The same bits either way.", choices=PREDICTORS))
     serial: bool = field(default=False, metadata=_meta(
         "Decode with serial DSA (score -> select -> attend) instead of PRR: the baseline that "
         "--prr-mode exact reproduces."))

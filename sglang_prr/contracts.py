@@ -43,7 +43,8 @@ __all__ = [
     "check_sparse_attn_merge", "check_select_topk", "check_select_lists", "check_quest_select",
     "check_quest_update", "check_quest_select_predict", "check_quest_scores",
     "check_set_difference", "check_accumulate_stats", "check_holt_update", "check_predict_set",
-    "check_predict_update", "check_predict_update_rows", "check_calib_grid_terms",
+    "check_predict_update", "check_predict_update_rows", "check_select_lists_predict",
+    "check_calib_grid_terms",
     "check_calibrate", "check_best_theta", "check_prr_merge", "check_merge_partials",
 ]
 
@@ -192,8 +193,7 @@ def check_select_topk(scores, nblk, k, sink, local, n_out, dense_row=None,
 
 
 def check_select_lists(scores, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows=None,
-                       dense_row=None, stats=None) -> None:
-    op = "select_lists"
+                       dense_row=None, stats=None, op: str = "select_lists") -> None:
     check_select_topk(scores, nblk, k, sink, local, n_out, dense_row, op=op)
     if p_idx is not None:
         if p_cnt is None:
@@ -261,6 +261,18 @@ def check_quest_update(kmin, kmax, k, out_loc, positions, page_size_) -> None:
         index_tensor(op, name, t, 1)
         if t.shape[0] != k.shape[0]:
             fail(op, f"{name}.shape", shape(t), f"({k.shape[0]},)")
+
+
+def check_select_lists_predict(scores, nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level,
+                               trend, n_init, theta, rows, k, n_pred, sink, local, n_out,
+                               dense_row=None, stats=None) -> None:
+    op = "select_lists_predict"
+    check_select_lists(scores, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows, dense_row,
+                       stats, op=op)
+    if p_rows is None or p_next_rows is None:
+        fail(op, "p_rows/p_next_rows", None, "tensors (P(t) and P(t+1) at pool rows)")
+    check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
+                              nblk_next, n_pred, sink, local, p_next_rows, op=op)
 
 
 def check_quest_select_predict(q, kmin, kmax, table, nblk, nblk_next, p_idx, p_cnt, p_rows,

@@ -23,8 +23,9 @@ from . import reference as ref
 from .custom_ops import (attend_set, calib_grid_terms, calibrate, holt_update, infllm_scores,
                          infllm_update, merge_partials, predict_set, predict_update,
                          predict_update_rows, prr_merge, quest_scores, quest_select,
-                         quest_select_predict, quest_update, select_lists, select_topk,
-                         set_difference, sparse_attn_merge, sparse_attn_partials)
+                         quest_select_predict, quest_update, select_lists,
+                         select_lists_predict, select_topk, set_difference, sparse_attn_merge,
+                         sparse_attn_partials)
 from .methods import Selected, SelectSpec
 
 __all__ = [
@@ -32,8 +33,8 @@ __all__ = [
     "attend_set", "calib_grid_terms", "calibrate", "holt_update", "infllm_scores",
     "infllm_update", "merge_partials", "predict_set", "predict_update", "predict_update_rows",
     "prr_merge", "quest_scores", "quest_select", "quest_select_predict", "quest_update",
-    "select_lists", "select_topk", "set_difference", "sparse_attn_merge",
-    "sparse_attn_partials",
+    "select_lists", "select_lists_predict", "select_topk", "set_difference",
+    "sparse_attn_merge", "sparse_attn_partials",
     # paging helpers of the reference (no op: index arithmetic)
     "num_blocks", "best_theta", "block_table",
     # the compositions through the methods' registry

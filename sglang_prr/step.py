@@ -33,7 +33,9 @@ races the speculative pass or the merge, which read P(t), and the parity costs n
 launch. The main stream's wait for the selection is the only join. The selection is the DSA
 method's (``methods/``, picked once by name): Quest's is that one launch (``fuses_predictor``);
 InfLLM-v2's composes its scores, then its top-K, M and counters in one launch
-(``select_lists``), and the predictor's step follows on the side stream (joined once per forward,
+(``select_lists``; with ``--prr-predictor fused``, ``select_lists_predict``: the predictor's CTAs
+beside the top-K's in that launch), and with ``side`` the predictor's step follows on the side
+stream (joined once per forward,
 after the last sparse layer: ``run(..., join=True)``) after the repair (``predictor_placement``:
 beside the repair, it slowed a merge-alone repair twofold), or, with
 ``SGLANG_PRR_PREDICT_ORDER=next``, on the main stream at the next sparse layer's fork, before its
@@ -106,7 +108,7 @@ def predictor_placement(method: str) -> str:
         raise ValueError(f"{ENV_PREDICT_ORDER}={order!r}: expected one of {PREDICT_PLACES}")
     if order:
         return order
-    return "selection" if methods.get(method).fuses_predictor else "repair"
+    return methods.get(method).predictor_place
 
 
 def p_rows(rows: Tensor, seq_lens: Union[Tensor, int]) -> Tensor:

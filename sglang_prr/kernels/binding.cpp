@@ -121,6 +121,56 @@ void prepare(const Tensor& like) {
   for (int k = 0; k < kNumCounterKinds; ++k) counters(k, like.get_device());
 }
 
+prr::PredictArgs predict_args(Tensor& level, Tensor& trend, Tensor& n_init,
+                              const Tensor& scores_in, const Tensor& nblk_in, const Tensor& theta,
+                              const Tensor& nblk_next_in, int64_t n_pred, int64_t sink,
+                              int64_t local, Tensor& idx, Tensor& cnt,
+                              const c10::optional<Tensor>& rows_in,
+                              const c10::optional<Tensor>& p_rows_in, PredictInputs& keep,
+                              const char* op) {
+  TORCH_CHECK(level.is_contiguous() && trend.is_contiguous() && n_init.is_contiguous() &&
+              level.scalar_type() == at::kFloat && trend.scalar_type() == at::kFloat,
+              op, ": level/trend must be contiguous float32 and n_init contiguous");
+  TORCH_CHECK(theta.scalar_type() == at::kFloat && theta.dim() == 2 && theta.size(1) == 3 &&
+              theta.stride(1) == 1, op, ": theta must be float32 [B, 3]");
+  keep.scores = scores_in.contiguous().to(at::kFloat);
+  keep.nblk = nblk_in.contiguous();
+  keep.nblk_next = nblk_next_in.contiguous();
+  const Tensor& scores = keep.scores;
+  const Tensor& nblk = keep.nblk;
+  const Tensor& nblk_next = keep.nblk_next;
+  const int64_t B = scores.size(0), Hk = level.size(1), NB = level.size(2);
+  TORCH_CHECK(NB <= prr::max_topk_blocks(), op, ": ", NB, " blocks per row, at most ",
+              prr::max_topk_blocks(), " supported");
+  TORCH_CHECK(scores.dim() == 3 && scores.size(1) == Hk && scores.size(2) == NB,
+              op, ": scores must be [B, ", Hk, ", ", NB, "], got ", scores.sizes());
+  // P may be wider than this step's n_pred + sink + local (the request pool's P has the width of
+  // the largest budget): the list is written over the whole width, -1 past its count.
+  const int64_t n_out = n_pred + sink + local;
+  TORCH_CHECK(idx.is_contiguous() && cnt.is_contiguous() && idx.scalar_type() == at::kInt &&
+              cnt.scalar_type() == at::kInt && idx.size(-1) >= n_out,
+              op, ": p_idx/p_cnt must be contiguous int32 with at least ", n_out,
+              " entries, got ", idx.size(-1));
+  prr::PredictArgs a{};
+  a.rows = slots_ptr(rows_in, B, a.rows64, keep.rows, op);
+  a.p_rows = slots_ptr(p_rows_in, B, a.p_rows64, keep.p_rows, op);
+  a.rows_n = level.size(0); a.p_rows_n = idx.size(0);
+  if (!rows_in.has_value())
+    TORCH_CHECK(level.size(0) == B, op, ": level has ", level.size(0), " rows, scores ",
+                B);
+  a.level = level.data_ptr<float>(); a.trend = trend.data_ptr<float>();
+  a.n_init = n_init.data_ptr(); a.ninit64 = index64(n_init, "n_init");
+  a.scores = scores.data_ptr<float>();
+  a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
+  a.nblk_next = nblk_next.data_ptr(); a.nblk_next64 = index64(nblk_next, "nblk_next");
+  a.theta = theta.data_ptr<float>(); a.theta_stride = theta.stride(0);
+  a.idx = idx.data_ptr<int32_t>(); a.cnt = cnt.data_ptr<int32_t>(); a.n_out = (int)idx.size(-1);
+  a.sem = group_counters(level, kCntPredict, B, op);
+  a.B = (int)B; a.Hk = (int)Hk; a.NB = (int)NB; a.k = (int)n_pred; a.sink = (int)sink;
+  a.local = (int)local;
+  return a;
+}
+
 }  // namespace prr_bind
 
 namespace {
@@ -508,50 +558,17 @@ std::tuple<Tensor, Tensor> merge_partials(const Tensor& o, const Tensor& lse) {
 
 // Fused Holt update + P(t+1) into idx/cnt; with rows, every state tensor (and idx/cnt) is the
 // request pool's [R, ...] and batch entry b updates row rows[b] in place.
-void predict_common(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& scores_in,
-                    const Tensor& nblk_in, const Tensor& theta, const Tensor& nblk_next_in,
+void predict_common(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& scores,
+                    const Tensor& nblk, const Tensor& theta, const Tensor& nblk_next,
                     int64_t n_pred, int64_t sink, int64_t local, Tensor& idx, Tensor& cnt,
-                    const c10::optional<Tensor>& rows_in,
-                    const c10::optional<Tensor>& p_rows_in = c10::nullopt) {
+                    const c10::optional<Tensor>& rows,
+                    const c10::optional<Tensor>& p_rows = c10::nullopt) {
   check_cuda(level, "level");
   c10::cuda::CUDAGuard guard(level.device());
-  TORCH_CHECK(level.is_contiguous() && trend.is_contiguous() && n_init.is_contiguous() &&
-              level.scalar_type() == at::kFloat && trend.scalar_type() == at::kFloat,
-              "predict_update: level/trend must be contiguous float32 and n_init contiguous");
-  TORCH_CHECK(theta.scalar_type() == at::kFloat && theta.dim() == 2 && theta.size(1) == 3 &&
-              theta.stride(1) == 1, "predict_update: theta must be float32 [B, 3]");
-  const Tensor scores = scores_in.contiguous().to(at::kFloat);
-  const Tensor nblk = nblk_in.contiguous(), nblk_next = nblk_next_in.contiguous();
-  const int64_t B = scores.size(0), Hk = level.size(1), NB = level.size(2);
-  TORCH_CHECK(NB <= prr::max_topk_blocks(), "predict_update: ", NB, " blocks per row, at most ",
-              prr::max_topk_blocks(), " supported");
-  TORCH_CHECK(scores.dim() == 3 && scores.size(1) == Hk && scores.size(2) == NB,
-              "predict_update: scores must be [B, ", Hk, ", ", NB, "], got ", scores.sizes());
-  // P may be wider than this step's n_pred + sink + local (the request pool's P has the width of
-  // the largest budget): the list is written over the whole width, -1 past its count.
-  const int64_t n_out = n_pred + sink + local;
-  TORCH_CHECK(idx.is_contiguous() && cnt.is_contiguous() && idx.scalar_type() == at::kInt &&
-              cnt.scalar_type() == at::kInt && idx.size(-1) >= n_out,
-              "predict_update: p_idx/p_cnt must be contiguous int32 with at least ", n_out,
-              " entries, got ", idx.size(-1));
-  prr::PredictArgs a{};
-  Tensor rows, prows;
-  a.rows = slots_ptr(rows_in, B, a.rows64, rows, "predict_update");
-  a.p_rows = slots_ptr(p_rows_in, B, a.p_rows64, prows, "predict_update");
-  a.rows_n = level.size(0); a.p_rows_n = idx.size(0);
-  if (!rows_in.has_value())
-    TORCH_CHECK(level.size(0) == B, "predict_update: level has ", level.size(0), " rows, scores ",
-                B);
-  a.level = level.data_ptr<float>(); a.trend = trend.data_ptr<float>();
-  a.n_init = n_init.data_ptr(); a.ninit64 = index64(n_init, "n_init");
-  a.scores = scores.data_ptr<float>();
-  a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
-  a.nblk_next = nblk_next.data_ptr(); a.nblk_next64 = index64(nblk_next, "nblk_next");
-  a.theta = theta.data_ptr<float>(); a.theta_stride = theta.stride(0);
-  a.idx = idx.data_ptr<int32_t>(); a.cnt = cnt.data_ptr<int32_t>(); a.n_out = (int)idx.size(-1);
-  a.sem = group_counters(level, kCntPredict, B, "predict_update");
-  a.B = (int)B; a.Hk = (int)Hk; a.NB = (int)NB; a.k = (int)n_pred; a.sink = (int)sink;
-  a.local = (int)local;
+  PredictInputs keep;
+  const prr::PredictArgs a = predict_args(level, trend, n_init, scores, nblk, theta, nblk_next,
+                                          n_pred, sink, local, idx, cnt, rows, p_rows, keep,
+                                          "predict_update");
   check_launch(prr::launch_predict_update(a, stream()), "predict_update");
 }
 
@@ -671,6 +688,11 @@ TORCH_LIBRARY(sglang_prr_cuda, m) {
         "int n_out, Tensor? dense_row=None, Tensor(h!)? stats=None, Tensor? new_k=None, "
         "Tensor? new_pos=None, int page_size=0, Tensor? new_loc=None) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def("select_lists_predict(Tensor scores, Tensor nblk, Tensor nblk_next, Tensor(a!) p_idx, "
+        "Tensor(b!) p_cnt, Tensor p_rows, Tensor p_next_rows, Tensor(c!) level, "
+        "Tensor(d!) trend, Tensor(e!) n_init, Tensor theta, Tensor rows, int k, int n_pred, "
+        "int sink_blocks, int local_blocks, int n_out, Tensor? dense_row=None, "
+        "Tensor(f!)? stats=None) -> (Tensor, Tensor, Tensor, Tensor)");
   m.def("calib_grid_terms(Tensor scores, Tensor nblk, Tensor wa, Tensor am, Tensor alphas, "
         "Tensor betas, Tensor gammas, int n_pred, int sink_blocks, int local_blocks) -> Tensor");
   m.def("prepare(Tensor like) -> ()");

@@ -28,4 +28,17 @@ const void* slots_ptr(const c10::optional<Tensor>& rows, int64_t B, bool& is64, 
                       const char* op);
 int* group_counters(const Tensor& like, int kind, int64_t rows, const char* op);
 
+// The predictor's step over `scores` [B, Hk, NB] on the state level/trend [R, Hk, NB], n_init,
+// theta [R, 3] (rows: the state rows of the batch's entries, else R = B), P(t+1) into idx/cnt
+// [R', Hk, >= n_pred + sink + local] / [R', Hk] at rows p_rows (else the state rows): checked
+// (messages name `op`) and packed into PredictArgs. `keep` holds the contiguous copies until
+// the launch.
+struct PredictInputs { Tensor scores, nblk, nblk_next, rows, p_rows; };
+prr::PredictArgs predict_args(Tensor& level, Tensor& trend, Tensor& n_init, const Tensor& scores,
+                              const Tensor& nblk, const Tensor& theta, const Tensor& nblk_next,
+                              int64_t n_pred, int64_t sink, int64_t local, Tensor& idx,
+                              Tensor& cnt, const c10::optional<Tensor>& rows,
+                              const c10::optional<Tensor>& p_rows, PredictInputs& keep,
+                              const char* op);
+
 }  // namespace prr_bind

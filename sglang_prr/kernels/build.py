@@ -37,7 +37,7 @@ CUDA_SOURCES = ["attention.cu", "selection.cu", "select_predict.cu", "predictor.
 HOST_SOURCES = ["binding.cpp", "select_binding.cpp", "infllm_binding.cpp"]
 HEADERS = ["kernel_limits.h", "prr_kernels.h", "binding_common.h", "infllm_kernels.h", "common.cuh",
            "infllm_logits.cuh",
-           "topk.cuh", "attn_block.cuh", "attn_merge.cuh", "probe.cuh"]
+           "topk.cuh", "predict_row.cuh", "attn_block.cuh", "attn_merge.cuh", "probe.cuh"]
 LIB_NAME = "libsglang_prr_kernels.so"
 STAMP_NAME = "source_hash"  # beside a library built into a named folder
 

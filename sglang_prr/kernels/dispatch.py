@@ -278,26 +278,47 @@ def _predict_update(level, trend, n_init, scores, nblk, theta, nblk_next, n_pred
                                                     nblk_next, n_pred, sink_blocks, local_blocks)
 
 
+def _predictor_ok(level, trend, n_init, p_idx, p_cnt, theta, scores) -> bool:
+    """Whether the predictor's kernel takes this state (else the reference runs)."""
+    return (active(level.device) and level.shape[-1] <= TOPK_MAX_BLOCKS
+            and level.dtype == torch.float32 and trend.dtype == torch.float32
+            and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
+            and n_init.dtype in (torch.int32, torch.int64) and scores.shape[0] <= MAX_GROUPS
+            and theta.dtype == torch.float32 and theta.dim() == 2 and theta.shape[1] == 3
+            and theta.stride(1) == 1 and p_idx.dtype == torch.int32
+            and p_cnt.dtype == torch.int32 and p_idx.is_contiguous() and p_cnt.is_contiguous()
+            and tuple(scores.shape[1:]) == tuple(level.shape[1:]))
+
+
 def _predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
                          nblk_next, n_pred, sink_blocks, local_blocks, p_rows=None):
     contracts.check_predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores,
                                         nblk, nblk_next, n_pred, sink_blocks, local_blocks,
                                         p_rows)
-    ok = (active(level.device) and level.shape[-1] <= TOPK_MAX_BLOCKS
-          and level.dtype == torch.float32 and trend.dtype == torch.float32
-          and level.is_contiguous() and trend.is_contiguous() and n_init.is_contiguous()
-          and n_init.dtype in (torch.int32, torch.int64) and scores.shape[0] <= MAX_GROUPS
-          and theta.dtype == torch.float32 and theta.dim() == 2 and theta.shape[1] == 3
-          and theta.stride(1) == 1 and p_idx.dtype == torch.int32 and p_cnt.dtype == torch.int32
-          and p_idx.is_contiguous() and p_cnt.is_contiguous()
-          and tuple(scores.shape[1:]) == tuple(level.shape[1:]))
-    if not ok:
+    if not _predictor_ok(level, trend, n_init, p_idx, p_cnt, theta, scores):
         ref.predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk,
                                 nblk_next, n_pred, sink_blocks, local_blocks, p_rows)
         return
     torch.ops.sglang_prr_cuda.predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows,
                                                   scores, nblk, nblk_next, n_pred, sink_blocks,
                                                   local_blocks, p_rows)
+
+
+def _select_lists_predict(scores, nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level,
+                          trend, n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out,
+                          dense_row, stats):
+    contracts.check_select_lists_predict(scores, nblk, nblk_next, p_idx, p_cnt, p_rows,
+                                         p_next_rows, level, trend, n_init, theta, rows, k,
+                                         n_pred, sink_blocks, local_blocks, n_out, dense_row,
+                                         stats)
+    if not (_predictor_ok(level, trend, n_init, p_idx, p_cnt, theta, scores)
+            and (stats is None or stats.is_contiguous())):
+        return ref.select_lists_predict(scores, nblk, nblk_next, p_idx, p_cnt, p_rows,
+                                        p_next_rows, level, trend, n_init, theta, rows, k, n_pred,
+                                        sink_blocks, local_blocks, n_out, dense_row, stats)
+    return torch.ops.sglang_prr_cuda.select_lists_predict(
+        scores.float().contiguous(), nblk, nblk_next, p_idx, p_cnt, p_rows, p_next_rows, level,
+        trend, n_init, theta, rows, k, n_pred, sink_blocks, local_blocks, n_out, dense_row, stats)
 
 
 def _merge_ok(o) -> bool:
@@ -353,6 +374,7 @@ IMPLS: Dict[str, Callable] = {
     "quest_select_predict": _quest_select_predict,
     "predict_update": _predict_update,
     "predict_update_rows": _predict_update_rows,
+    "select_lists_predict": _select_lists_predict,
     "calib_grid_terms": _calib_grid_terms,
 }
 IMPLS.update(INFLLM_IMPLS)

@@ -187,6 +187,10 @@ struct PredictArgs {
   int B, Hk, NB, k, sink, local;
 };
 cudaError_t launch_predict_update(const PredictArgs& a, cudaStream_t s);
+// launch_select_lists and launch_predict_update over the same rows (p.scores = a.scores, the same
+// B, Hk and NB) in one launch: the predictor's CTAs beside the top-K's (select_lists_predict).
+cudaError_t launch_select_lists_predict(const SelectArgs& a, const PredictArgs& p,
+                                        cudaStream_t s);
 
 // M = A \ P per (request, KV head) row. P's row of row r = (b, h) is p_rows[b] * Hk + h with
 // p_rows given (pool-wide P), r without. With stats, the row's |A|, |M|, |P| (clamped at 0) and

@@ -1,7 +1,9 @@
 // Torch op bindings of the selections: Quest's (quest_select, quest_select_predict: scores,
-// top-K, M = A \ P and, for the second, the predictor's step, in one launch) and select_lists
-// (top-K, M and the counters of any method's scores, in one launch). Their schemas are declared
-// in binding.cpp's TORCH_LIBRARY block with the other ops; the CUDA implementations register here.
+// top-K, M = A \ P and, for the second, the predictor's step, in one launch), select_lists
+// (top-K, M and the counters of any method's scores, in one launch) and select_lists_predict
+// (select_lists with the predictor's step beside it in the same launch). Their schemas are
+// declared in binding.cpp's TORCH_LIBRARY block with the other ops; the CUDA implementations
+// register here.
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -213,19 +215,16 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quest_select_predict(
 
 // A = kept + top-K of any method's scores, M = A \ P and the counters in one launch (the rows
 // kernel of Quest's two-launch selection): (a_idx, a_cnt, m_idx, m_cnt).
-std::tuple<Tensor, Tensor, Tensor, Tensor> select_lists(
-    const Tensor& scores_in, const Tensor& nblk_in, const c10::optional<Tensor>& p_idx_in,
-    const c10::optional<Tensor>& p_cnt_in, int64_t k, int64_t sink, int64_t local,
-    int64_t n_out, const c10::optional<Tensor>& p_rows, const c10::optional<Tensor>& dense_row,
-    const c10::optional<Tensor>& stats) {
-  const char* op = "select_lists";
-  check_cuda(scores_in, "scores");
-  c10::cuda::CUDAGuard guard(scores_in.device());
-  TORCH_CHECK(scores_in.dim() == 3 && scores_in.is_contiguous() &&
-              scores_in.scalar_type() == at::kFloat,
-              op, ": scores must be contiguous float32 [B, Hk, NB], got ", scores_in.sizes());
-  const Tensor& scores = scores_in;
-  const Tensor nblk = nblk_in.contiguous();
+// The rows' inputs of select_lists / select_lists_predict into `a` and the four lists, allocated
+// (the launch's caller keeps `nblk`).
+std::tuple<Tensor, Tensor, Tensor, Tensor> lists_args(
+    prr::SelectArgs& a, const Tensor& scores, const Tensor& nblk,
+    const c10::optional<Tensor>& p_idx, const c10::optional<Tensor>& p_cnt, int64_t k,
+    int64_t sink, int64_t local, int64_t n_out, const c10::optional<Tensor>& p_rows,
+    const c10::optional<Tensor>& dense_row, const c10::optional<Tensor>& stats,
+    SelectionInputs& in, const char* op) {
+  TORCH_CHECK(scores.dim() == 3 && scores.is_contiguous() && scores.scalar_type() == at::kFloat,
+              op, ": scores must be contiguous float32 [B, Hk, NB], got ", scores.sizes());
   const int64_t B = scores.size(0), Hk = scores.size(1), NB = scores.size(2);
   TORCH_CHECK(NB <= prr::max_topk_blocks(), op, ": ", NB, " blocks per row, at most ",
               prr::max_topk_blocks(), " supported");
@@ -233,24 +232,66 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> select_lists(
   auto a_cnt = at::empty({B, Hk}, scores.options().dtype(at::kInt));
   auto m_idx = at::empty({B, Hk, n_out}, scores.options().dtype(at::kInt));
   auto m_cnt = at::empty({B, Hk}, scores.options().dtype(at::kInt));
-  prr::SelectArgs a{};
   a.nblk = nblk.data_ptr(); a.nblk64 = index64(nblk, "nblk");
   a.scores = scores.data_ptr<float>();  // read only (the rows' tails)
-  SelectionInputs in;
-  selection_inputs(a, B, p_idx_in, p_cnt_in, p_rows, dense_row, stats, in, op);
+  selection_inputs(a, B, p_idx, p_cnt, p_rows, dense_row, stats, in, op);
   a.a_idx = a_idx.data_ptr<int32_t>(); a.a_cnt = a_cnt.data_ptr<int32_t>();
   a.m_idx = m_idx.data_ptr<int32_t>(); a.m_cnt = m_cnt.data_ptr<int32_t>();
   a.n_out = (int)n_out;
   a.B = (int)B; a.Hk = (int)Hk; a.NB = (int)NB;
   a.k = (int)k; a.sink = (int)sink; a.local = (int)local;
-  check_launch(prr::launch_select_lists(a, stream()), op);
   return std::make_tuple(a_idx, a_cnt, m_idx, m_cnt);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor> select_lists(
+    const Tensor& scores, const Tensor& nblk_in, const c10::optional<Tensor>& p_idx,
+    const c10::optional<Tensor>& p_cnt, int64_t k, int64_t sink, int64_t local,
+    int64_t n_out, const c10::optional<Tensor>& p_rows, const c10::optional<Tensor>& dense_row,
+    const c10::optional<Tensor>& stats) {
+  const char* op = "select_lists";
+  check_cuda(scores, "scores");
+  c10::cuda::CUDAGuard guard(scores.device());
+  const Tensor nblk = nblk_in.contiguous();
+  prr::SelectArgs a{};
+  SelectionInputs in;
+  auto lists = lists_args(a, scores, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows,
+                          dense_row, stats, in, op);
+  check_launch(prr::launch_select_lists(a, stream()), op);
+  return lists;
+}
+
+// select_lists and the predictor's step over the same scores in one launch: P(t) at rows p_rows
+// gives M, the Holt update runs on state rows `rows`, P(t+1) goes to rows p_next_rows of
+// p_idx/p_cnt (the other half of P's double buffer).
+std::tuple<Tensor, Tensor, Tensor, Tensor> select_lists_predict(
+    const Tensor& scores, const Tensor& nblk_in, const Tensor& nblk_next, Tensor& p_idx,
+    Tensor& p_cnt, const Tensor& p_rows, const Tensor& p_next_rows, Tensor& level,
+    Tensor& trend, Tensor& n_init, const Tensor& theta, const Tensor& rows, int64_t k,
+    int64_t n_pred, int64_t sink, int64_t local, int64_t n_out,
+    const c10::optional<Tensor>& dense_row, const c10::optional<Tensor>& stats) {
+  const char* op = "select_lists_predict";
+  check_cuda(scores, "scores");
+  c10::cuda::CUDAGuard guard(scores.device());
+  TORCH_CHECK(p_idx.is_contiguous() && p_cnt.is_contiguous(), op,
+              ": p_idx/p_cnt must be contiguous (written in place)");
+  const Tensor nblk = nblk_in.contiguous();
+  prr::SelectArgs a{};
+  SelectionInputs in;
+  auto lists = lists_args(a, scores, nblk, p_idx, p_cnt, k, sink, local, n_out, p_rows,
+                          dense_row, stats, in, op);
+  PredictInputs keep;
+  const prr::PredictArgs pa = predict_args(level, trend, n_init, scores, nblk, theta, nblk_next,
+                                           n_pred, sink, local, p_idx, p_cnt, rows,
+                                           p_next_rows, keep, op);
+  check_launch(prr::launch_select_lists_predict(a, pa, stream()), op);
+  return lists;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(sglang_prr_cuda, CUDA, m) {
   m.impl("select_lists", &select_lists);
+  m.impl("select_lists_predict", &select_lists_predict);
   m.impl("quest_select", &quest_select);
   m.impl("quest_select_predict", &quest_select_predict);
 }

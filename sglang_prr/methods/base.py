@@ -122,9 +122,13 @@ class DSAMethod:
 
     Class attributes: ``name`` (the ``--prr-method`` value); ``kernels``: the method's ops have
     SM90 kernels (the GPU conformance tests compare them with the reference); ``fuses_predictor``:
-    ``select_predict`` is one op whose epilogue is the predictor's step, so the decode step runs
-    nothing after it (otherwise the step runs ``ops.predict_update_rows`` after ``select``, off
-    the critical path); ``folds_new_keys``: ``select`` / ``select_predict`` take the step's new
+    ``select_predict`` is one op that also runs the predictor's step, so with ``--prr-predictor
+    fused`` the decode step runs nothing after it (otherwise, and with ``side``, the step runs
+    ``ops.predict_update_rows`` as a launch of its own, off the critical path; the composed
+    selection's ``select_predict`` is ``select_lists_predict`` after the scores);
+    ``predictor_place``: where that launch of its own goes (``step.predictor_placement``:
+    ``repair``, after the repair, or ``selection``, right after the selection), as measured for
+    the method; ``folds_new_keys``: ``select`` / ``select_predict`` take the step's new
     keys (``new_keys``) and score as if they had been folded into the summaries, whether or not
     ``update`` has run, so the decode step may run the update beside the selection instead of
     before it; ``writes_new_keys`` (with ``folds_new_keys``): given the keys' slots
@@ -135,6 +139,7 @@ class DSAMethod:
     name: str = ""
     kernels: bool = False
     fuses_predictor: bool = False
+    predictor_place: str = "repair"
     folds_new_keys: bool = False
     writes_new_keys: bool = False
 
@@ -224,19 +229,23 @@ class DSAMethod:
         """A PRR decode step's selection against P(t) at rows ``p_rows`` of the layer's pool-wide
         predictor ``state`` (``step.LayerState``: p_idx, p_cnt, level, trend, n_init, theta),
         then the predictor's step on state rows ``rows: [B]``: the Holt update with this step's
-        scores and P(t+1) (``n_pred`` middle blocks) written at rows ``p_next_rows``
-        (``ops.predict_update_rows``; P(t) is read before P(t+1) is written). A method with
-        ``fuses_predictor`` does both in one op, with the same result."""
+        scores and P(t+1) (``n_pred`` middle blocks) written at rows ``p_next_rows``, which are
+        not rows ``p_rows`` (the decode step's double buffer of P). The composed selection:
+        ``scores``, then ``ops.select_lists_predict`` (the lists and the predictor's step in one
+        op, one launch on SM90); a method with a selection of its own overrides it with the same
+        result as ``select`` then ``ops.predict_update_rows``."""
         st = state
-        sel = self.select(q, summary, table=table, seq_lens=seq_lens, spec=spec,
-                          sm_scale=sm_scale, nblk=nblk, p_idx=st.p_idx, p_cnt=st.p_cnt,
-                          p_rows=p_rows, dense_row=dense_row, stats=stats, new_keys=new_keys)
-        ops.predict_update_rows(level=st.level, trend=st.trend, n_init=st.n_init,
-                                p_idx=st.p_idx, p_cnt=st.p_cnt, theta=st.theta, rows=rows,
-                                scores=sel.scores, nblk=nblk, nblk_next=nblk_next, n_pred=n_pred,
-                                sink_blocks=spec.sink_blocks, local_blocks=spec.local_blocks,
-                                p_rows=p_next_rows)
-        return sel
+        self._no_new_keys(new_keys)
+        s = self.scores(q, summary, table=table, seq_lens=seq_lens, page_size=spec.page_size,
+                        sm_scale=sm_scale, nblk=nblk)
+        if s.shape[-1] != table.shape[1]:
+            raise ValueError(f"select_predict: scores has {s.shape[-1]} blocks a row, expected "
+                             f"the table's width nb = {table.shape[1]}")
+        lists = ops.select_lists_predict(
+            s, nblk, nblk_next, st.p_idx, st.p_cnt, p_rows, p_next_rows, st.level, st.trend,
+            st.n_init, st.theta, rows, spec.k, n_pred, spec.sink_blocks, spec.local_blocks,
+            spec.n_out, dense_row, stats)
+        return Selected(s, *lists)
 
     def _no_new_keys(self, new_keys: Optional[NewKeys]) -> None:
         if new_keys is not None and not self.folds_new_keys:

@@ -44,7 +44,7 @@ def ck_dtype() -> torch.dtype:
 class InfLLMv2(DSAMethod):
     name = "infllm_v2"
     kernels = True
-    fuses_predictor = False
+    fuses_predictor = True
 
     def layout(self, page_size: int, num_kv_heads: int, head_dim: int
                ) -> Tuple[SummaryTensor, ...]:

@@ -33,6 +33,7 @@ class Quest(DSAMethod):
     name = "quest"
     kernels = True
     fuses_predictor = True
+    predictor_place = "selection"
     folds_new_keys = True
     writes_new_keys = True
 

@@ -35,7 +35,8 @@ from .calibration import best_theta, calib_grid_terms, calibrate, middle_topk_ma
 from .infllm_v2 import infllm_scores, infllm_update
 from .paging import (NEG_INF, block_table, expand_heads, kept_mask, list_isin, list_to_mask,
                      in_pool, mask_to_list, num_blocks, repeated_entries, set_difference)
-from .predictor import holt_predict, holt_update, predict_set, predict_update, predict_update_rows
+from .predictor import (holt_predict, holt_update, predict_set, predict_update, predict_update_rows,
+                        select_lists_predict)
 from .quest import quest_scores, quest_select, quest_select_predict, quest_update, round_bf16
 from .selection import (accumulate_stats, select_from_scores, select_lists, select_topk,
                         set_difference_counted)
@@ -48,6 +49,7 @@ __all__ = [
     "NEG_INF", "block_table", "expand_heads", "kept_mask", "list_isin", "list_to_mask",
     "in_pool", "mask_to_list", "num_blocks", "repeated_entries", "set_difference",
     "holt_predict", "holt_update", "predict_set", "predict_update", "predict_update_rows",
+    "select_lists_predict",
     "quest_scores", "quest_select", "quest_select_predict", "quest_update", "round_bf16",
     "accumulate_stats", "select_from_scores", "select_lists", "select_topk",
     "set_difference_counted",

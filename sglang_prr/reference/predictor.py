@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from .paging import NEG_INF, in_pool
-from .selection import select_topk
+from .selection import select_lists, select_topk
 
 
 def holt_predict(level: Tensor, trend: Tensor, gamma: Tensor, n_init: Tensor) -> Tensor:
@@ -102,3 +102,20 @@ def predict_update_rows(level: Tensor, trend: Tensor, n_init: Tensor, p_idx: Ten
     pr = r if p_rows is None else in_pool(p_rows, p_idx.shape[0])
     p_idx.index_copy_(0, pr, idx)
     p_cnt.index_copy_(0, pr, cnt)
+
+
+def select_lists_predict(scores: Tensor, nblk: Tensor, nblk_next: Tensor, p_idx: Tensor,
+                         p_cnt: Tensor, p_rows: Tensor, p_next_rows: Tensor, level: Tensor,
+                         trend: Tensor, n_init: Tensor, theta: Tensor, rows: Tensor, k: int,
+                         n_pred: int, sink_blocks: int, local_blocks: int, n_out: int,
+                         dense_row: Optional[Tensor] = None, stats: Optional[Tensor] = None
+                         ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """A composed selection's lists and the predictor's step over the same scores (one launch
+    on SM90): ``select_lists`` with P(t) read at rows ``p_rows`` of p_idx/p_cnt, then
+    ``predict_update_rows`` on state rows ``rows`` with P(t+1) written at rows ``p_next_rows``
+    (P(t) is read before P(t+1) is written). ``(a_idx, a_cnt, m_idx, m_cnt)``."""
+    out = select_lists(scores, nblk, p_idx, p_cnt, k, sink_blocks, local_blocks, n_out, p_rows,
+                       dense_row, stats)
+    predict_update_rows(level, trend, n_init, p_idx, p_cnt, theta, rows, scores, nblk, nblk_next,
+                        n_pred, sink_blocks, local_blocks, p_next_rows)
+    return out

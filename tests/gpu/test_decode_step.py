@@ -14,6 +14,7 @@ import random
 import pytest
 import torch
 
+from sglang_prr import contracts
 from sglang_prr import reference as ref
 
 pytestmark = pytest.mark.gpu
@@ -151,6 +152,59 @@ def test_predict_update_rows_and_quest_decode_update_match_reference(extra_width
     # Page 0 is SGLang's padding page: the reference resets it as a sink, no request reads it.
     assert torch.equal(g_lo.cpu()[1:], w_lo[1:]) and torch.equal(g_hi.cpu()[1:], w_hi[1:])
     assert not torch.equal(w_lo[5], kmin[5])
+
+
+@pytest.mark.parametrize("B,Hk,NB,k", [(1, 8, 2048, 32), (3, 2, 77, 5), (5, 4, 513, 16)])
+def test_select_lists_predict_equals_the_reference(B, Hk, NB, k):
+    """The top-K's rows and the predictor's step in one launch (``select_lists_predict``: the
+    predictor's CTAs beside the top-K's) give the reference's lists, counters, Holt state and
+    P(t+1) bit for bit: ties, -inf scores, a dense row, P(t) and P(t+1) in the two halves of
+    the pool's double buffer. Control: the top-K alone (``select_lists``) leaves the state and
+    P(t+1) as they were."""
+    seeded(f"select lists predict {B}x{Hk}x{NB}")
+    R, n_pred, sink, local = B + 2, k + k // 2, 1, 1
+    n_out, width = k + sink + local + 2, n_pred + sink + local + 3
+    scores = torch.randn(B, Hk, NB)
+    scores[..., 1::7] = scores[..., :1]  # ties
+    scores[0, 0, 2::11] = float("-inf")
+    nblk = torch.randint(NB // 2, NB + 1, (B,))
+    nblk[-1] = NB
+    dense = torch.zeros(B, dtype=torch.bool)
+    dense[B // 2] = B > 1  # a dense row where the batch has room for one
+    rows = (torch.randperm(R - 1)[:B] + 1).long()  # distinct state rows, not the padding one
+    par = torch.randint(0, 2, (B,))
+    p_rows, p_next_rows = 2 * rows + par, 2 * rows + 1 - par
+    p_idx = torch.full((2 * R, Hk, width), -1, dtype=torch.int32)
+    p_cnt = torch.zeros(2 * R, Hk, dtype=torch.int32)
+    cur_idx, cur_cnt = random_lists(B, Hk, width, nblk.tolist())
+    p_idx[p_rows], p_cnt[p_rows] = cur_idx, cur_cnt
+    level, trend = torch.randn(R, Hk, NB), torch.randn(R, Hk, NB) * 0.1
+    n_init = torch.randint(0, NB, (R,))
+    theta = torch.rand(R, 3) * 0.8 + 0.1
+    stats = contracts.new_stats()
+    state = [p_idx, p_cnt, level, trend, n_init, stats]
+    want_state = [t.clone() for t in state]
+    wp, wc, wl, wt, wn, ws = want_state
+    want = ref.select_lists_predict(scores, nblk, nblk + 1, wp, wc, p_rows, p_next_rows, wl, wt,
+                                    wn, theta, rows, k, n_pred, sink, local, n_out, dense, ws)
+    got_state = [t.clone().to(DEV) for t in state]
+    gp, gc, gl, gt, gn, gs = got_state
+    got = ops.select_lists_predict(scores.to(DEV), nblk.to(DEV), (nblk + 1).to(DEV), gp, gc,
+                                   p_rows.to(DEV), p_next_rows.to(DEV), gl, gt, gn,
+                                   theta.to(DEV), rows.to(DEV), k, n_pred, sink, local, n_out,
+                                   dense.to(DEV), gs)
+    for w, g in zip(want, got):
+        assert torch.equal(w, g.cpu())
+    for name, w, g in zip(("p_idx", "p_cnt", "level", "trend", "n_init", "stats"), want_state,
+                          got_state):
+        assert torch.equal(w, g.cpu()), name  # rounded op by op like the reference
+    assert int(want_state[5][3]) == Hk * int((~dense).sum())
+    # Control: the top-K alone writes no state and no P(t + 1).
+    alone = [t.clone().to(DEV) for t in state]
+    ops.select_lists(scores.to(DEV), nblk.to(DEV), alone[0], alone[1], k, sink, local, n_out,
+                     p_rows.to(DEV), dense.to(DEV), alone[5])
+    assert not torch.equal(alone[2].cpu(), want_state[2])
+    assert not torch.equal(alone[0].cpu()[p_next_rows], want_state[0][p_next_rows])
 
 
 class DecodeGraph:

@@ -142,8 +142,9 @@ LAYERS = 2  # a forward of two sparse layers: the first's step may wait for the 
 def test_decode_step_graph_replay_gives_serial_dsa_bits(name, place):
     """PRR's step in a CUDA graph of a two-layer forward, replayed at a growing length, gives
     serial DSA's output bits in every layer and counts the P(t) of the length's parity, wherever
-    its predictor runs (``place``); after the repair, forked after the scores or at the next
-    layer's fork, the states and the outputs equal those of the predictor's launch right after the selection, bit for bit,
+    its predictor runs (``place``); in the selection's launch (Quest's epilogue, InfLLM-v2's
+    CTAs beside its top-K's), after the repair, forked after the scores or at the next layer's
+    fork, the states and the outputs equal those of the predictor's launch right after the selection, bit for bit,
     replay for replay (a predictor step never launched, or launched over another layer's scores,
     leaves a state that differs)."""
     g = torch.Generator().manual_seed(seeded(f"{name} step {place}"))
@@ -181,7 +182,8 @@ def test_decode_step_graph_replay_gives_serial_dsa_bits(name, place):
 
     new_queries()
     graph = capture(lambda: forward(prr, states, outs, stats))
-    twinned = place in ("repair", "next", "scores")  # the twin: the launch right after the selection
+    # the twin: the predictor's own launch right after the selection
+    twinned = place in ("epilogue", "repair", "next", "scores")
     twin_graph = capture(lambda: forward(twin, twin_states, twin_outs, None)) if twinned else None
     stats.zero_()
     for t in range(4):

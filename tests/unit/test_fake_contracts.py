@@ -18,7 +18,7 @@ import torch
 from torch._library.custom_ops import CustomOpDef
 
 from paged import make_paged
-from sglang_prr import calibration, contracts, custom_ops, fake_contracts
+from sglang_prr import calibration, contracts, custom_ops, custom_ops_predictor, fake_contracts
 from sglang_prr import reference as ref
 
 META = torch.device("meta")
@@ -87,6 +87,9 @@ def _valid_args() -> dict:
         "quest_select_predict": dict(q=P.q, kmin=kmin, kmax=kmax, table=P.table, nblk=P.nblk,
                                      nblk_next=P.nblk, p_rows=rows, p_next_rows=rows, rows=rows,
                                      n_pred=2, **pool, **sel),
+        "select_lists_predict": dict(scores=scores, nblk=P.nblk, nblk_next=P.nblk,
+                                     p_rows=torch.tensor([0, 2]), p_next_rows=torch.tensor([1, 4]),
+                                     rows=rows, n_pred=2, **pool, **sel),
         "calibrate": dict(scores=s4, nblk=n2, k=2, alphas=cand, betas=cand, gammas=cand, **pred),
         "sparse_attn_partials": dict(idx=a_idx, cnt=a_cnt, **attn),
         "prr_merge": dict(o_spec=o_s, lse_spec=l_s, p_idx=p_idx, p_cnt=p_cnt, a_idx=a_idx,
@@ -114,8 +117,10 @@ def _call(name: str, kw: dict, device="cpu"):
 
 
 def _ops_defined():
-    """Every op ``custom_ops`` defines (``_quest_select`` is ``quest_select``'s op)."""
-    return sorted(n.lstrip("_") for n, v in vars(custom_ops).items() if isinstance(v, CustomOpDef))
+    """Every op ``custom_ops`` and ``custom_ops_predictor`` define (``_quest_select`` is
+    ``quest_select``'s op)."""
+    return sorted({n.lstrip("_") for mod in (custom_ops, custom_ops_predictor)
+                   for n, v in vars(mod).items() if isinstance(v, CustomOpDef)})
 
 
 def test_every_op_has_valid_arguments_here():
@@ -146,6 +151,10 @@ BAD = [
     ("quest_select", "k", lambda a: _bad(a, k=-1)),
     ("quest_select", "new_loc.shape", lambda a: _bad(a, new_loc=a["new_loc"][:1])),
     ("quest_select_predict", "n_pred", lambda a: _bad(a, n_pred=-1)),
+    ("select_lists_predict", "p_rows/p_next_rows", lambda a: _bad(a, p_next_rows=None)),
+    ("select_lists_predict", "scores.shape", lambda a: _bad(a, level=a["level"][..., :3],
+                                                          trend=a["trend"][..., :3])),
+    ("select_lists_predict", "n_out", lambda a: _bad(a, n_out=1)),
     ("sparse_attn_partials", "page_size", lambda a: _bad(a, page_size=0)),
     ("sparse_attn_partials", "idx.shape", lambda a: _bad(a, idx=a["idx"][:, :1])),
     ("sparse_attn_partials", "sm_scale", lambda a: _bad(a, sm_scale=float("inf"))),
