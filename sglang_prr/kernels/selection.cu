@@ -762,17 +762,27 @@ cudaError_t launch_quest_select_split(const SelectArgs& a, cudaStream_t s) {
   return launch_select_lists(a, s);
 }
 
+namespace {
+// One launch of a rows kernel (a CTA a row: its top-K by warp walks, or by CTA scans where
+// SGLANG_PRR_TOPK=scan asks, a measuring knob read at each launch) over `grid`.
+template <typename... A>
+cudaError_t launch_rows(void (*walks)(A...), void (*scan)(A...), int NB, dim3 grid,
+                        cudaStream_t s, const A&... args) {
+  const size_t smem = (size_t)std::max(row_tail_words(NB), 1) * sizeof(uint32_t);
+  const char* topk = getenv("SGLANG_PRR_TOPK");
+  auto* kernel = topk && !strcmp(topk, "scan") ? scan : walks;
+  cudaError_t e = set_smem_limit(kernel, smem);
+  if (e != cudaSuccess) return e;
+  launch_kernel(kernel, grid, kSelThreads, smem, s, args...);
+  return cudaGetLastError();
+}
+}  // namespace
+
 cudaError_t launch_select_lists(const SelectArgs& a, cudaStream_t s) {
   if (a.NB > kTopkMaxBlocks) return cudaErrorInvalidValue;
   if (a.B == 0 || a.Hk == 0) return cudaSuccess;
-  const size_t smem = (size_t)std::max(row_tail_words(a.NB), 1) * sizeof(uint32_t);
-  const char* topk = getenv("SGLANG_PRR_TOPK");  // a measuring knob, read at each launch
-  auto* rows = topk && !strcmp(topk, "scan") ? select_rows_kernel<false>
-                                             : select_rows_kernel<true>;
-  cudaError_t e = set_smem_limit(rows, smem);
-  if (e != cudaSuccess) return e;
-  launch_kernel(rows, dim3(a.Hk, a.B), kSelThreads, smem, s, a);
-  return cudaGetLastError();
+  return launch_rows(select_rows_kernel<true>, select_rows_kernel<false>, a.NB,
+                     dim3(a.Hk, a.B), s, a);
 }
 
 cudaError_t launch_select_lists_predict(const SelectArgs& a, const PredictArgs& p,
@@ -780,14 +790,8 @@ cudaError_t launch_select_lists_predict(const SelectArgs& a, const PredictArgs& 
   if (a.NB > kTopkMaxBlocks || p.NB != a.NB || p.B != a.B || p.Hk != a.Hk)
     return cudaErrorInvalidValue;
   if (a.B == 0 || a.Hk == 0) return cudaSuccess;
-  const size_t smem = (size_t)std::max(row_tail_words(a.NB), 1) * sizeof(uint32_t);
-  const char* topk = getenv("SGLANG_PRR_TOPK");  // a measuring knob, read at each launch
-  auto* kernel = topk && !strcmp(topk, "scan") ? select_predict_rows_kernel<false>
-                                               : select_predict_rows_kernel<true>;
-  cudaError_t e = set_smem_limit(kernel, smem);
-  if (e != cudaSuccess) return e;
-  launch_kernel(kernel, dim3(a.Hk, a.B, 2), kSelThreads, smem, s, a, p);
-  return cudaGetLastError();
+  return launch_rows(select_predict_rows_kernel<true>, select_predict_rows_kernel<false>, a.NB,
+                     dim3(a.Hk, a.B, 2), s, a, p);
 }
 
 }  // namespace prr

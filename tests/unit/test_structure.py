@@ -201,7 +201,8 @@ def test_size_cases_cover_the_package():
 # composes it of dispatching ops (ops.dsa_decode / prr_decode, step.DecodeStep); stated on the
 # reference alone it is an oracle of the tests (tests/unit/ref_steps.py), never the reference's.
 SELECTIONS = {"select_topk", "select_lists", "select_from_scores", "quest_select",
-              "quest_select_predict", "select_fused", "select", "select_predict"}
+              "quest_select_predict", "select_lists_predict", "select_fused", "select",
+              "select_predict"}
 ATTENTIONS = {"attend_set", "sparse_attn_merge", "sparse_attn_partials", "dense_attention"}
 
 
