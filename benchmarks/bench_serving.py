@@ -1324,4 +1324,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    harness.stop_all_on_sigterm()  # a timeout's SIGTERM stops the servers too
     main()

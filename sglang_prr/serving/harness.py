@@ -9,12 +9,19 @@ anything); ``stop()`` sends SIGTERM to the group (the launcher's supervisor forw
 SGLang's processes) and SIGKILL to what is left after ``grace_s``. A start that lost its port to
 another process before binding it (the log says "already in use") starts again on a new port.
 
+A server lives in a session of its own, so it outlives the process that started it unless that
+process stops it: every server still running when the interpreter exits is stopped then
+(``stop_all``, registered with ``atexit``), and ``stop_all_on_sigterm()`` makes a SIGTERM (a CI
+runner or a timeout stopping the tests or a benchmark) unwind as a KeyboardInterrupt, so that
+the exit, and the stops, happen.
+
 Standard library only: the server is a child process, so neither SGLang nor torch is imported
 here.
 """
 
 from __future__ import annotations
 
+import atexit
 import http.client
 import os
 import random
@@ -25,6 +32,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import weakref
 from pathlib import Path
 from typing import Mapping, Optional, Sequence
 
@@ -186,6 +194,7 @@ class Server:
                                      env=self.env, cwd=str(PACKAGE_ROOT),
                                      start_new_session=True)
         self.ready = False
+        _started.add(self)
         return self
 
     def log_text(self) -> str:
@@ -267,3 +276,32 @@ class Server:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+# Every Server started in this process and not yet collected (stop_all's list).
+_started: "weakref.WeakSet[Server]" = weakref.WeakSet()
+
+
+def stop_all(grace_s: float = 5.0) -> int:
+    """Stop every server this process started that is still running; how many were."""
+    live = [s for s in list(_started) if s.proc is not None and s.proc.poll() is None]
+    for srv in live:
+        srv.stop(grace_s=grace_s)
+    return len(live)
+
+
+atexit.register(stop_all)
+
+
+def stop_all_on_sigterm() -> None:
+    """Make SIGTERM raise KeyboardInterrupt in the main thread (where its handler is still the
+    default), so that the process unwinds, its ``finally`` blocks and fixtures' teardowns run
+    and ``stop_all`` stops what is left at exit; without it a SIGTERM ends the process at once
+    and its servers keep running in their own sessions."""
+    if signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)

@@ -23,6 +23,9 @@ import pytest
 
 from sglang_prr.serving import harness
 
+# A SIGTERM to the test run (a CI runner's timeout) stops the servers below before it exits.
+harness.stop_all_on_sigterm()
+
 START_TIMEOUT_S = 600
 COMMON = ["--prr-block-size", "16", "--prr-top-k", "2", "--prr-top-k-unit", "blocks",
           "--prr-min-context", "64", "--prr-calib-queries", "8", "--max-total-tokens", "16384",

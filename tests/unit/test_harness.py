@@ -7,7 +7,9 @@ and every integration fixture."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -135,6 +137,58 @@ def test_stop_ends_the_whole_process_group(fake):
     assert orphan.is_running() and orphan.status() != psutil.STATUS_ZOMBIE
     other.stop(grace_s=1)  # the group still exists: the harness ends it
     orphan.wait(timeout=10)
+
+
+# A process that starts a stand-in server (with a child), prints the server's pid and sleeps;
+# argv: the stand-in's script, the log, 1 to install stop_all_on_sigterm.
+SIGTERM_SCRIPT = r"""
+import sys, time
+from sglang_prr.serving import harness
+harness.POLL_S = 0.2
+if sys.argv[3] == "1":
+    harness.stop_all_on_sigterm()
+srv = harness.Server(["--child"], sys.argv[2], launcher=[sys.executable, sys.argv[1]])
+srv.wait_ready(timeout=60)
+print(srv.proc.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _group_running(pgid: int) -> bool:
+    """Whether a process of group ``pgid`` runs (zombies left to their reaper do not count)."""
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.Error):
+            pass
+    return False
+
+
+@pytest.mark.parametrize("install", [True, False])
+def test_a_sigterm_stops_the_servers_of_the_process(tmp_path, install):
+    """With ``stop_all_on_sigterm`` a SIGTERM to a process that started a server (a CI runner or
+    a timeout ending the tests) stops the server's whole group before the process exits
+    (``stop_all`` at exit). Control: without it the process ends at once and its server, in a
+    session of its own, keeps running."""
+    script = tmp_path / "fake_server.py"
+    script.write_text(FAKE)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(harness.PACKAGE_ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.Popen([sys.executable, "-c", SIGTERM_SCRIPT, str(script),
+                             str(tmp_path / "server.log"), "1" if install else "0"],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    pid = int(proc.stdout.readline())  # the server's group: it leads a session of its own
+    assert _group_running(pid)
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(timeout=60)
+    deadline = time.monotonic() + 10
+    while install and _group_running(pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    running = _group_running(pid)
+    if running:
+        os.killpg(pid, signal.SIGKILL)
+    assert running is not install, (install, running)
 
 
 def test_context_manager_stops_on_error(fake):
