@@ -35,9 +35,9 @@ method's (``methods/``, picked once by name): Quest's is that one launch (``fuse
 InfLLM-v2's composes its scores, then its top-K, M and counters in one launch
 (``select_lists``; with ``--prr-predictor fused``, ``select_lists_predict``: the predictor's CTAs
 beside the top-K's in that launch), and with ``side`` the predictor's step follows on the side
-stream (joined once per forward,
-after the last sparse layer: ``run(..., join=True)``) after the repair (``predictor_placement``:
-beside the repair, it slowed a merge-alone repair twofold), or, with
+stream (joined once per forward, after the last sparse layer: ``run(..., join=True)``) after
+the repair (``predictor_placement``: beside the repair, it slowed a merge-alone repair
+twofold), or, with
 ``SGLANG_PRR_PREDICT_ORDER=next``, on the main stream at the next sparse layer's fork, before its
 speculative pass: beside that layer's selection rather than beside its GEMMs; with
 ``SGLANG_PRR_PREDICT_ORDER=scores``, on a stream of its own forked as soon as the scores exist,
@@ -226,6 +226,7 @@ class DecodeStep:
             self.side_done = torch.cuda.Event()
             self.stored = torch.cuda.Event()
             # ``scores``: the predictor's stream, forked from the side one after the scores
+            # (made whatever the placement: tests set ``predict_at`` after construction)
             self.pred = torch.cuda.Stream(device=self.device)
             self.scored = torch.cuda.Event()
             self.pred_done = torch.cuda.Event()

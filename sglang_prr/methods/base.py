@@ -107,12 +107,17 @@ def select_from_scores(scores: Tensor, *, nblk: Tensor, nb: int, spec: SelectSpe
     ``dense_row: [B]`` bool rows select every block; ``nb``: the table's width, which the
     scores' is. The composition ``reference.select_from_scores`` states on the reference
     alone."""
-    if scores.shape[-1] != nb:
-        raise ValueError(f"select_from_scores: scores has {scores.shape[-1]} blocks a row, "
-                         f"expected the table's width nb = {nb}")
+    _check_width(scores, nb, "select_from_scores")
     lists = ops.select_lists(scores, nblk, p_idx, p_cnt, spec.k, spec.sink_blocks,
                              spec.local_blocks, spec.n_out, p_rows, dense_row, stats)
     return Selected(scores, *lists)
+
+
+def _check_width(scores: Tensor, nb: int, op: str) -> None:
+    """The scores cover the table's ``nb`` blocks a row (the lists index the table)."""
+    if scores.shape[-1] != nb:
+        raise ValueError(f"{op}: scores has {scores.shape[-1]} blocks a row, expected the "
+                         f"table's width nb = {nb}")
 
 
 class DSAMethod:
@@ -211,10 +216,8 @@ class DSAMethod:
         soon as the scores exist and before anything else is launched (a composed selection
         calls it between its two ops, a one-launch selection after it): the decode step forks
         the predictor's step there."""
-        self._no_new_keys(new_keys)
         nblk = ref.num_blocks(seq_lens, spec.page_size) if nblk is None else nblk
-        s = self.scores(q, summary, table=table, seq_lens=seq_lens, page_size=spec.page_size,
-                        sm_scale=sm_scale, nblk=nblk)
+        s = self._step_scores(q, summary, table, seq_lens, spec, sm_scale, nblk, new_keys)
         if on_scores is not None:
             on_scores(s)
         return select_from_scores(s, nblk=nblk, nb=table.shape[1], spec=spec, p_idx=p_idx,
@@ -235,17 +238,21 @@ class DSAMethod:
         op, one launch on SM90); a method with a selection of its own overrides it with the same
         result as ``select`` then ``ops.predict_update_rows``."""
         st = state
-        self._no_new_keys(new_keys)
-        s = self.scores(q, summary, table=table, seq_lens=seq_lens, page_size=spec.page_size,
-                        sm_scale=sm_scale, nblk=nblk)
-        if s.shape[-1] != table.shape[1]:
-            raise ValueError(f"select_predict: scores has {s.shape[-1]} blocks a row, expected "
-                             f"the table's width nb = {table.shape[1]}")
+        s = self._step_scores(q, summary, table, seq_lens, spec, sm_scale, nblk, new_keys)
+        _check_width(s, table.shape[1], "select_predict")
         lists = ops.select_lists_predict(
             s, nblk, nblk_next, st.p_idx, st.p_cnt, p_rows, p_next_rows, st.level, st.trend,
             st.n_init, st.theta, rows, spec.k, n_pred, spec.sink_blocks, spec.local_blocks,
             spec.n_out, dense_row, stats)
         return Selected(s, *lists)
+
+    def _step_scores(self, q: Tensor, summary: Sequence[Tensor], table: Tensor,
+                     seq_lens: Tensor, spec: SelectSpec, sm_scale: float, nblk: Tensor,
+                     new_keys: Optional[NewKeys]) -> Tensor:
+        """A composed selection's first op: ``scores`` of the step (no new keys to fold)."""
+        self._no_new_keys(new_keys)
+        return self.scores(q, summary, table=table, seq_lens=seq_lens,
+                           page_size=spec.page_size, sm_scale=sm_scale, nblk=nblk)
 
     def _no_new_keys(self, new_keys: Optional[NewKeys]) -> None:
         if new_keys is not None and not self.folds_new_keys:
